@@ -1,0 +1,68 @@
+"""The transport interface: how an attention server reaches one FFN peer.
+
+Contract, shared by every backend:
+- `connect(address)` gives the attention side an `FFNClient`; `listen(address, handler)` gives
+  the FFN side a `Listener` that calls `handler` with a list of requests (those that arrived
+  together and share a layer may be computed as one batch) and sends each reply to its sender.
+- `send` never blocks on the peer's compute. `wait(seq, timeout)` returns the reply whose seq
+  matches, buffering replies that arrive out of order, and raises `TransportError` when the
+  deadline passes: a dead peer is an error for the request that needed it, never a hang.
+- Messages are never pickled; network backends use `afd.wire`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from afd.errors import TransportError
+from afd.transport.messages import FFNReply, FFNRequest
+
+Handler = Callable[[list[FFNRequest]], list[FFNReply]]
+
+
+class FFNClient(ABC):
+    def __init__(self, address: str):
+        self.address = address
+        self._early: dict[int, FFNReply] = {}
+
+    @abstractmethod
+    def send(self, req: FFNRequest) -> None:
+        """Queue one request to the peer."""
+
+    @abstractmethod
+    def _recv(self, timeout: float) -> FFNReply | None:
+        """The next reply from the peer, or None if none came within `timeout` seconds."""
+
+    def wait(self, seq: int, timeout: float) -> FFNReply:
+        if seq in self._early:
+            return self._early.pop(seq)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(
+                    f"FFN peer {self.address} did not reply to message {seq} within {timeout:.1f}s"
+                )
+            reply = self._recv(left)
+            if reply is None:
+                continue
+            if reply.seq == seq:
+                return reply
+            self._early[reply.seq] = reply
+
+    def reset(self) -> None:
+        """Forget replies of an abandoned step (after an error)."""
+        self._early.clear()
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class Listener(ABC):
+    address: str
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop serving and release the address."""

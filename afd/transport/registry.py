@@ -1,0 +1,42 @@
+"""One registry entry per transport backend, chosen by the address scheme."""
+
+from __future__ import annotations
+
+import importlib
+
+from afd.errors import ConfigError
+from afd.transport.base import FFNClient, Handler, Listener
+
+# scheme -> module defining `connect(address) -> FFNClient` and `listen(address, handler)`
+_BACKENDS: dict[str, str] = {
+    "inproc": "afd.transport.inproc",
+}
+
+
+def register(scheme: str, module: str) -> None:
+    _BACKENDS[scheme] = module
+
+
+def _backend(address: str):
+    scheme, sep, _ = address.partition("://")
+    if not sep or scheme not in _BACKENDS:
+        raise ConfigError(
+            f"unknown transport address {address!r}; expected one of "
+            + ", ".join(f"{s}://..." for s in sorted(_BACKENDS))
+        )
+    return importlib.import_module(_BACKENDS[scheme])
+
+
+def connect(address: str, **options) -> FFNClient:
+    return _backend(address).connect(address, **options)
+
+
+def listen(address: str, handler: Handler, **options) -> Listener:
+    return _backend(address).listen(address, handler, **options)
+
+
+def schemes() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+__all__ = ["connect", "listen", "register", "schemes"]
