@@ -42,7 +42,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str = ""  # why, when finish_reason is "error"
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
 

@@ -1,0 +1,248 @@
+"""Safetensors loading: a name map from each family's HF names to afd's, plus a role filter.
+
+afd's canonical names (what the services index by):
+  attention role: embed, lm_head, final_norm, layers.{i}.{attn_norm, ffn_norm, router,
+                  q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, inter_norm, wq}
+  ffn role:       layers.{i}.experts.{e}.{gate, up, down}, layers.{i}.shared.{gate, up, down},
+                  layers.{i}.mlp.{gate, up, down}
+Stacked Step-3 expert tensors [E, ...] are split per expert so that a shard loads only its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from afd.config import ModelConfig
+from afd.errors import CheckpointError
+from afd.sharding import ExpertShard
+
+log = logging.getLogger("afd.checkpoint")
+
+_ATTN_MAP = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "q_proj",
+    "self_attn.k_proj": "k_proj",
+    "self_attn.v_proj": "v_proj",
+    "self_attn.o_proj": "o_proj",
+    "self_attn.q_norm": "q_norm",
+    "self_attn.k_norm": "k_norm",
+    "self_attn.inter_norm": "inter_norm",
+    "self_attn.wq": "wq",
+    "mlp.gate": "router",  # qwen3_moe router
+    "block_sparse_moe.gate": "router",  # mixtral router
+    "moe.gate": "router",  # step3 router
+}
+_PART = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+_EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
+_STACKED_RE = re.compile(r"^moe\.(gate_proj|up_proj|down_proj)$")
+_DENSE_RE = re.compile(r"^(mlp|share_expert)\.(gate_proj|up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """Where one canonical tensor comes from: a file key, optionally one slice of a stack."""
+
+    name: str
+    role: str  # "attention" | "ffn"
+    key: str
+    stack_index: int | None = None
+
+
+def _canonical(key: str, prefix: str) -> list[_Entry]:
+    """Map one HF tensor name to the canonical entries it provides (empty if unknown)."""
+    k = _strip_prefix(key, prefix)
+    top = {
+        "model.embed_tokens.weight": "embed",
+        "model.norm.weight": "final_norm",
+        "lm_head.weight": "lm_head",
+    }
+    if k in top:
+        return [_Entry(top[k], "attention", key)]
+    m = _LAYER_RE.match(k)
+    if not m:
+        return []
+    layer, rest = int(m.group(1)), m.group(2)
+    base = f"layers.{layer}"
+    if rest in _ATTN_MAP:
+        return [_Entry(f"{base}.{_ATTN_MAP[rest]}", "attention", key)]
+    if em := _EXPERT_RE.match(rest):
+        e, part = int(em.group(1)), _PART.get(em.group(2))
+        return [_Entry(f"{base}.experts.{e}.{part}", "ffn", key)] if part else []
+    if dm := _DENSE_RE.match(rest):
+        group = "shared" if dm.group(1) == "share_expert" else "mlp"
+        return [_Entry(f"{base}.{group}.{_PART[dm.group(2)]}", "ffn", key)]
+    if sm := _STACKED_RE.match(rest):
+        # Stacked [E, ...]: expand lazily below, once the expert count is known.
+        return [_Entry(f"{base}.experts.*.{_PART[sm.group(1)]}", "ffn", key)]
+    return []
+
+
+def _strip_prefix(key: str, prefix: str) -> str:
+    for p in (prefix, "model.language_model.", "language_model."):
+        if p and key.startswith(p):
+            rest = key[len(p) :]
+            return rest if rest.startswith(("model.", "lm_head.")) else "model." + rest
+    return key
+
+
+def _index(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file, from model.safetensors or a sharded index."""
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is malformed: {e}") from e
+        files = {}
+        for name, fname in weight_map.items():
+            f = model_dir / fname
+            if not f.is_file():
+                raise CheckpointError(f"{index} names {fname}, which is missing from {model_dir}")
+            files[name] = f
+        return files
+    if single.is_file():
+        try:
+            with safe_open(str(single), "pt") as f:
+                return dict.fromkeys(f.keys(), single)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{single} is not a readable safetensors file: {e}") from e
+    raise CheckpointError(f"{model_dir} holds no model.safetensors or model.safetensors.index.json")
+
+
+def _plan(cfg: ModelConfig, files: dict[str, Path], want: Callable[[str], bool]) -> list[_Entry]:
+    entries: list[_Entry] = []
+    for key in files:
+        for ent in _canonical(key, cfg.weight_prefix):
+            if ".experts.*." in ent.name:
+                for e in range(cfg.num_experts):
+                    name = ent.name.replace("*", str(e))
+                    if want(name):
+                        entries.append(_Entry(name, ent.role, key, stack_index=e))
+            elif want(ent.name):
+                entries.append(ent)
+    return entries
+
+
+def load_weights(
+    cfg: ModelConfig,
+    role: str,
+    dtype: torch.dtype,
+    shard: ExpertShard | None = None,
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Load the tensors one role needs, converted to `dtype`, checked against `cfg`'s shapes.
+
+    role "attention": embeddings, attention, norms, router, LM head.
+    role "ffn": the experts of `shard` (all if None), plus the shared expert and dense MLPs
+    when the shard is responsible for them.
+    """
+    model_dir = Path(cfg.path)
+    files = _index(model_dir)
+    expected = expected_shapes(cfg)
+    shard = shard or ExpertShard(0, 1, cfg.num_experts)
+
+    def want(name: str) -> bool:
+        if name not in expected or _role_of(name) != role:
+            return False
+        if ".experts." in name:
+            return shard.owns(int(name.split(".")[3]))
+        if ".shared." in name or ".mlp." in name:
+            return shard.owns_dense
+        return True
+
+    entries = _plan(cfg, files, want)
+    out: dict[str, torch.Tensor] = {}
+    handles: dict[Path, object] = {}
+    bar = tqdm(entries, desc=f"loading {role} weights", unit="t", disable=not progress, leave=False)
+    try:
+        for ent in bar:
+            fpath = files[ent.key]
+            if fpath not in handles:
+                handles[fpath] = safe_open(str(fpath), "pt")
+            h = handles[fpath]
+            if ent.stack_index is None:
+                t = h.get_tensor(ent.key)  # type: ignore[attr-defined]
+            else:  # read one expert's slice of a stacked [E, ...] tensor, not the whole stack
+                t = h.get_slice(ent.key)[ent.stack_index]  # type: ignore[attr-defined]
+            if tuple(t.shape) != expected[ent.name]:
+                raise CheckpointError(
+                    f"tensor {ent.key!r} has shape {tuple(t.shape)}, expected "
+                    f"{expected[ent.name]} for {cfg.model_type} with this config.json"
+                )
+            out[ent.name] = t.to(dtype)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"reading weights from {model_dir} failed: {e}") from e
+    if role == "attention" and cfg.tie_word_embeddings and "lm_head" not in out:
+        out["lm_head"] = out.get("embed")  # type: ignore[assignment]
+    missing = sorted(n for n in expected if want(n) and n not in out)
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors: {shown}")
+    return out
+
+
+def _role_of(name: str) -> str:
+    return "ffn" if any(p in name for p in (".experts.", ".shared.", ".mlp.")) else "attention"
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor the config implies, with its shape."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    s: dict[str, tuple[int, ...]] = {
+        "embed": (cfg.vocab_size, H),
+        "final_norm": (H,),
+    }
+    if not cfg.tie_word_embeddings:
+        s["lm_head"] = (cfg.vocab_size, H)
+    for i in range(cfg.num_layers):
+        b = f"layers.{i}"
+        s[f"{b}.attn_norm"] = (H,)
+        s[f"{b}.ffn_norm"] = (H,)
+        s[f"{b}.k_proj"] = (cfg.kv_size, H)
+        s[f"{b}.v_proj"] = (cfg.kv_size, H)
+        s[f"{b}.o_proj"] = (H, cfg.q_size)
+        if cfg.attention == "mfa":
+            s[f"{b}.q_proj"] = (cfg.q_lora_dim, H)
+            s[f"{b}.inter_norm"] = (cfg.q_lora_dim,)
+            s[f"{b}.wq"] = (cfg.q_size, cfg.q_lora_dim)
+        else:
+            s[f"{b}.q_proj"] = (cfg.q_size, H)
+        if cfg.qk_norm:
+            s[f"{b}.q_norm"] = (D,)
+            s[f"{b}.k_norm"] = (D,)
+        if cfg.is_moe(i):
+            s[f"{b}.router"] = (cfg.num_experts, H)
+            for e in range(cfg.num_experts):
+                _mlp_shapes(s, f"{b}.experts.{e}", H, cfg.moe_intermediate_size)
+            if cfg.shared_expert_intermediate_size:
+                _mlp_shapes(s, f"{b}.shared", H, cfg.shared_expert_intermediate_size)
+        else:
+            _mlp_shapes(s, f"{b}.mlp", H, cfg.intermediate_size)
+    return s
+
+
+def _mlp_shapes(s: dict[str, tuple[int, ...]], base: str, hidden: int, inter: int) -> None:
+    s[f"{base}.gate"] = (inter, hidden)
+    s[f"{base}.up"] = (inter, hidden)
+    s[f"{base}.down"] = (hidden, inter)

@@ -1,0 +1,137 @@
+"""Attention kinds (how q, k, v are projected) and paged attention over the KV pool.
+
+A kind is a small class plus a registry entry; the paged attention that follows is shared:
+every kind yields q [T, nh, D] and k, v [T, kvh, D], GQA with kvh | nh, MFA with kvh = 1.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from afd.config import ModelConfig
+from afd.ops import rms_norm
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    q_start: int  # first row of this sequence in the micro-batch
+    q_len: int
+    ctx_slots: torch.Tensor  # [L] long: KV slots of positions 0..L-1, L = start_pos + q_len
+    bias: torch.Tensor  # [q_len, L] float32: 0 where visible (causal), -inf elsewhere
+
+
+@dataclass(frozen=True)
+class AttnMeta:
+    """Batch layout of one micro-batch; built once per step by the runner, used by every layer."""
+
+    positions: torch.Tensor  # [T] long
+    slots: torch.Tensor  # [T] long: where each new token's K/V is written
+    num_decode: int  # rows 0..num_decode-1 are single-token decodes
+    decode_ctx: torch.Tensor | None  # [nd, Lmax] long: KV slots per decode row, padded
+    decode_bias: torch.Tensor | None  # [nd, 1, 1, Lmax] float32: 0 valid, -inf padding
+    prefills: tuple[PrefillSeq, ...]
+
+
+class AttentionKind(ABC):
+    """Projects normalised hidden states into q, k, v for one layer."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
+        self.cfg = cfg
+
+    @abstractmethod
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q [T, nh, D], k [T, kvh, D], v [T, kvh, D] (before RoPE)."""
+
+
+class GQA(AttentionKind):
+    """Grouped-query attention; Qwen3 adds an RMSNorm over each q and k head."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
+        super().__init__(cfg, w, layer)
+        b = f"layers.{layer}"
+        self.w_qkv = torch.cat([w[f"{b}.q_proj"], w[f"{b}.k_proj"], w[f"{b}.v_proj"]])
+        self.q_norm = w.get(f"{b}.q_norm")
+        self.k_norm = w.get(f"{b}.k_norm")
+
+    def qkv(self, x):
+        c = self.cfg
+        q, k, v = F.linear(x, self.w_qkv).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, c.rms_norm_eps)
+        return q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)
+
+
+class MFA(AttentionKind):
+    """Step-3 multi-matrix factorisation attention: low-rank query, one shared K/V head."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
+        super().__init__(cfg, w, layer)
+        b = f"layers.{layer}"
+        self.w_qkv = torch.cat([w[f"{b}.q_proj"], w[f"{b}.k_proj"], w[f"{b}.v_proj"]])
+        self.inter_norm = w[f"{b}.inter_norm"]
+        self.wq = w[f"{b}.wq"]
+
+    def qkv(self, x):
+        c = self.cfg
+        q, k, v = F.linear(x, self.w_qkv).split([c.q_lora_dim, c.kv_size, c.kv_size], dim=-1)
+        q = F.linear(rms_norm(q, self.inter_norm, c.rms_norm_eps), self.wq)  # [T, nh*D]
+        return (
+            q.view(-1, c.num_heads, c.head_dim),
+            k.reshape(-1, c.num_kv_heads, c.head_dim),
+            v.reshape(-1, c.num_kv_heads, c.head_dim),
+        )
+
+
+ATTENTION_KINDS: dict[str, type[AttentionKind]] = {"gqa": GQA, "mfa": MFA}
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, nh, D], after RoPE
+    k_cache: torch.Tensor,  # [S, kvh, D], already holding this step's keys
+    v_cache: torch.Tensor,  # [S, kvh, D]
+    meta: AttnMeta,
+    scale: float,
+) -> torch.Tensor:  # [T, nh * D]
+    T, nh, D = q.shape
+    out = torch.empty(T, nh * D, dtype=q.dtype)
+    nd = meta.num_decode
+    if nd:
+        k = k_cache[meta.decode_ctx]  # [nd, L, kvh, D]
+        v = v_cache[meta.decode_ctx]
+        out[:nd] = _attend(q[:nd].unsqueeze(1), k, v, meta.decode_bias, scale).reshape(nd, -1)
+    for p in meta.prefills:
+        k = k_cache[p.ctx_slots].unsqueeze(0)  # [1, L, kvh, D]
+        v = v_cache[p.ctx_slots].unsqueeze(0)
+        qs = q[p.q_start : p.q_start + p.q_len].unsqueeze(0)  # [1, n, nh, D]
+        bias = p.bias.view(1, 1, 1, p.q_len, -1)
+        o = _attend(qs, k, v, bias, scale)  # [1, n, nh, D]
+        out[p.q_start : p.q_start + p.q_len] = o.reshape(p.q_len, -1)
+    return out
+
+
+def _attend(
+    q: torch.Tensor,  # [B, n, nh, D]
+    k: torch.Tensor,  # [B, L, kvh, D]
+    v: torch.Tensor,  # [B, L, kvh, D]
+    bias: torch.Tensor,  # broadcastable to [B, kvh, g, n, L]
+    scale: float,
+) -> torch.Tensor:  # [B, n, nh, D]
+    """Softmax attention as batched matmuls: the g query heads of a K/V head share one matmul."""
+    B, n, nh, D = q.shape
+    L, kvh = k.shape[1], k.shape[2]
+    g = nh // kvh
+    qg = q.view(B, n, kvh, g, D).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * n, D)
+    kt = k.permute(0, 2, 3, 1)  # [B, kvh, D, L]
+    scores = torch.matmul(qg, kt).float().view(B, kvh, g, n, L) * scale
+    if bias.dim() == 4:  # decode: [nd, 1, 1, L] -> [B, 1, 1, 1, L]
+        bias = bias.unsqueeze(3)
+    probs = torch.softmax(scores + bias, dim=-1).to(q.dtype).view(B, kvh, g * n, L)
+    o = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, kvh, g*n, D]
+    return o.view(B, kvh, g, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, nh, D)

@@ -1,0 +1,107 @@
+"""Turns a scheduler plan into micro-batches of tensors (the only place tensors are built)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from services.attention.attention import AttnMeta, PrefillSeq
+from services.attention.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    seqs: tuple[ScheduledSeq, ...]  # decodes first, then prefills (row order)
+    token_ids: torch.Tensor  # [T] long
+    meta: AttnMeta
+    sample_rows: torch.Tensor  # [B] long: row of the last token of each sampling sequence
+    sample_seqs: tuple[ScheduledSeq, ...]
+
+
+def split(seqs: list[ScheduledSeq], n: int) -> list[list[ScheduledSeq]]:
+    """Contiguous groups of near-equal token counts; fewer groups if there are fewer sequences."""
+    n = max(1, min(n, len(seqs)))
+    total = sum(s.num_new_tokens for s in seqs)
+    groups: list[list[ScheduledSeq]] = [[]]
+    acc = 0
+    for i, s in enumerate(seqs):
+        left_seqs, left_groups = len(seqs) - i, n - len(groups)
+        full = acc >= total * len(groups) / n
+        if groups[-1] and left_groups > 0 and (full or left_seqs <= left_groups):
+            groups.append([])
+        groups[-1].append(s)
+        acc += s.num_new_tokens
+    return groups
+
+
+def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
+    decodes = [s for s in seqs if s.num_new_tokens == 1]
+    prefills = [s for s in seqs if s.num_new_tokens > 1]
+    ordered = decodes + prefills
+    tokens: list[int] = []
+    positions: list[torch.Tensor] = []
+    slots: list[torch.Tensor] = []
+    for s in ordered:
+        tokens.extend(s.token_ids)
+        pos = torch.arange(s.start_pos, s.start_pos + s.num_new_tokens)
+        positions.append(pos)
+        slots.append(_slots(torch.tensor(s.block_ids), pos, block_size))
+    meta = AttnMeta(
+        positions=torch.cat(positions),
+        slots=torch.cat(slots),
+        num_decode=len(decodes),
+        decode_ctx=None,
+        decode_bias=None,
+        prefills=(),
+    )
+    if decodes:
+        ctx, bias = _decode_ctx(decodes, block_size)
+        meta = replace(meta, decode_ctx=ctx, decode_bias=bias)
+    if prefills:
+        meta = replace(meta, prefills=_prefill_seqs(prefills, len(decodes), block_size))
+    rows, sample_seqs, row = [], [], 0
+    for s in ordered:
+        row += s.num_new_tokens
+        if s.sample:
+            rows.append(row - 1)
+            sample_seqs.append(s)
+    return MicroBatch(
+        seqs=tuple(ordered),
+        token_ids=torch.tensor(tokens, dtype=torch.long),
+        meta=meta,
+        sample_rows=torch.tensor(rows, dtype=torch.long),
+        sample_seqs=tuple(sample_seqs),
+    )
+
+
+def _slots(blocks: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    return blocks[pos // block_size] * block_size + pos % block_size
+
+
+def _decode_ctx(decodes: list[ScheduledSeq], bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = torch.tensor([s.start_pos + 1 for s in decodes])  # keys each row attends to
+    L = int(lens.max())
+    nblk = (L + bs - 1) // bs
+    table = torch.zeros(len(decodes), nblk, dtype=torch.long)  # padded with block 0 (masked)
+    for i, s in enumerate(decodes):
+        b = s.block_ids[:nblk]
+        table[i, : len(b)] = torch.tensor(b)
+    pos = torch.arange(L)
+    ctx = table[:, pos // bs] * bs + pos % bs  # [nd, L]
+    bias = torch.zeros(len(decodes), L)
+    bias.masked_fill_(pos.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
+    return ctx, bias.view(len(decodes), 1, 1, L)
+
+
+def _prefill_seqs(prefills: list[ScheduledSeq], first_row: int, bs: int) -> tuple[PrefillSeq, ...]:
+    out = []
+    row = first_row
+    for s in prefills:
+        n, L = s.num_new_tokens, s.start_pos + s.num_new_tokens
+        ctx = _slots(torch.tensor(s.block_ids), torch.arange(L), bs)
+        q_pos = torch.arange(s.start_pos, L).unsqueeze(1)  # [n, 1]
+        bias = torch.zeros(n, L).masked_fill_(torch.arange(L).unsqueeze(0) > q_pos, float("-inf"))
+        out.append(PrefillSeq(q_start=row, q_len=n, ctx_slots=ctx, bias=bias))
+        row += n
+    return tuple(out)

@@ -1,0 +1,90 @@
+"""The attention side of the model: embedding, attention + KV cache, router, final norm, LM head.
+
+Reads like the paper: h = h + attention(norm(h)); x = norm(h) goes to the FFN servers, whose
+output the pipeline adds back as h = h + ffn(x).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from afd.checkpoint import load_weights
+from afd.config import ModelConfig
+from afd.ops import rms_norm
+from services.attention.attention import ATTENTION_KINDS, AttentionKind, AttnMeta, paged_attention
+from services.attention.kv_cache import KVCache
+from services.attention.rope import Rope
+from services.attention.router import ROUTERS
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    attn_norm: torch.Tensor  # [H]
+    ffn_norm: torch.Tensor  # [H]
+    kind: AttentionKind
+    o_proj: torch.Tensor  # [H, nh*D]
+    router: torch.Tensor | None  # [E, H] on MoE layers
+
+
+class AttentionModel:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.bfloat16,
+        weights: dict[str, torch.Tensor] | None = None,
+        progress: bool = True,
+    ):
+        self.cfg = cfg
+        self.dtype = dtype
+        w = (
+            weights
+            if weights is not None
+            else load_weights(cfg, "attention", dtype, None, progress)
+        )
+        self.embed_w = w["embed"]  # [V, H]
+        self.lm_head = w["lm_head"]  # [V, H]
+        self.final_norm = w["final_norm"]
+        kind = ATTENTION_KINDS[cfg.attention]
+        self.layers = [
+            AttentionLayer(
+                attn_norm=w[f"layers.{i}.attn_norm"],
+                ffn_norm=w[f"layers.{i}.ffn_norm"],
+                kind=kind(cfg, w, i),
+                o_proj=w[f"layers.{i}.o_proj"],
+                router=w.get(f"layers.{i}.router"),
+            )
+            for i in range(cfg.num_layers)
+        ]
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+        self.route_fn = ROUTERS[cfg.model_type]
+        self.scale = cfg.head_dim**-0.5
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return F.embedding(token_ids, self.embed_w)
+
+    def attention(
+        self, layer: int, h: torch.Tensor, meta: AttnMeta, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, H] -> (h + attn(norm(h)) [T, H], FFN input x = ffn_norm(h') [T, H])."""
+        lw = self.layers[layer]
+        eps = self.cfg.rms_norm_eps
+        q, k, v = lw.kind.qkv(rms_norm(h, lw.attn_norm, eps))
+        q, k = self.rope(q, k, meta.positions)
+        cache.write(layer, meta.slots, k, v)
+        o = paged_attention(q, cache.k[layer], cache.v[layer], meta, self.scale)  # [T, nh*D]
+        h = h + F.linear(o, lw.o_proj)
+        return h, rms_norm(h, lw.ffn_norm, eps)
+
+    def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> expert ids [T, k] int32, weights [T, k] float32 (k = 0 on dense layers)."""
+        gate = self.layers[layer].router
+        if gate is None:
+            T = x.shape[0]
+            return torch.empty(T, 0, dtype=torch.int32), torch.empty(T, 0, dtype=torch.float32)
+        return self.route_fn(x, gate, self.cfg)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V] float32
+        return F.linear(rms_norm(h, self.final_norm, self.cfg.rms_norm_eps), self.lm_head).float()

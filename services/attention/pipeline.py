@@ -1,0 +1,37 @@
+"""Micro-batch pipelining: a bounded set of in-flight FFN messages inside the layer loop.
+
+With S micro-batches, layer l of micro-batch m waits only for m's own FFN reply of layer l-1;
+while that reply is computed on the FFN side (or on the wire), the attention side works on
+the other micro-batches. S = 1 is the serial baseline.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.attention.batch import MicroBatch
+from services.attention.dispatch import FFNPool, Pending
+from services.attention.kv_cache import KVCache
+from services.attention.model import AttentionModel
+
+
+def run_layers(
+    model: AttentionModel, cache: KVCache, pool: FFNPool, mbs: list[MicroBatch]
+) -> list[torch.Tensor]:
+    """The decoder stack over all micro-batches; returns each one's final hidden [T_m, H]."""
+    hs = [model.embed(mb.token_ids) for mb in mbs]
+    pending: list[Pending | None] = [None] * len(mbs)
+    try:
+        for layer in range(model.cfg.num_layers):
+            for m, mb in enumerate(mbs):
+                if pending[m] is not None:
+                    hs[m] = hs[m] + pool.collect(pending[m])
+                hs[m], x = model.attention(layer, hs[m], mb.meta, cache)
+                ids, weights = model.route(layer, x)  # [T, k], [T, k]
+                pending[m] = pool.send(layer, m, x, ids, weights)
+        for m in range(len(mbs)):
+            hs[m] = hs[m] + pool.collect(pending[m])
+    except BaseException:
+        pool.reset()  # replies of the abandoned step must not be matched to the next one
+        raise
+    return hs

@@ -1,0 +1,32 @@
+"""MoE routers: which experts each token goes to, and with what weight. One entry per kind."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from afd.config import ModelConfig
+
+RouterFn = Callable[[torch.Tensor, torch.Tensor, ModelConfig], tuple[torch.Tensor, torch.Tensor]]
+
+
+def softmax_topk(
+    x: torch.Tensor,  # [T, H], after the FFN norm
+    gate: torch.Tensor,  # [E, H]
+    cfg: ModelConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ids [T, k] int32, weights [T, k] float32
+    """Softmax over all experts (float32), top-k, renormalised if the model says so."""
+    probs = torch.softmax(F.linear(x, gate).float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights
+
+
+ROUTERS: dict[str, RouterFn] = {
+    "qwen3_moe": softmax_topk,
+    "mixtral": softmax_topk,
+    "step3_text": softmax_topk,
+}

@@ -1,0 +1,61 @@
+"""The model runner: executes one scheduler plan and samples the next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from services.attention import batch
+from services.attention.dispatch import FFNPool
+from services.attention.kv_cache import KVCache
+from services.attention.model import AttentionModel
+from services.attention.pipeline import run_layers
+from services.attention.sampler import sample
+from services.attention.scheduler import SchedulerOutput
+
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: AttentionModel,
+        cache: KVCache,
+        pool: FFNPool,
+        micro_batches: int,
+    ):
+        self.model = model
+        self.cache = cache
+        self.pool = pool
+        self.micro_batches = micro_batches
+        self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> tuple[dict[str, int], dict[str, Logprobs]]:
+        groups = batch.split(plan.scheduled, self.micro_batches)
+        mbs = [batch.build(g, self.cache.block_size) for g in groups]
+        self.pool.traces.clear()
+        hs = run_layers(self.model, self.cache, self.pool, mbs)
+        last = [h.index_select(0, mb.sample_rows) for h, mb in zip(hs, mbs, strict=True)]
+        seqs = [s for mb in mbs for s in mb.sample_seqs]
+        if not seqs:
+            return {}, {}
+        logits = self.model.logits(torch.cat(last))  # [B, V] float32
+        params = [s.request.sampling for s in seqs]
+        gens = [self._generator(s.request.request_id, s.request.sampling.seed) for s in seqs]
+        tokens, lps = sample(logits, params, gens)
+        sampled = {s.request.request_id: t for s, t in zip(seqs, tokens, strict=True)}
+        logprobs = {
+            s.request.request_id: lp for s, lp in zip(seqs, lps, strict=True) if lp is not None
+        }
+        return sampled, logprobs
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = self._generators[request_id] = torch.Generator().manual_seed(seed)
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)

@@ -1,0 +1,64 @@
+"""MoE compute on the FFN side: routed experts grouped by expert, shared expert, dense MLP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afd.ops import swiglu
+
+
+@dataclass(frozen=True)
+class MLPWeights:
+    w13: torch.Tensor  # [2I, H]: gate rows then up rows
+    w2: torch.Tensor  # [H, I]
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """The experts of one layer that this shard holds: global ids first .. first + n - 1."""
+
+    first: int
+    w13: torch.Tensor  # [n, 2I, H]
+    w2: torch.Tensor  # [n, H, I]
+
+    @property
+    def count(self) -> int:
+        return self.w13.shape[0]
+
+
+def routed_experts(
+    x: torch.Tensor,  # [T, H]
+    expert_ids: torch.Tensor,  # [T, k] int, global ids
+    expert_weights: torch.Tensor,  # [T, k]
+    group: ExpertGroup,
+    out: torch.Tensor,  # [T, H], accumulated into
+) -> torch.Tensor:
+    """out[t] += sum over t's experts held here of w * expert(x[t]).
+
+    Token-expert pairs are sorted by expert so each expert runs one matmul over all its tokens;
+    experts held by other shards are skipped. The sum is accumulated in expert order (as the
+    Hugging Face reference does) with one index_add_.
+    """
+    T, k = expert_ids.shape
+    local = expert_ids.reshape(-1).long() - group.first  # [T*k]
+    held = (local >= 0) & (local < group.count)
+    if not bool(held.any()):
+        return out
+    pair = torch.nonzero(held).squeeze(1)  # [P] indices into the flattened [T*k]
+    local = local[pair]
+    order = torch.argsort(local, stable=True)
+    pair, local = pair[order], local[order]
+    tokens = pair // k  # [P]
+    counts = torch.bincount(local, minlength=group.count).tolist()
+    xs = x.index_select(0, tokens)  # [P, H]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            ys[start : start + n] = swiglu(xs[start : start + n], group.w13[e], group.w2[e])
+            start += n
+    w = expert_weights.reshape(-1)[pair].to(ys.dtype).unsqueeze(1)  # [P, 1]
+    out.index_add_(0, tokens, ys * w)
+    return out
