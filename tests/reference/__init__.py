@@ -1,0 +1,1 @@
+"""Plain reference implementations afd is checked against; they import nothing from afd."""
