@@ -1,0 +1,302 @@
+"""Continuous-batching scheduler of the attention server (plain Python, no torch).
+
+Unified token-budget scheduling in the style of vLLM v1: a request is just `num_computed_tokens`
+(K/V already in the cache) chasing `num_tokens` (prompt + output). Each step it is scheduled for
+the difference, so a decode is 1 token, a prefill is the prompt, and a long prompt is split into
+chunks when it exceeds the step's token budget. There is no separate prefill/decode phase.
+
+The step is three verbs: `schedule()` emits a plain-data plan, the runner executes it, and
+`update()` applies the sampled tokens. Under KV-cache pressure running requests are preempted by
+recompute: their blocks are freed and they rejoin the front of the waiting queue, to be
+re-prefilled (prompt + output so far) later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from afd.config import SchedulerConfig
+from afd.errors import ConfigError, RequestError
+from services.attention.block_manager import BlockManager
+from services.attention.request import Request, RequestStatus
+
+# (logprob of the sampled token, [(token id, logprob)] of the top alternatives)
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step: compute K/V for `token_ids` at positions start_pos.."""
+
+    request: Request
+    token_ids: list[int]  # req.all_token_ids[start_pos : start_pos + num_new_tokens]
+    start_pos: int  # num_computed_tokens before this step
+    block_ids: list[int]  # the request's full block table after allocation (a copy)
+    sample: bool  # last chunk: the runner must sample a token for this request
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[str]  # request ids preempted (blocks freed) during this step
+    num_batched_tokens: int
+
+
+class Scheduler:
+    """FCFS continuous batching over a `BlockManager`, bounded by `max_num_seqs` requests and
+    `max_num_batched_tokens` tokens per step."""
+
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
+        if max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ConfigError(
+                "max_num_seqs and max_num_batched_tokens must be >= 1, got "
+                f"{config.max_num_seqs} and {config.max_num_batched_tokens}"
+            )
+        # Without chunking a prefill must fit in one step; a recompute after preemption can be
+        # up to max_model_len - 1 tokens, so a smaller budget could strand a request forever.
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({max_model_len}) when chunked prefill is disabled"
+            )
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admission order: the tail is preempted first
+        self._requests: dict[str, Request] = {}  # unfinished requests by id
+        self._num_preemptions = 0
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since the scheduler was created (all requests together)."""
+        return self._num_preemptions
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None (unknown or finished)."""
+        return self._requests.get(request_id)
+
+    # ---- requests in and out ------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Validate and queue a new request (FCFS); raises RequestError if it cannot be served."""
+        n = req.num_prompt_tokens
+        if n == 0:
+            raise RequestError("the prompt is empty: at least one token is needed")
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {n} tokens; the context is {self.max_model_len} tokens "
+                "(the prompt must be shorter to leave room for at least one new token)"
+            )
+        if req.sampling.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {req.sampling.max_tokens}")
+        if req.request_id in self._requests:
+            raise RequestError(f"request id {req.request_id!r} is already in use")
+        if req.status is not RequestStatus.WAITING or req.num_computed_tokens or req.block_ids:
+            raise RequestError(f"request {req.request_id!r} is not fresh (status {req.status})")
+        self._check_fits_pool(req)
+        self._waiting.append(req)
+        self._requests[req.request_id] = req
+
+    def _check_fits_pool(self, req: Request) -> None:
+        # The most K/V a request ever holds is one token short of its longest possible sequence
+        # (the last sampled token is never computed). If even an empty pool cannot hold that,
+        # preemption could never make room and the request would wait forever.
+        longest = min(req.num_prompt_tokens + req.sampling.max_tokens, self.max_model_len)
+        bm = self.block_manager
+        need = bm.blocks_needed(longest - 1)
+        if need > bm.num_blocks:
+            raise RequestError(
+                f"request may need {longest - 1} tokens of KV cache ({need} blocks) but the KV "
+                f"pool holds {bm.num_blocks} blocks ({bm.num_blocks * bm.block_size} tokens); "
+                "lower max_tokens or the context length, or give the KV cache more memory"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a waiting or running request and free its blocks now.
+
+        Returns False (never raises) for an unknown or already finished id, so a cancel that
+        races a natural finish is harmless.
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
+        self._finish(req, "abort")
+        return True
+
+    # ---- schedule -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first (in order), then admit waiting ones (FCFS)."""
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
+        # After a preemption the pool is under pressure and the preempted requests sit at the
+        # head of the queue; admitting anything now would only preempt again next step.
+        if not preempted:
+            budget = self._schedule_waiting(budget, scheduled)
+        used = self.config.max_num_batched_tokens - budget
+        return SchedulerOutput(scheduled=scheduled, preempted=preempted, num_batched_tokens=used)
+
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledSeq], preempted: list[str]
+    ) -> int:
+        i = 0
+        while i < len(self._running) and budget > 0:
+            req = self._running[i]
+            n = self._num_new_tokens(req, budget)
+            if n == 0:
+                i += 1
+                continue
+            # Preempt from the tail (latest admitted) until this request's blocks fit. The tail
+            # is never an already-scheduled request: those sit before index i.
+            while not self._grow(req, n):
+                victim = self._running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # it preempted itself, so it was the last running request
+            scheduled.append(self._plan(req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            req = self._waiting[0]
+            n = self._num_new_tokens(req, budget)
+            # FCFS: if the head does not fit (budget or blocks), nobody behind it jumps ahead
+            if n == 0 or not self._grow(req, n):
+                break
+            self._waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self._running.append(req)
+            scheduled.append(self._plan(req, n))
+            budget -= n
+        return budget
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens to compute for `req` this step within `budget`; 0 means it must wait."""
+        n = req.num_tokens - req.num_computed_tokens
+        if n <= budget:
+            return n
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _grow(self, req: Request, n: int) -> bool:
+        """Make req's block table cover `num_computed_tokens + n` tokens; False if no room."""
+        bm = self.block_manager
+        missing = bm.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids)
+        if missing <= 0:
+            return True
+        if not bm.can_allocate(missing):
+            return False
+        req.block_ids.extend(bm.allocate(missing))
+        return True
+
+    def _plan(self, req: Request, n: int) -> ScheduledSeq:
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        start = req.num_computed_tokens
+        return ScheduledSeq(
+            request=req,
+            token_ids=req.all_token_ids[start : start + n],
+            start_pos=start,
+            block_ids=list(req.block_ids),
+            sample=start + n == req.num_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        # Recompute, not swap: the K/V is dropped and rebuilt from prompt + output later. The
+        # output tokens are kept, so the client sees no difference except latency.
+        self._running.remove(req)
+        self.block_manager.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        self._waiting.appendleft(req)
+
+    # ---- update -------------------------------------------------------------------------------
+
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int],
+        logprobs: dict[str, Logprobs] | None = None,
+    ) -> list[Request]:
+        """Apply one executed step; returns the requests that got a new token (to stream).
+
+        `sampled` must hold a token for every scheduled seq with `sample=True`. Requests
+        aborted between `schedule()` and `update()` are skipped.
+        """
+        new_token: list[Request] = []
+        for seq in output.scheduled:
+            req = seq.request
+            if self._requests.get(req.request_id) is not req or req.finished:
+                continue  # aborted while the step ran
+            if req.num_computed_tokens != seq.start_pos:
+                raise RuntimeError(
+                    f"request {req.request_id!r}: step planned at position {seq.start_pos} but "
+                    f"{req.num_computed_tokens} tokens are computed (update applied twice?)"
+                )
+            req.num_computed_tokens += seq.num_new_tokens
+            if not seq.sample:
+                continue
+            if req.request_id not in sampled:
+                raise KeyError(f"no sampled token for request {req.request_id!r}")
+            req.output_token_ids.append(sampled[req.request_id])
+            if logprobs is not None and req.request_id in logprobs:
+                req.output_logprobs.append(logprobs[req.request_id])
+            new_token.append(req)
+            reason = self._finish_reason(req)
+            if reason is not None:
+                self._running.remove(req)
+                self._finish(req, reason)
+        return new_token
+
+    def _finish_reason(self, req: Request) -> str | None:
+        token = req.output_token_ids[-1]
+        sp = req.sampling
+        if (token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        # blocks go back at once so the very next schedule() can use them
+        self.block_manager.free(req.block_ids)
+        req.block_ids = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self._requests[req.request_id]
