@@ -1,0 +1,136 @@
+"""`afd bench engine`: afd's decode throughput against transformers on the same checkpoint,
+measured in the same run (the ratio is the figure; absolute numbers depend on the machine).
+
+Decode throughput = batch * (new - 1) / (time to generate `new` tokens - time to generate 1),
+so the prefill of the 128-token prompts is excluded on both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+REFERENCE_CONFIG = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=32,
+    num_experts_per_tok=4,
+    norm_topk_prob=True,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+    eos_token_id=None,
+    bos_token_id=None,
+)
+
+
+def build_checkpoint(path: Path, seed: int = 0) -> Path:
+    if (path / "config.json").is_file():
+        return path
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**REFERENCE_CONFIG)).to(torch.bfloat16)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (batch, length), generator=g).tolist()
+
+
+@torch.inference_mode()
+def _hf_time(model, prompts: list[list[int]], new: int) -> float:
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+    )
+    return time.perf_counter() - t0
+
+
+def _afd_time(engine, prompts: list[list[int]], new: int) -> float:
+    from services.attention.request import SamplingParams
+
+    t0 = time.perf_counter()
+    engine.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+    return time.perf_counter() - t0
+
+
+def _decode_tps(time_fn, prompts, new: int) -> float:
+    time_fn(prompts[:1], 2)  # warm-up
+    t1 = time_fn(prompts, 1)
+    tn = time_fn(prompts, new)
+    return len(prompts) * (new - 1) / max(tn - t1, 1e-9)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from afd.local import local_engine
+
+    torch.set_num_threads(args.threads)
+    path = build_checkpoint(Path(args.cache_dir) / "bench-qwen3moe-ref")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    cfg = EngineConfig(
+        model=ModelConfig.from_hf(path),
+        dtype="bfloat16",
+        a2f_dtype=args.a2f_dtype,
+        micro_batches=args.micro_batches,
+        threads=args.threads,
+        cache=CacheConfig(block_size=16, kv_cache_memory_gb=1.0),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
+    )
+    results = []
+    with local_engine(cfg, 1, progress=False) as eng:
+        for batch in args.batch:
+            prompts = _prompts(batch, args.prompt_len, REFERENCE_CONFIG["vocab_size"], batch)
+            hf_tps = _decode_tps(lambda p, n: _hf_time(hf, p, n), prompts, args.new_tokens)
+            afd_tps = _decode_tps(lambda p, n: _afd_time(eng, p, n), prompts, args.new_tokens)
+            row = {
+                "batch": batch,
+                "transformers_tok_s": round(hf_tps, 1),
+                "afd_tok_s": round(afd_tps, 1),
+                "ratio": round(afd_tps / hf_tps, 2),
+            }
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    return {
+        "benchmark": "engine_decode",
+        "config": "qwen3_moe hidden 1024, 8 layers, 32 experts top-4, bf16",
+        "threads": args.threads,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "micro_batches": args.micro_batches,
+        "a2f_dtype": args.a2f_dtype,
+        "results": results,
+    }
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("engine", help="afd vs transformers greedy decode throughput")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--a2f-dtype", default="bf16", choices=["fp8", "bf16"])
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
+    p.set_defaults(func=lambda a: print(json.dumps(run(a), indent=2)) or 0)

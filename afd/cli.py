@@ -1,0 +1,163 @@
+"""The `afd` command: thin entry points that parse flags into a frozen config and call one
+function per job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from afd.errors import AfdError
+
+log = logging.getLogger("afd")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        help="local Hugging Face checkpoint directory (default: the "
+        "embedded demo model, whose text is meaningless)",
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=2,
+        help="S: micro-batches in flight per step (1 = serial)",
+    )
+    p.add_argument(
+        "--a2f-dtype",
+        default="fp8",
+        choices=["fp8", "bf16", "fp32"],
+        help="hidden states on the wire attention -> FFN",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=0, help="0: the model's context length")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV pool")
+    p.add_argument("--ffn-timeout", type=float, default=30.0, help="deadline of one FFN call, s")
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    if args.model:
+        return ModelConfig.from_hf(args.model)
+    from afd.demo import demo_model_dir
+
+    return ModelConfig.from_hf(demo_model_dir())
+
+
+def engine_config(args: argparse.Namespace, ffn: tuple[str, ...] = ()) -> EngineConfig:
+    if args.micro_batches < 1:
+        raise AfdError("--micro-batches must be >= 1")
+    return EngineConfig(
+        model=model_config(args),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+        ),
+        dtype=args.dtype,
+        micro_batches=args.micro_batches,
+        a2f_dtype=args.a2f_dtype,
+        ffn_timeout_s=args.ffn_timeout,
+        threads=args.threads,
+        **({"ffn_addresses": ffn} if ffn else {}),
+    )
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="offline generation (attention + FFN in one process)")
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument("--ffn-shards", type=int, default=1, help="in-process FFN expert shards")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from afd.generate import GenerateJob, read_prompts, run
+    from services.attention.request import SamplingParams
+
+    prompts = list(args.prompt) + (read_prompts(args.prompts_file) if args.prompts_file else [])
+    if not prompts:
+        raise AfdError("give at least one --prompt or a --prompts-file")
+    job = GenerateJob(
+        engine=engine_config(args),
+        prompts=tuple(prompts),
+        sampling=SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        ),
+        num_ffn=args.ffn_shards,
+        chat=args.chat,
+        as_json=args.json,
+    )
+    return run(job)
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print JSON")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    from afd.bench import engine as bench_engine
+
+    bench_engine.add_parser(bsub)
+
+
+def _plan_parser(sub) -> None:
+    try:
+        from afd.plan import cli as plan_cli
+    except ImportError:  # the planner is optional until it lands
+        return
+    plan_cli.add_parser(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="afd", description="Attention-FFN disaggregated MoE inference server"
+    )
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _bench_parser(sub)
+    _plan_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s [%(name)s] %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args) or 0)
+    except AfdError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
