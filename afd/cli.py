@@ -128,7 +128,7 @@ def _plan_parser(sub) -> None:
         from afd.plan import cli as plan_cli
     except ImportError:  # the planner is optional until it lands
         return
-    plan_cli.add_parser(sub)
+    plan_cli.add_parser(sub).set_defaults(func=plan_cli.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
