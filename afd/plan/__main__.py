@@ -1,0 +1,5 @@
+import sys
+
+from afd.plan.cli import main
+
+sys.exit(main())
