@@ -10,10 +10,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from afd.config import ModelConfig
-from afd.ops import rms_norm
+from afd.ops import Linear, rms_norm
 
 
 @dataclass(frozen=True)
@@ -53,13 +52,13 @@ class GQA(AttentionKind):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
         super().__init__(cfg, w, layer)
         b = f"layers.{layer}"
-        self.w_qkv = torch.cat([w[f"{b}.q_proj"], w[f"{b}.k_proj"], w[f"{b}.v_proj"]])
+        self.w_qkv = Linear(torch.cat([w[f"{b}.q_proj"], w[f"{b}.k_proj"], w[f"{b}.v_proj"]]))
         self.q_norm = w.get(f"{b}.q_norm")
         self.k_norm = w.get(f"{b}.k_norm")
 
     def qkv(self, x):
         c = self.cfg
-        q, k, v = F.linear(x, self.w_qkv).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = self.w_qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
@@ -74,14 +73,14 @@ class MFA(AttentionKind):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
         super().__init__(cfg, w, layer)
         b = f"layers.{layer}"
-        self.w_qkv = torch.cat([w[f"{b}.q_proj"], w[f"{b}.k_proj"], w[f"{b}.v_proj"]])
+        self.w_qkv = Linear(torch.cat([w[f"{b}.q_proj"], w[f"{b}.k_proj"], w[f"{b}.v_proj"]]))
         self.inter_norm = w[f"{b}.inter_norm"]
-        self.wq = w[f"{b}.wq"]
+        self.wq = Linear(w[f"{b}.wq"])
 
     def qkv(self, x):
         c = self.cfg
-        q, k, v = F.linear(x, self.w_qkv).split([c.q_lora_dim, c.kv_size, c.kv_size], dim=-1)
-        q = F.linear(rms_norm(q, self.inter_norm, c.rms_norm_eps), self.wq)  # [T, nh*D]
+        q, k, v = self.w_qkv(x).split([c.q_lora_dim, c.kv_size, c.kv_size], dim=-1)
+        q = self.wq(rms_norm(q, self.inter_norm, c.rms_norm_eps))  # [T, nh*D]
         return (
             q.view(-1, c.num_heads, c.head_dim),
             k.reshape(-1, c.num_kv_heads, c.head_dim),

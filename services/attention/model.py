@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from afd.checkpoint import load_weights
 from afd.config import ModelConfig
-from afd.ops import rms_norm
+from afd.ops import Linear, rms_norm
 from services.attention.attention import ATTENTION_KINDS, AttentionKind, AttnMeta, paged_attention
 from services.attention.kv_cache import KVCache
 from services.attention.rope import Rope
@@ -25,8 +25,8 @@ class AttentionLayer:
     attn_norm: torch.Tensor  # [H]
     ffn_norm: torch.Tensor  # [H]
     kind: AttentionKind
-    o_proj: torch.Tensor  # [H, nh*D]
-    router: torch.Tensor | None  # [E, H] on MoE layers
+    o_proj: Linear  # [H, nh*D]
+    router: Linear | None  # [E, H] on MoE layers
 
 
 class AttentionModel:
@@ -45,7 +45,7 @@ class AttentionModel:
             else load_weights(cfg, "attention", dtype, None, progress)
         )
         self.embed_w = w["embed"]  # [V, H]
-        self.lm_head = w["lm_head"]  # [V, H]
+        self.lm_head = Linear(w["lm_head"])  # [V, H]
         self.final_norm = w["final_norm"]
         kind = ATTENTION_KINDS[cfg.attention]
         self.layers = [
@@ -53,8 +53,8 @@ class AttentionModel:
                 attn_norm=w[f"layers.{i}.attn_norm"],
                 ffn_norm=w[f"layers.{i}.ffn_norm"],
                 kind=kind(cfg, w, i),
-                o_proj=w[f"layers.{i}.o_proj"],
-                router=w.get(f"layers.{i}.router"),
+                o_proj=Linear(w[f"layers.{i}.o_proj"]),
+                router=Linear(w[f"layers.{i}.router"]) if cfg.is_moe(i) else None,
             )
             for i in range(cfg.num_layers)
         ]
@@ -75,7 +75,7 @@ class AttentionModel:
         q, k = self.rope(q, k, meta.positions)
         cache.write(layer, meta.slots, k, v)
         o = paged_attention(q, cache.k[layer], cache.v[layer], meta, self.scale)  # [T, nh*D]
-        h = h + F.linear(o, lw.o_proj)
+        h = h + lw.o_proj(o)
         return h, rms_norm(h, lw.ffn_norm, eps)
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +84,7 @@ class AttentionModel:
         if gate is None:
             T = x.shape[0]
             return torch.empty(T, 0, dtype=torch.int32), torch.empty(T, 0, dtype=torch.float32)
-        return self.route_fn(x, gate, self.cfg)
+        return self.route_fn(gate(x), self.cfg)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V] float32
-        return F.linear(rms_norm(h, self.final_norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)).float()

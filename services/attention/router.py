@@ -5,20 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from afd.config import ModelConfig
 
-RouterFn = Callable[[torch.Tensor, torch.Tensor, ModelConfig], tuple[torch.Tensor, torch.Tensor]]
+RouterFn = Callable[[torch.Tensor, ModelConfig], tuple[torch.Tensor, torch.Tensor]]
 
 
 def softmax_topk(
-    x: torch.Tensor,  # [T, H], after the FFN norm
-    gate: torch.Tensor,  # [E, H]
+    logits: torch.Tensor,  # [T, E] router logits, in the compute dtype
     cfg: ModelConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [T, k] int32, weights [T, k] float32
     """Softmax over all experts (float32), top-k, renormalised if the model says so."""
-    probs = torch.softmax(F.linear(x, gate).float(), dim=-1)  # [T, E]
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
     weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from afd.ops import swiglu
+from afd.ops import Linear, swiglu
 
 
 @dataclass(frozen=True)
 class MLPWeights:
-    w13: torch.Tensor  # [2I, H]: gate rows then up rows
-    w2: torch.Tensor  # [H, I]
+    w13: Linear  # [2I, H]: gate rows then up rows
+    w2: Linear  # [H, I]
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,12 @@ class ExpertGroup:
     """The experts of one layer that this shard holds: global ids first .. first + n - 1."""
 
     first: int
-    w13: torch.Tensor  # [n, 2I, H]
-    w2: torch.Tensor  # [n, H, I]
+    w13: list[Linear]  # n x [2I, H]
+    w2: list[Linear]  # n x [H, I]
 
     @property
     def count(self) -> int:
-        return self.w13.shape[0]
+        return len(self.w13)
 
 
 def routed_experts(

@@ -12,7 +12,7 @@ import torch
 
 from afd.checkpoint import load_weights
 from afd.config import ModelConfig
-from afd.ops import swiglu
+from afd.ops import Linear, swiglu
 from afd.quant import dequantize_fp8
 from afd.sharding import ExpertShard
 from afd.transport.messages import FFNReply, FFNRequest, Trace
@@ -42,8 +42,8 @@ class FFNServer:
                 ids = range(shard.start, shard.end)
                 self.experts[i] = ExpertGroup(
                     first=shard.start,
-                    w13=torch.stack([_cat_gate_up(w, f"layers.{i}.experts.{e}") for e in ids]),
-                    w2=torch.stack([w[f"layers.{i}.experts.{e}.down"] for e in ids]),
+                    w13=[Linear(_cat_gate_up(w, f"layers.{i}.experts.{e}")) for e in ids],
+                    w2=[Linear(w[f"layers.{i}.experts.{e}.down"]) for e in ids],
                 )
                 if cfg.shared_expert_intermediate_size and shard.owns_dense:
                     self.shared[i] = _mlp(w, f"layers.{i}.shared")
@@ -138,7 +138,7 @@ def _cat_gate_up(w: dict[str, torch.Tensor], base: str) -> torch.Tensor:
 
 
 def _mlp(w: dict[str, torch.Tensor], base: str) -> MLPWeights:
-    return MLPWeights(_cat_gate_up(w, base), w[f"{base}.down"])
+    return MLPWeights(Linear(_cat_gate_up(w, base)), Linear(w[f"{base}.down"]))
 
 
 def _error(r: FFNRequest, code: str, msg: str, t_recv: float) -> FFNReply:

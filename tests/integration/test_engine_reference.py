@@ -116,7 +116,7 @@ def test_planted_zeroed_expert_is_caught(refs, monkeypatch):
     def init_zero_one_expert(self, *a, **kw):
         real_init(self, *a, **kw)
         first_moe = min(self.experts)
-        self.experts[first_moe].w13[3].zero_()  # expert 3 of the first MoE layer outputs 0
+        self.experts[first_moe].w13[3].w.zero_()  # expert 3 of the first MoE layer outputs 0
 
     monkeypatch.setattr(ffn_server.FFNServer, "__init__", init_zero_one_expert)
     assert afd_greedy(engine_cfg(path, S=1))[0] != ref
