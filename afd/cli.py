@@ -115,6 +115,71 @@ def _run_generate(args: argparse.Namespace) -> int:
     return run(job)
 
 
+def _ffn_parser(sub) -> None:
+    p = sub.add_parser("ffn", help="serve one FFN expert shard (stateless)")
+    add_model_args(p)
+    p.add_argument("--shard", default="0/1", help="i/N: this server holds shard i of N")
+    p.add_argument(
+        "--listen",
+        default="tcp://127.0.0.1:5600",
+        help="data-plane address: tcp://host:port, ipc://path or grpc://host:port",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu"],
+        help="compute device (the wire format is device-independent)",
+    )
+    p.set_defaults(func=_run_ffn)
+
+
+def _run_ffn(args: argparse.Namespace) -> int:
+    from afd.sharding import ExpertShard
+    from services.ffn.service import FFNServiceConfig, serve
+
+    mc = model_config(args)
+    try:
+        shard = ExpertShard.parse(args.shard, mc.num_experts)
+    except ValueError as e:
+        raise AfdError(str(e)) from e
+    _set_threads(args.threads)
+    return serve(FFNServiceConfig(model=mc, shard=shard, listen=args.listen, dtype=args.dtype))
+
+
+def _attention_parser(sub) -> None:
+    p = sub.add_parser("attention", help="serve the attention side (KV cache, scheduler, sampler)")
+    add_engine_args(p)
+    p.add_argument(
+        "--ffn",
+        required=True,
+        help="FFN servers, comma-separated; the i-th holds expert shard i of N",
+    )
+    p.add_argument("--listen", default="127.0.0.1:50051", help="control-plane gRPC host:port")
+    p.add_argument("--device", default="cpu", choices=["cpu"])
+    p.set_defaults(func=_run_attention)
+
+
+def _run_attention(args: argparse.Namespace) -> int:
+    from services.attention.server import AttentionServerConfig, serve
+
+    ffn = tuple(a.strip() for a in args.ffn.split(",") if a.strip())
+    cfg = engine_config(args, ffn)
+    return serve(AttentionServerConfig(engine=cfg, listen=args.listen, model_name=_name(args)))
+
+
+def _name(args: argparse.Namespace) -> str:
+    from pathlib import Path
+
+    return Path(args.model).name if args.model else "afd-demo-step3"
+
+
+def _set_threads(n: int) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     bsub = p.add_subparsers(dest="bench", required=True)
@@ -138,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _ffn_parser(sub)
+    _attention_parser(sub)
     _bench_parser(sub)
     _plan_parser(sub)
     return parser

@@ -108,6 +108,31 @@ class FFNPool:
         assert total is not None
         return total.to(self.dtype)
 
+    def ping(self, timeout: float) -> None:
+        """An empty message to every peer; raises TransportError naming the first that fails."""
+        k = self.cfg.top_k if self.cfg.is_moe(0) else 0
+        H = self.cfg.hidden_size
+        for peer in self.peers:
+            seq = peer.next_seq
+            peer.next_seq += 1
+            peer.client.send(
+                FFNRequest(
+                    layer=0,
+                    micro_batch=0,
+                    seq=seq,
+                    hidden=torch.empty(0, H, dtype=torch.bfloat16),
+                    scales=None,
+                    expert_ids=torch.empty(0, k, dtype=torch.int32),
+                    expert_weights=torch.empty(0, k),
+                    sender=self.sender,
+                    deadline=time.time() + timeout,
+                    t_send=time.time(),
+                )
+            )
+            reply = peer.client.wait(seq, timeout)
+            if not reply.ok:
+                raise TransportError(f"FFN peer {peer.client.address}: {reply.error}")
+
     def reset(self) -> None:
         for peer in self.peers:
             peer.client.reset()

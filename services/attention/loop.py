@@ -1,0 +1,153 @@
+"""The engine loop: one thread that owns the Engine and runs schedule -> execute -> update.
+
+Other threads (the control-plane server) talk to it only through `submit` and `abort`; each
+request's events go to the `sink` given with it, called on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from afd.errors import RequestError
+from services.attention.engine import Engine
+from services.attention.request import Request, SamplingParams
+
+log = logging.getLogger("afd.attention")
+
+
+@dataclass(frozen=True)
+class Event:
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    finish_reason: str = ""
+    error_code: str = ""  # "" | "invalid_request" | "unavailable" | "internal"
+    error: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queue_seconds: float = 0.0
+
+
+Sink = Callable[[Event], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._sent: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.last_error = ""
+        self._thread.start()
+
+    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: Sink):
+        self._cmds.put(("add", request_id, prompt, sampling, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the engine thread between steps (the transports are not thread-safe)."""
+        fut: Future = Future()
+        self._cmds.put(("call", fn, fut))
+        return fut
+
+    def close(self) -> None:
+        self._stop.set()
+        self._cmds.put(("wake",))
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished()
+            self._drain(block=not busy)
+            if self.engine.has_unfinished():
+                try:
+                    self._publish(self.engine.step())
+                except Exception as e:  # a broken step must not kill the server
+                    log.exception("engine step failed")
+                    self._fail_all(f"internal error: {e}")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, sampling, sink = cmd
+            try:
+                self.engine.add_request(prompt, sampling, request_id=rid)
+            except RequestError as e:
+                sink(
+                    Event(
+                        rid, [], finish_reason="error", error_code="invalid_request", error=str(e)
+                    )
+                )
+                return
+            self._sinks[rid] = sink
+            self._sent[rid] = 0
+        elif cmd[0] == "call":
+            _, fn, fut = cmd
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+        elif cmd[0] == "abort":
+            rid = cmd[1]
+            if self.engine.abort(rid):  # unknown or finished ids are ignored
+                self._emit_final(rid, Event(rid, [], finish_reason="abort"))
+
+    def _publish(self, updated: list[Request]) -> None:
+        for req in updated:
+            rid = req.request_id
+            sink = self._sinks.get(rid)
+            if sink is None:
+                continue
+            n = self._sent[rid]
+            new = req.output_token_ids[n:]
+            self._sent[rid] = len(req.output_token_ids)
+            code = "unavailable" if req.finish_reason == "error" else ""
+            queued = (req.first_scheduled_time or req.arrival_time) - req.arrival_time
+            ev = Event(
+                rid,
+                new,
+                req.output_logprobs[n:],
+                (req.finish_reason or "") if req.finished else "",
+                code,
+                req.error,
+                req.num_prompt_tokens,
+                len(req.output_token_ids),
+                queued if n == 0 else 0.0,
+            )
+            if req.finished:
+                self._emit_final(rid, ev)
+            else:
+                sink(ev)
+
+    def _emit_final(self, rid: str, ev: Event) -> None:
+        sink = self._sinks.pop(rid, None)
+        self._sent.pop(rid, None)
+        if sink is not None:
+            sink(ev)
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._sinks):
+            self.engine.abort(rid)
+            self._emit_final(
+                rid, Event(rid, [], finish_reason="error", error_code="internal", error=message)
+            )

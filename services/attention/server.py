@@ -1,0 +1,123 @@
+"""The attention server process: the engine loop plus the gRPC control plane.
+
+`afd attention --model DIR --ffn ADDR[,ADDR...] --listen HOST:PORT`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from afd.config import EngineConfig
+from afd.errors import TransportError
+from services.attention.control import event_to_pb, pb, pb_grpc, sampling_from_pb
+from services.attention.engine import Engine
+from services.attention.loop import EngineLoop, Event
+
+log = logging.getLogger("afd.attention")
+
+
+@dataclass(frozen=True)
+class AttentionServerConfig:
+    engine: EngineConfig
+    listen: str = "127.0.0.1:50051"  # control plane (gRPC)
+    model_name: str = ""
+    ready_cache_s: float = 1.0
+
+
+class ControlServicer(pb_grpc.AttentionServiceServicer):
+    def __init__(self, loop: EngineLoop, cfg: AttentionServerConfig):
+        self.loop = loop
+        self.cfg = cfg
+        self._ready: tuple[float, bool, str] = (0.0, False, "not probed yet")
+
+    async def Generate(self, request, context):
+        aio = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        rid = request.request_id
+        self.loop.submit(
+            rid,
+            list(request.prompt_token_ids),
+            sampling_from_pb(request.sampling),
+            lambda ev: aio.call_soon_threadsafe(events.put_nowait, ev),
+        )
+        finished = False
+        try:
+            while not finished:
+                ev = await events.get()
+                finished = bool(ev.finish_reason)
+                yield event_to_pb(ev)
+        finally:
+            if not finished:  # the client went away: free the request's KV blocks now
+                self.loop.abort(rid)
+
+    async def Abort(self, request, context):
+        self.loop.abort(request.request_id)
+        return pb.AbortReply(found=True)
+
+    async def Health(self, request, context):
+        ready, reason = await self._readiness()
+        eng = self.loop.engine
+        return pb.HealthReply(
+            live=True,
+            ready=ready,
+            reason=reason,
+            model=self.cfg.model_name,
+            max_model_len=eng.max_model_len,
+        )
+
+    async def Stats(self, request, context):
+        eng = self.loop.engine
+        s = eng.scheduler
+        return pb.StatsReply(
+            running=s.num_running,
+            waiting=s.num_waiting,
+            kv_usage=eng.blocks.usage,
+            preemptions=s.num_preemptions,
+        )
+
+    async def _readiness(self) -> tuple[bool, str]:
+        t, ready, reason = self._ready
+        if time.monotonic() - t < self.cfg.ready_cache_s:
+            return ready, reason
+        try:
+            await asyncio.wrap_future(self.loop.call(lambda: self.loop.engine.pool.ping(2.0)))
+            ready, reason = True, ""
+        except TransportError as e:
+            ready, reason = False, f"FFN pool does not cover every expert: {e}"
+        self._ready = (time.monotonic(), ready, reason)
+        return ready, reason
+
+
+async def _serve(cfg: AttentionServerConfig) -> None:
+    engine = Engine(cfg.engine)
+    loop = EngineLoop(engine)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_AttentionServiceServicer_to_server(ControlServicer(loop, cfg), server)
+    port = server.add_insecure_port(cfg.listen)
+    if port == 0:
+        raise TransportError(f"cannot listen on {cfg.listen}")
+    await server.start()
+    log.info(
+        "attention server listening on %s (FFN pool: %s)",
+        cfg.listen,
+        ", ".join(cfg.engine.ffn_addresses),
+    )
+    stop = asyncio.Event()
+    aio = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        aio.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("attention server stopping")
+    await server.stop(grace=2.0)
+    loop.close()
+
+
+def serve(cfg: AttentionServerConfig) -> int:
+    asyncio.run(_serve(cfg))
+    return 0
