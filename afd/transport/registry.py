@@ -10,6 +10,9 @@ from afd.transport.base import FFNClient, Handler, Listener
 # scheme -> module defining `connect(address) -> FFNClient` and `listen(address, handler)`
 _BACKENDS: dict[str, str] = {
     "inproc": "afd.transport.inproc",
+    "tcp": "afd.transport.zmq",
+    "ipc": "afd.transport.zmq",
+    "grpc": "afd.transport.grpc",
 }
 
 

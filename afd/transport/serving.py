@@ -1,0 +1,136 @@
+"""What every network listener does with the messages it received, in one place.
+
+A backend's receive loop collects the messages that arrived together, each with an opaque
+`peer` (whatever the backend needs to route the reply back) and its arrival time, and calls
+`serve_messages`. That decodes and validates each one (a malformed message gets an error reply
+when its seq is known, else it is dropped with a log line), answers expired requests without
+computing them, groups the rest by layer and calls the handler once per group, stamps the
+timing trace and encodes the replies. Nothing raised by the handler escapes: the server keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Generic, TypeVar
+
+from afd.transport.base import Handler
+from afd.transport.messages import FFNReply, FFNRequest, Trace
+from afd.wire import Buffer, WireError, WireLimits, decode_request, encode_reply
+
+log = logging.getLogger(__name__)
+
+P = TypeVar("P")
+
+
+@dataclasses.dataclass(frozen=True)
+class Inbound(Generic[P]):
+    peer: P
+    frames: Sequence[Buffer]
+    t_recv: float  # time.time() when the message arrived
+
+
+def error_reply(req_or_err: FFNRequest | WireError, code: str, message: str) -> FFNReply:
+    seq = req_or_err.seq if req_or_err.seq is not None else -1
+    return FFNReply(
+        seq=seq,
+        layer=req_or_err.layer,
+        micro_batch=req_or_err.micro_batch,
+        output=None,
+        error_code=code,
+        error=message,
+    )
+
+
+def _decode(msg: Inbound[P], limits: WireLimits) -> FFNRequest | FFNReply | None:
+    try:
+        req = decode_request(msg.frames, limits)
+    except WireError as e:
+        if e.seq is None:
+            log.warning("dropped a malformed FFN message from %r: %s", msg.peer, e)
+            return None
+        log.warning("rejected FFN message %d from %r: %s", e.seq, msg.peer, e)
+        return error_reply(e, e.code, e.message)
+    if req.deadline and msg.t_recv > req.deadline:
+        # The sender has given up on it (e.g. it was queued while this server was down).
+        return error_reply(req, "deadline_exceeded", "arrived after its deadline")
+    return req
+
+
+def _compute(handler: Handler, reqs: list[FFNRequest]) -> list[FFNReply]:
+    try:
+        replies = handler(reqs)
+        if len(replies) != len(reqs):
+            raise RuntimeError(f"handler gave {len(replies)} replies to {len(reqs)} requests")
+    except Exception as e:
+        log.exception("FFN handler failed on layer %d (%d requests)", reqs[0].layer, len(reqs))
+        return [error_reply(r, "internal", f"{type(e).__name__}: {e}") for r in reqs]
+    out = []
+    for req, rep in zip(reqs, replies, strict=True):
+        if rep.ok and (rep.output is None or tuple(rep.output.shape) != tuple(req.hidden.shape)):
+            shape = None if rep.output is None else tuple(rep.output.shape)
+            rep = error_reply(
+                req, "internal", f"handler output {shape} for {req.num_tokens} tokens"
+            )
+        out.append(rep)
+    return out
+
+
+def _stamp(
+    rep: FFNReply, req: FFNRequest | None, t_recv: float, span: tuple[float, float], n: int
+) -> FFNReply:
+    # Fill only what the handler left unset: it may know its compute window better.
+    tr = rep.trace
+    stamped = Trace(
+        a_send=tr.a_send or (req.t_send if req is not None else 0.0),
+        f_recv=tr.f_recv or t_recv,
+        f_compute_start=tr.f_compute_start or span[0],
+        f_compute_end=tr.f_compute_end or span[1],
+        f_send=tr.f_send or time.time(),
+        a_recv=tr.a_recv,
+        merged=tr.merged if tr.merged != 1 else n,
+    )
+    return dataclasses.replace(rep, trace=stamped)
+
+
+def _encode(peer: P, rep: FFNReply) -> tuple[P, list[Buffer]]:
+    try:
+        return peer, encode_reply(rep)
+    except WireError as e:  # the handler produced something the wire cannot carry
+        log.error("cannot encode the reply to %d: %s", rep.seq, e)
+        return peer, encode_reply(
+            dataclasses.replace(rep, output=None, error_code="internal", error=str(e))
+        )
+
+
+def serve_messages(
+    messages: Sequence[Inbound[P]], handler: Handler, limits: WireLimits
+) -> list[tuple[P, list[Buffer]]]:
+    """Decode, validate, compute (one handler call per layer) and encode replies.
+
+    Returns (peer, reply frames) for every message that gets an answer, in no promised order.
+    """
+    out: list[tuple[P, list[Buffer]]] = []
+    groups: dict[int, list[tuple[Inbound[P], FFNRequest]]] = {}
+    for msg in messages:
+        item = _decode(msg, limits)
+        if isinstance(item, FFNRequest):
+            groups.setdefault(item.layer, []).append((msg, item))
+        elif item is not None:
+            out.append(_encode(msg.peer, _stamp(item, None, msg.t_recv, (0.0, 0.0), 1)))
+    for group in groups.values():
+        reqs = [req for _, req in group]
+        start = time.time()
+        replies = _compute(handler, reqs)
+        span = (start, time.time())
+        for (msg, req), rep in zip(group, replies, strict=True):
+            out.append(_encode(msg.peer, _stamp(rep, req, msg.t_recv, span, len(reqs))))
+    return out
+
+
+def stamp_received(reply: FFNReply) -> FFNReply:
+    """The attention side's receive stamp (trace.a_recv), taken when the reply is decoded."""
+    return dataclasses.replace(reply, trace=dataclasses.replace(reply.trace, a_recv=time.time()))

@@ -1,0 +1,169 @@
+"""ZeroMQ backend for tcp://host:port and ipc://path: multipart frames, zero-copy.
+
+The attention side holds a DEALER socket connected to the FFN server's ROUTER; a message is
+the header frame plus one frame per tensor buffer (afd.wire), and a reply comes back the same
+way. ZeroMQ reconnects by itself when the FFN process restarts on the same address; the socket
+options below make a request sent while no peer is connected fail fast (it is dropped and its
+wait() times out) instead of waiting in a queue to be delivered, stale, after the restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from afd.errors import ConfigError, TransportError
+from afd.transport.base import FFNClient, Handler, Listener
+from afd.transport.messages import FFNReply, FFNRequest
+from afd.transport.serving import Inbound, serve_messages, stamp_received
+from afd.wire import Buffer, WireError, WireLimits, decode_reply, encode_request
+
+log = logging.getLogger(__name__)
+
+HWM = 1024  # messages queued per peer before sends fail (sender) or replies drop (server)
+RECONNECT_IVL_MS = 50
+RECONNECT_IVL_MAX_MS = 500  # retry a restarted peer at least twice a second
+HEARTBEAT_IVL_MS = 1000  # ZMTP pings find a peer that vanished without closing its socket
+HEARTBEAT_TIMEOUT_MS = 3000
+_DRAIN = 256  # messages taken per wake-up, so one burst cannot starve the reply path
+_POLL_MS = 50  # how often the serving thread checks for close()
+
+
+def _common_options(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)  # close() never waits on an unreachable peer
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+
+
+class ZmqClient(FFNClient):
+    """One DEALER socket to one FFN server. Used from one thread (like the engine loop)."""
+
+    def __init__(self, address: str, connect_grace: float = 0.5):
+        super().__init__(address)
+        self._grace = connect_grace
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        _common_options(self._sock)
+        # IMMEDIATE: queue only on completed connections, so nothing waits for a dead peer.
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        self._sock.connect(address)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+
+    def send(self, req: FFNRequest) -> None:
+        """Send one request. Its tensors are sent zero-copy: do not modify them until the reply
+        arrives. A request that cannot be handed to a connected peer within `connect_grace`
+        (or its deadline) is dropped, and wait() on it times out."""
+        grace = self._grace
+        if req.deadline:
+            grace = max(0.0, min(grace, req.deadline - time.time()))
+        self.send_frames(encode_request(req), grace)
+
+    def send_frames(self, frames: list[Buffer], grace: float | None = None) -> bool:
+        """Send raw frames (tools and fault tests use this directly); False if dropped."""
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            pass
+        # No connected peer yet (just connected, or it restarted): wait briefly for one.
+        grace = self._grace if grace is None else grace
+        if grace > 0 and self._sock.poll(int(grace * 1000), zmq.POLLOUT):
+            try:
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                pass
+        log.debug("FFN peer %s not connected; message dropped", self.address)
+        return False
+
+    def _recv(self, timeout: float) -> FFNReply | None:
+        if not self._poller.poll(max(0, int(timeout * 1000))):
+            return None
+        frames = self._sock.recv_multipart(copy=False)
+        try:
+            reply = decode_reply([f.buffer for f in frames])
+        except WireError as e:
+            log.warning("malformed reply from %s ignored: %s", self.address, e)
+            return None
+        return stamp_received(reply)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+class ZmqListener(Listener):
+    """A ROUTER socket served by one background thread that also runs the handler."""
+
+    def __init__(self, address: str, handler: Handler, limits: WireLimits):
+        self._handler = handler
+        self._limits = limits
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        _common_options(self._sock)
+        try:
+            self._sock.bind(address)
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise TransportError(f"cannot listen on {address}: {e}") from e
+        # The bound address, with the port filled in when asked for port 0 / '*'.
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"ffn:{self.address}", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> list[Inbound[bytes]]:
+        batch = []
+        while len(batch) < _DRAIN:
+            try:
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            # ROUTER prefixes the sender's routing id; the rest is the message.
+            batch.append(Inbound(frames[0].bytes, [f.buffer for f in frames[1:]], time.time()))
+        return batch
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self._sock.poll(_POLL_MS, zmq.POLLIN):
+                    continue
+                for peer, frames in serve_messages(self._drain(), self._handler, self._limits):
+                    # ROUTER drops replies to peers that went away (not an error here).
+                    self._sock.send_multipart([peer, *frames], copy=False)
+            except Exception:  # never let one bad moment kill the server thread
+                if self._stop.is_set():
+                    return
+                log.exception("zmq listener %s: error in the serving loop", self.address)
+        self._sock.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            log.error("zmq listener %s did not stop", self.address)
+            return
+        self._ctx.term()
+
+
+def connect(address: str, *, connect_grace: float = 0.5, **_: object) -> FFNClient:
+    return ZmqClient(address, connect_grace=connect_grace)
+
+
+def listen(
+    address: str, handler: Handler, *, limits: WireLimits | None = None, **_: object
+) -> Listener:
+    if limits is None:
+        raise ConfigError(
+            f"listening on {address} needs limits=WireLimits(...) to validate messages"
+        )
+    return ZmqListener(address, handler, limits)

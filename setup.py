@@ -1,0 +1,39 @@
+"""Build hook only: pyproject.toml holds the metadata.
+
+build_py also compiles protos/**/*.proto into the build tree, so a wheel ships the generated
+afd.v1 *_pb2 modules (a source checkout builds them on first use: afd/protos.py).
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+PROTO_ROOT = ROOT / "protos"
+
+
+class BuildPyWithProtos(build_py):
+    def run(self) -> None:
+        super().run()
+        # An editable install runs from the source tree, which builds them on first use.
+        if self.dry_run or getattr(self, "editable_mode", False) or not PROTO_ROOT.is_dir():
+            return
+        try:
+            from grpc_tools import protoc
+        except ImportError as e:
+            raise SystemExit(
+                "building afd needs grpcio-tools to compile protos/: add it to the build "
+                "requirements or build with --no-build-isolation"
+            ) from e
+        from importlib import resources
+
+        protos = sorted(str(p) for p in PROTO_ROOT.rglob("*.proto"))
+        well_known = resources.files("grpc_tools") / "_proto"
+        args = ["protoc", f"-I{PROTO_ROOT}", f"-I{well_known}"]
+        args += [f"--python_out={self.build_lib}", f"--grpc_python_out={self.build_lib}"]
+        if protoc.main(args + protos) != 0:
+            raise SystemExit("protoc failed on " + ", ".join(protos))
+
+
+setup(cmdclass={"build_py": BuildPyWithProtos})
