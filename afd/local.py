@@ -32,7 +32,8 @@ def start_ffn_shards(
             cfg.model, ExpertShard(i, n, cfg.model.num_experts), dtype, progress=progress
         )
         addr = f"inproc://ffn-{tag}-{i}"
-        listeners.append(listen(addr, server.handle))
+        # With one micro-batch there is nothing to overlap: compute on the engine's thread.
+        listeners.append(listen(addr, server.handle, inline=cfg.micro_batches == 1))
         addrs.append(addr)
     return listeners, tuple(addrs)
 

@@ -20,9 +20,10 @@ _LOCK = threading.Lock()
 
 
 class _InprocListener(Listener):
-    def __init__(self, address: str, handler: Handler):
+    def __init__(self, address: str, handler: Handler, inline: bool = False):
         self.address = address
         self._handler = handler
+        self._inline = inline
         self._inbox: queue.SimpleQueue[tuple[FFNRequest, queue.SimpleQueue] | None] = (
             queue.SimpleQueue()
         )
@@ -30,6 +31,10 @@ class _InprocListener(Listener):
         self._thread.start()
 
     def submit(self, req: FFNRequest, reply_to: queue.SimpleQueue) -> None:
+        if self._inline:  # serial mode: compute on the caller's thread, no hand-off
+            for reply in self._handler([req]):
+                reply_to.put(reply)
+            return
         self._inbox.put((req, reply_to))
 
     def _serve(self) -> None:
@@ -92,11 +97,13 @@ class _InprocClient(FFNClient):
             return None
 
 
-def listen(address: str, handler: Handler, **_: object) -> Listener:
+def listen(address: str, handler: Handler, *, inline: bool = False, **_: object) -> Listener:
+    """inline=True computes each request on the sender's thread: no overlap, no thread hop
+    (the right choice with one micro-batch, where there is nothing to overlap)."""
     with _LOCK:
         if address in _ENDPOINTS:
             raise ConfigError(f"{address} is already being served in this process")
-        listener = _InprocListener(address, handler)
+        listener = _InprocListener(address, handler, inline)
         _ENDPOINTS[address] = listener
         return listener
 
