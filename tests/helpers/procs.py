@@ -1,0 +1,99 @@
+"""Real service processes for system tests: start, wait until ready, always stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Children of one test module; `stop_all` terminates them (kill after a grace period)."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        p = subprocess.Popen(
+            [sys.executable, "-m", "afd.cli", "--log-level", "WARNING", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
+            start_new_session=True,
+        )
+        self.procs[name] = p
+        return p
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        p = self.procs.pop(name)
+        if p.poll() is None:
+            p.send_signal(sig)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def stop_all(self) -> None:
+        for name in list(self.procs):
+            self.stop(name)
+
+
+def wait_attention_ready(addr: str, timeout: float = 60.0, procs: Procs | None = None, name=""):
+    from services.attention.control import pb, pb_grpc
+
+    deadline = time.monotonic() + timeout
+    last = ""
+    with grpc.insecure_channel(addr) as ch:
+        stub = pb_grpc.AttentionServiceStub(ch)
+        while time.monotonic() < deadline:
+            if procs and name and procs.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited:\n{procs.log(name)}")
+            try:
+                h = stub.Health(pb.HealthRequest(), timeout=5)
+                if h.ready:
+                    return
+                last = h.reason
+            except grpc.RpcError as e:
+                last = str(e.code())
+            time.sleep(0.3)
+    raise TimeoutError(f"attention server {addr} not ready after {timeout}s: {last}")
+
+
+def generate(addr: str, prompt: list[int], max_tokens: int, timeout: float = 60.0, **sampling):
+    """Token ids and the final event of one Generate call on the control plane."""
+    from services.attention.control import pb, pb_grpc
+
+    with grpc.insecure_channel(addr) as ch:
+        stub = pb_grpc.AttentionServiceStub(ch)
+        req = pb.GenerateRequest(
+            request_id=f"t-{time.monotonic_ns()}",
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
+        )
+        tokens, last = [], None
+        for ev in stub.Generate(req, timeout=timeout):
+            tokens += list(ev.token_ids)
+            last = ev
+        return tokens, last
