@@ -174,6 +174,29 @@ def _check_finite(what: str, t: torch.Tensor, where: dict) -> None:
         raise WireError("bad_value", f"{what} contains non-finite values", **where)
 
 
+def _check_request_header(hd: Any, limits: WireLimits, where: dict) -> torch.dtype:
+    """The header's numbers against the server's limits; returns the hidden dtype."""
+    dtype = _FROM_WIRE.get(hd.hidden_dtype)
+    problem = None
+    if dtype is None:
+        problem = f"unknown hidden dtype {hd.hidden_dtype}"
+    elif hd.hidden_size != limits.hidden_size:
+        problem = f"hidden size {hd.hidden_size}, this server's is {limits.hidden_size}"
+    elif hd.layer >= limits.num_layers:
+        problem = f"layer {hd.layer} of a {limits.num_layers}-layer model"
+    elif hd.top_k > min(limits.top_k, limits.num_experts):
+        problem = f"top_k {hd.top_k} > {limits.top_k} ({limits.num_experts} experts)"
+    elif hd.num_tokens > limits.max_tokens:
+        problem = f"{hd.num_tokens} tokens > this server's limit {limits.max_tokens}"
+    elif len(hd.sender) > MAX_SENDER_CHARS:
+        problem = "sender name too long"
+    elif not (math.isfinite(hd.deadline) and math.isfinite(hd.t_send)):
+        problem = "non-finite deadline or t_send"
+    if problem:
+        raise WireError("bad_value", problem, **where)
+    return dtype
+
+
 def decode_request(frames: Sequence[Buffer], limits: WireLimits) -> FFNRequest:
     """Validate and convert received frames; raises WireError on anything malformed.
 
@@ -181,30 +204,8 @@ def decode_request(frames: Sequence[Buffer], limits: WireLimits) -> FFNRequest:
     """
     hd = _parse(pb.FFNRequestHeader, frames, REQUEST_FRAMES)
     where = {"seq": hd.seq, "layer": hd.layer, "micro_batch": hd.micro_batch}
-    dtype = _FROM_WIRE.get(hd.hidden_dtype)
+    dtype = _check_request_header(hd, limits, where)
     t, h, k = hd.num_tokens, hd.hidden_size, hd.top_k
-    if dtype is None:
-        raise WireError("bad_value", f"unknown hidden dtype {hd.hidden_dtype}", **where)
-    if h != limits.hidden_size:
-        raise WireError(
-            "bad_value", f"hidden size {h}, this server's is {limits.hidden_size}", **where
-        )
-    if hd.layer >= limits.num_layers:
-        raise WireError(
-            "bad_value", f"layer {hd.layer} of a {limits.num_layers}-layer model", **where
-        )
-    if k > min(limits.top_k, limits.num_experts):
-        raise WireError(
-            "bad_value", f"top_k {k} > {limits.top_k} ({limits.num_experts} experts)", **where
-        )
-    if t > limits.max_tokens:
-        raise WireError(
-            "bad_value", f"{t} tokens > this server's limit {limits.max_tokens}", **where
-        )
-    if len(hd.sender) > MAX_SENDER_CHARS or not (
-        math.isfinite(hd.deadline) and math.isfinite(hd.t_send)
-    ):
-        raise WireError("bad_value", "sender, deadline or t_send out of range", **where)
     fp8 = dtype == torch.float8_e4m3fn
     _check_size("hidden", hd.hidden_bytes, frames[1], t * h * dtype.itemsize, where)
     _check_size("scales", hd.scales_bytes, frames[2], t * 4 if fp8 else 0, where)
@@ -219,13 +220,10 @@ def decode_request(frames: Sequence[Buffer], limits: WireLimits) -> FFNRequest:
         if t and float(scales.min()) < 0:
             raise WireError("bad_value", "negative fp8 scale", **where)
     if ids.numel():
-        lo, hi = torch.aminmax(ids)
-        if int(lo) < 0 or int(hi) >= limits.num_experts:
-            raise WireError(
-                "bad_value",
-                f"expert ids span [{int(lo)}, {int(hi)}], outside [0, {limits.num_experts})",
-                **where,
-            )
+        lo, hi = (int(v) for v in torch.aminmax(ids))  # vectorised range check
+        if lo < 0 or hi >= limits.num_experts:
+            message = f"expert ids span [{lo}, {hi}], outside [0, {limits.num_experts})"
+            raise WireError("bad_value", message, **where)
     _check_finite("expert weights", weights, where)
     return FFNRequest(
         layer=hd.layer,

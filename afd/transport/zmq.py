@@ -123,28 +123,28 @@ class ZmqListener(Listener):
 
     def _drain(self) -> list[Inbound[bytes]]:
         batch = []
-        while len(batch) < _DRAIN:
-            try:
-                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
+        # EVENTS, not an exception from a non-blocking recv, says when the queue is empty.
+        while len(batch) < _DRAIN and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            frames = self._sock.recv_multipart(copy=False)
             # ROUTER prefixes the sender's routing id; the rest is the message.
             batch.append(Inbound(frames[0].bytes, [f.buffer for f in frames[1:]], time.time()))
         return batch
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if not self._sock.poll(_POLL_MS, zmq.POLLIN):
-                    continue
-                for peer, frames in serve_messages(self._drain(), self._handler, self._limits):
-                    # ROUTER drops replies to peers that went away (not an error here).
-                    self._sock.send_multipart([peer, *frames], copy=False)
-            except Exception:  # never let one bad moment kill the server thread
-                if self._stop.is_set():
-                    return
-                log.exception("zmq listener %s: error in the serving loop", self.address)
-        self._sock.close(linger=0)
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not poller.poll(_POLL_MS):
+                        continue
+                    for peer, frames in serve_messages(self._drain(), self._handler, self._limits):
+                        # ROUTER drops replies to peers that went away (not an error here).
+                        self._sock.send_multipart([peer, *frames], copy=False)
+                except Exception:  # never let one bad moment kill the server thread
+                    log.exception("zmq listener %s: error in the serving loop", self.address)
+        finally:
+            self._sock.close(linger=0)  # sockets belong to the thread that uses them
 
     def close(self) -> None:
         self._stop.set()

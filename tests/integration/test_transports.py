@@ -170,7 +170,7 @@ def test_round_trips_with_micro_batches_in_flight(client):
             for r in reversed(reqs):  # out of order: replies are matched by seq
                 reply = client.wait(r.seq, TIMEOUT)
                 _check(reply, r)
-                if not isinstance(client, type(connect("inproc://unused"))):
+                if not client.address.startswith("inproc://"):  # stamped by afd.wire backends
                     assert reply.trace.a_send == r.t_send
                     assert r.t_send <= reply.trace.a_recv and reply.trace.f_send > 0
 
