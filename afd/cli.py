@@ -188,6 +188,14 @@ def _bench_parser(sub) -> None:
     bench_engine.add_parser(bsub)
 
 
+def _serving_parsers(sub) -> None:
+    from afd import serve
+    from services.gateway import app as gateway_app
+
+    gateway_app.add_parser(sub)
+    serve.add_parser(sub)
+
+
 def _plan_parser(sub) -> None:
     try:
         from afd.plan import cli as plan_cli
@@ -205,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _ffn_parser(sub)
     _attention_parser(sub)
+    _serving_parsers(sub)
     _bench_parser(sub)
     _plan_parser(sub)
     return parser

@@ -94,7 +94,30 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
         return ready, reason
 
 
+def _start_inproc_ffn(cfg: EngineConfig) -> list:
+    """When every FFN address is inproc://, serve those expert shards in this process (shard i
+    of N at the i-th address): `afd serve --transport inproc`."""
+    addrs = cfg.ffn_addresses
+    if not addrs or not all(a.startswith("inproc://") for a in addrs):
+        return []
+    from afd.sharding import ExpertShard
+    from afd.transport import listen
+    from services.attention.engine import DTYPES
+    from services.ffn.server import FFNServer
+
+    n, model = len(addrs), cfg.model
+    return [
+        listen(
+            addr,
+            FFNServer(model, ExpertShard(i, n, model.num_experts), DTYPES[cfg.dtype]).handle,
+            inline=cfg.micro_batches == 1,  # nothing to overlap: compute on the engine thread
+        )
+        for i, addr in enumerate(addrs)
+    ]
+
+
 async def _serve(cfg: AttentionServerConfig) -> None:
+    ffn_listeners = _start_inproc_ffn(cfg.engine)
     engine = Engine(cfg.engine)
     loop = EngineLoop(engine)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -116,6 +139,8 @@ async def _serve(cfg: AttentionServerConfig) -> None:
     log.info("attention server stopping")
     await server.stop(grace=2.0)
     loop.close()
+    for listener in ffn_listeners:
+        listener.close()
 
 
 def serve(cfg: AttentionServerConfig) -> int:

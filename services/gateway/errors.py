@@ -1,0 +1,89 @@
+"""OpenAI-style errors: every failure the gateway reports is an `APIError`, rendered as
+`{"error": {"message", "type", "param", "code"}}` with the matching HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class APIError(Exception):
+    """An error the client gets, with its HTTP status and OpenAI error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400: the request cannot be served as asked."""
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "service_unavailable", None, "unavailable")
+
+
+def overloaded(message: str) -> APIError:
+    # Retry-After: the waiting queue drains in seconds on any sane deployment.
+    return APIError(429, message, "rate_limit_error", None, "overloaded", {"Retry-After": "1"})
+
+
+def internal(message: str) -> APIError:
+    return APIError(500, message, "internal_error", None, "internal_error")
+
+
+def from_attention(code: str, message: str) -> APIError:
+    """Map an attention server's error code (see control.proto ErrorCode) to an APIError."""
+    if code == "invalid_request":
+        return invalid(message)
+    if code == "unavailable":
+        return unavailable(message)
+    if code == "overloaded":
+        return overloaded(message)
+    return internal(message or "the attention server failed the request")
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """One readable sentence (and the offending parameter) from pydantic's error list."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    # pydantic names each union branch it tried ("prompt.list[int]"): keep only real names.
+    loc = [str(p) for p in first.get("loc", ()) if isinstance(p, int) or str(p).isidentifier()]
+    param = ".".join(loc) or None
+    if param and param.split(".")[0] == "prompt" and len(errors) > 1:
+        return PROMPT_SHAPES, "prompt"
+    msg = str(first.get("msg", "invalid value"))
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return (f"{param}: {msg}{more}" if param else msg + more), param
+
+
+PROMPT_SHAPES = (
+    "prompt must be a non-empty string, a list of strings, a list of token ids (ints >= 0), "
+    "or a list of lists of token ids"
+)

@@ -1,0 +1,171 @@
+"""One request's choices, running: Generate streams -> text deltas with stop strings applied.
+
+A `ChoiceRun` is one Generate call (one choice of one prompt). `ChoiceStreams` runs all of a
+request's choices as tasks feeding one queue, so the HTTP side reads their deltas in arrival
+order, and cancels every one of them (aborting them on their attention servers) when it is
+closed early: a stop string, an error in a sibling, or the client going away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from services.gateway.client import GenParams
+from services.gateway.detok import IncrementalDetokenizer, StopMatcher
+from services.gateway.errors import APIError, internal
+from services.gateway.router import Router
+
+# per token: (token id, logprob, [(token id, logprob)] top alternatives)
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    index: int  # the choice's index in the response
+    request_id: str  # unique on the attention server
+    prompt_ids: list[int]
+    params: GenParams
+    stop: tuple[str, ...] = ()
+    prefix: str = ""  # text emitted before the generated text (completions' echo)
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class ChoiceRun:
+    """One choice: a Generate call on the least-loaded attention server, as text deltas."""
+
+    def __init__(self, spec: ChoiceSpec, router: Router, decoder) -> None:
+        self.spec = spec
+        self._router = router
+        self._decoder = decoder  # afd.tokenizer.ModelTokenizer
+        self.prompt_tokens = len(spec.prompt_ids)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+
+    async def run(self, emit: Callable[[Delta], None]) -> None:
+        """Call `emit` with each delta; the last has finish_reason set."""
+        spec = self.spec
+        client = self._router.pick()
+        detok = IncrementalDetokenizer(self._decoder, spec.prompt_ids)
+        stop = StopMatcher(spec.stop)
+        if spec.prefix:
+            emit(Delta(spec.index, spec.prefix))
+        ids: list[int] = []
+        lps: list[TokenLogprob] = []
+        with self._router.lease(client):
+            stream = client.generate(spec.request_id, spec.prompt_ids, spec.params)
+            async with aclosing(stream) as events:  # closing early cancels the call
+                async for ev in events:
+                    self.completion_tokens = ev.completion_tokens
+                    ids += ev.token_ids
+                    lps += [
+                        (t, lp, top)
+                        for t, (lp, top) in zip(ev.token_ids, ev.logprobs, strict=False)
+                    ]
+                    finish = ev.finish_reason or None
+                    text = detok.add(ev.token_ids) + (detok.flush() if finish else "")
+                    out, stopped = stop.feed(text)
+                    if stopped:
+                        finish = "stop"
+                    elif finish:
+                        out += stop.flush()
+                    # With logprobs asked, every token is sent as it comes, even while its
+                    # text waits for the rest of a UTF-8 character.
+                    if out or finish or lps:
+                        emit(Delta(spec.index, out, ids, lps, finish))
+                        ids, lps = [], []
+                    if finish:
+                        self.finish_reason = finish
+                        return
+
+
+_DONE = object()  # one choice finished
+_GONE = object()  # the client disconnected
+
+
+class ChoiceStreams:
+    """All choices of one request, their deltas interleaved on one queue."""
+
+    def __init__(self, runs: list[ChoiceRun], choices_per_prompt: int = 1) -> None:
+        self.runs = runs
+        self._per_prompt = max(1, choices_per_prompt)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._open = len(runs)
+        self.disconnected = False
+
+    def start(self, disconnect: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Start every choice; `disconnect`, when given, returns once the client has gone,
+        which ends the stream (`next` returns None) and cancels every choice."""
+        self._tasks = [asyncio.create_task(self._drive(r)) for r in self.runs]
+        if disconnect is not None:
+            self._tasks.append(asyncio.create_task(self._watch(disconnect)))
+
+    async def _watch(self, disconnect: Callable[[], Awaitable[None]]) -> None:
+        await disconnect()
+        self.disconnected = True
+        # Cancel right here: whoever reads the queue may never run again (a response that
+        # had not started when the client left is simply dropped).
+        for t in self._tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+        self._queue.put_nowait(_GONE)
+
+    async def _drive(self, run: ChoiceRun) -> None:
+        try:
+            await run.run(self._queue.put_nowait)
+            if run.finish_reason is None:
+                raise internal("a choice ended without a finish reason")
+            self._queue.put_nowait(_DONE)
+        except asyncio.CancelledError:
+            raise
+        except APIError as e:
+            self._queue.put_nowait(e)
+        except Exception as e:  # report, never hang the reader
+            self._queue.put_nowait(internal(f"generation failed: {e}"))
+
+    async def next(self) -> Delta | None:
+        """The next delta of any choice; None when every choice has finished. Raises the
+        first APIError a choice hit."""
+        while self._open:
+            item = await self._queue.get()
+            if item is _GONE:
+                await self.close()
+                return None
+            if item is _DONE:
+                self._open -= 1
+                continue
+            if isinstance(item, APIError):
+                await self.close()
+                raise item
+            return item
+        return None
+
+    async def close(self) -> None:
+        """Cancel every choice still running (their attention servers abort them)."""
+        self._open = 0
+        pending = [t for t in self._tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens counted once per distinct prompt, as OpenAI counts them."""
+        seen = {r.spec.index // self._per_prompt: r.prompt_tokens for r in self.runs}
+        return sum(seen.values())
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(r.completion_tokens for r in self.runs)

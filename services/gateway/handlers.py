@@ -1,0 +1,247 @@
+"""From a validated OpenAI request to a response: prompts -> token ids, checks against the
+context, one Generate call per choice, then a JSON body or an SSE stream."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from pydantic import BaseModel, ValidationError
+
+from afd import metrics
+from afd.errors import AfdError
+from afd.tokenizer import ModelTokenizer
+from services.gateway.client import GenParams
+from services.gateway.detok import TokenBytes
+from services.gateway.errors import APIError, invalid, validation_message
+from services.gateway.generation import ChoiceRun, ChoiceSpec, ChoiceStreams, Delta
+from services.gateway.responses import (
+    SSE_DONE,
+    ChatFormatter,
+    CompletionFormatter,
+    sse,
+    usage,
+)
+from services.gateway.router import Router
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+_INT64 = 2**63
+
+
+@dataclass(frozen=True)
+class GatewayState:
+    """What every handler needs; built once at start-up."""
+
+    tokenizer: ModelTokenizer
+    token_bytes: TokenBytes
+    router: Router
+    model_name: str
+    vocab_size: int  # token ids must be below this (the model's embedding rows)
+    notice: str = ""  # shown on the model card (the demo model says its text is meaningless)
+
+
+async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The body as `model`; malformed JSON or a field of the wrong type or range is a 400."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid("the body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        msg, param = validation_message(e.errors(include_url=False))
+        raise invalid(msg, param=param) from None
+
+
+def check_model(state: GatewayState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise invalid(
+            f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def chat_prompt(state: GatewayState, req: ChatCompletionRequest) -> list[int]:
+    messages = [m.template_dict() for m in req.messages]
+    try:
+        text = state.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+    except (TemplateError, AfdError) as e:  # includes the sandbox's SecurityError
+        raise invalid(f"cannot apply the chat template: {e}", param="messages") from None
+    return state.tokenizer.encode(text)
+
+
+def completion_prompts(state: GatewayState, req: CompletionRequest) -> list[tuple[list[int], str]]:
+    """Each prompt as (token ids, text to echo)."""
+    out = []
+    for p in req.prompts():
+        if isinstance(p, str):
+            out.append((state.tokenizer.encode(p), p if req.echo else ""))
+        else:
+            check_token_ids(state, p, "prompt")
+            out.append((p, state.tokenizer.decode(p) if req.echo else ""))
+    return out
+
+
+def check_token_ids(state: GatewayState, ids: list[int], param: str) -> None:
+    bad = next((t for t in ids if t >= state.vocab_size), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} is out of range (vocabulary: {state.vocab_size})", param)
+
+
+def _seed(seed: int | None, j: int) -> int | None:
+    # Choice j gets seed + j: choices differ, and the same request reproduces all of them.
+    if seed is None:
+        return None
+    return (seed + j + _INT64) % (2 * _INT64) - _INT64
+
+
+async def plan(
+    state: GatewayState,
+    req: ChatCompletionRequest | CompletionRequest,
+    prompts: list[tuple[list[int], str]],
+    request_id: str,
+) -> list[ChoiceSpec]:
+    """One ChoiceSpec per (prompt, choice), checked against the context length."""
+    max_len = await state.router.max_model_len()
+    param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    nonce = secrets.token_hex(3)  # attention-side ids stay unique if a client reuses its id
+    specs = []
+    for p, (ids, echo) in enumerate(prompts):
+        if not ids:
+            raise invalid("the prompt is empty", param)
+        if len(ids) >= max_len:
+            raise invalid(
+                f"the prompt has {len(ids)} tokens; this model's context is {max_len} tokens",
+                param,
+                "context_length_exceeded",
+            )
+        room = max_len - len(ids)
+        max_tokens = req.max_new_tokens or room
+        if max_tokens > room:
+            raise invalid(
+                f"max_tokens is {max_tokens}, but the prompt ({len(ids)} tokens) leaves room for "
+                f"only {room} of this model's {max_len}-token context",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        for c in range(req.n):
+            j = p * req.n + c
+            params = GenParams(
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=max(req.top_k, 0),
+                seed=_seed(req.seed, j),
+                ignore_eos=req.ignore_eos,
+                logprobs=req.num_logprobs,
+            )
+            spec = ChoiceSpec(j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo)
+            specs.append(spec)
+    return specs
+
+
+async def respond(
+    state: GatewayState,
+    request: Request,
+    req: ChatCompletionRequest | CompletionRequest,
+    specs: list[ChoiceSpec],
+) -> Response:
+    """Run the choices and answer: an SSE stream or one JSON body."""
+    chat = isinstance(req, ChatCompletionRequest)
+    rid = request.state.request_id
+    fmt_cls = ChatFormatter if chat else CompletionFormatter
+    fmt = fmt_cls(
+        f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+        state.model_name,
+        state.token_bytes,
+        req.include_usage,
+    )
+    runs = [ChoiceRun(s, state.router, state.tokenizer) for s in specs]
+    streams = ChoiceStreams(runs, req.n)
+    streams.start(lambda: _disconnected(request))
+    with_lp = req.num_logprobs is not None
+    if req.stream:
+        try:
+            first = await streams.next()  # an error before any byte is sent gets its status
+        except BaseException:
+            await streams.close()
+            raise
+        return StreamingResponse(
+            _sse(streams, fmt, first, with_lp, chat, req.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    choices = await _collect(streams, len(specs))
+    if streams.disconnected:
+        return Response(status_code=499)  # nobody is listening any more
+    use = usage(streams.prompt_tokens, streams.completion_tokens)
+    _count_finished(streams)
+    return JSONResponse(fmt.response(choices, with_lp, use))
+
+
+async def _collect(streams: ChoiceStreams, n: int) -> list[tuple[str, list, str]]:
+    texts: list[list[str]] = [[] for _ in range(n)]
+    lps: list[list] = [[] for _ in range(n)]
+    finish = [""] * n
+    try:
+        while (d := await streams.next()) is not None:
+            texts[d.index].append(d.text)
+            lps[d.index] += d.logprobs
+            finish[d.index] = d.finish_reason or finish[d.index]
+    finally:
+        await streams.close()
+    return [("".join(texts[i]), lps[i], finish[i]) for i in range(n)]
+
+
+async def _sse(
+    streams: ChoiceStreams,
+    fmt: ChatFormatter | CompletionFormatter,
+    first: Delta | None,
+    with_lp: bool,
+    chat: bool,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    try:
+        if chat:
+            for i in range(len(streams.runs)):
+                yield sse(fmt.role_chunk(i))
+        d = first
+        while d is not None:
+            yield sse(fmt.chunk(d, with_lp))
+            d = await streams.next()
+        if streams.disconnected:
+            return
+        _count_finished(streams)
+        if include_usage:
+            yield sse(fmt.usage_chunk(streams.prompt_tokens, streams.completion_tokens))
+    except APIError as e:  # the status line is gone; the error travels as an event
+        yield sse(e.body())
+    finally:
+        await streams.close()
+    yield SSE_DONE
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has hung up (the body was read already, so the next ASGI
+    message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _count_finished(streams: ChoiceStreams) -> None:
+    metrics.PROMPT_TOKENS.inc(streams.prompt_tokens)
+    metrics.GENERATION_TOKENS.inc(streams.completion_tokens)
+    for r in streams.runs:
+        if r.finish_reason:
+            metrics.REQUEST_SUCCESS.labels(finished_reason=r.finish_reason).inc()

@@ -1,0 +1,164 @@
+"""OpenAI response bodies (chat.completion, text_completion and their stream chunks), built as
+plain dicts: a stream writes one per token, and pydantic per chunk would cost more than the
+rest of the gateway together."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from services.gateway.detok import TokenBytes
+from services.gateway.generation import Delta, TokenLogprob
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying `obj` as JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class _Formatter:
+    """What every body of one response shares: id, creation time, model, token texts."""
+
+    object_name = ""
+    chunk_name = ""
+
+    def __init__(self, response_id: str, model: str, token_bytes: TokenBytes, usage_chunks: bool):
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.tb = token_bytes
+        self.usage_chunks = usage_chunks  # include_usage: every chunk has "usage" (null)
+
+    def _envelope(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {
+            "id": self.id,
+            "object": name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if name == self.chunk_name and self.usage_chunks:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {
+            **self._envelope(self.chunk_name, []),
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+
+
+class ChatFormatter(_Formatter):
+    object_name = "chat.completion"
+    chunk_name = "chat.completion.chunk"
+
+    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        return {"content": [self._entry(t, lp, top) for t, lp, top in entries]}
+
+    def _entry(self, token: int, lp: float, top: list[tuple[int, float]]) -> dict[str, Any]:
+        return {
+            **self._token(token, lp),
+            "top_logprobs": [self._token(t, v) for t, v in top],
+        }
+
+    def _token(self, token: int, lp: float) -> dict[str, Any]:
+        raw = self.tb(token)
+        return {"token": self.tb.text(token), "logprob": lp, "bytes": list(raw)}
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}}
+        return self._envelope(
+            self.chunk_name, [{**choice, "logprobs": None, "finish_reason": None}]
+        )
+
+    def chunk(self, d: Delta, with_logprobs: bool) -> dict[str, Any]:
+        choice = {
+            "index": d.index,
+            "delta": {"content": d.text} if d.text else {},
+            "logprobs": self.logprobs(d.logprobs) if with_logprobs and d.logprobs else None,
+            "finish_reason": d.finish_reason,
+        }
+        return self._envelope(self.chunk_name, [choice])
+
+    def response(
+        self, choices: list[tuple[str, list[TokenLogprob], str]], with_logprobs: bool, use: dict
+    ) -> dict[str, Any]:
+        """`choices`: (text, logprobs, finish_reason) in index order."""
+        body = self._envelope(
+            self.object_name,
+            [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": self.logprobs(lps) if with_logprobs else None,
+                    "finish_reason": finish,
+                }
+                for i, (text, lps, finish) in enumerate(choices)
+            ],
+        )
+        return {**body, "usage": use, "system_fingerprint": None}
+
+
+class CompletionFormatter(_Formatter):
+    object_name = "text_completion"
+    chunk_name = "text_completion"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._offsets: dict[int, int] = {}  # per choice: text length so far (text_offset)
+
+    def logprobs(self, index: int, entries: list[TokenLogprob]) -> dict[str, Any]:
+        out: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        offset = self._offsets.get(index, 0)
+        for token, lp, top in entries:
+            text = self.tb.text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({self.tb.text(t): v for t, v in top})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        self._offsets[index] = offset
+        return out
+
+    def chunk(self, d: Delta, with_logprobs: bool) -> dict[str, Any]:
+        choice = {
+            "index": d.index,
+            "text": d.text,
+            "logprobs": self.logprobs(d.index, d.logprobs) if with_logprobs else None,
+            "finish_reason": d.finish_reason,
+        }
+        return self._envelope(self.chunk_name, [choice])
+
+    def response(
+        self, choices: list[tuple[str, list[TokenLogprob], str]], with_logprobs: bool, use: dict
+    ) -> dict[str, Any]:
+        body = self._envelope(
+            self.object_name,
+            [
+                {
+                    "index": i,
+                    "text": text,
+                    "logprobs": self.logprobs(i, lps) if with_logprobs else None,
+                    "finish_reason": finish,
+                }
+                for i, (text, lps, finish) in enumerate(choices)
+            ],
+        )
+        return {**body, "usage": use, "system_fingerprint": None}

@@ -1,0 +1,175 @@
+"""OpenAI request bodies as pydantic models: the only place the gateway checks a field's type
+and range. Unknown fields are accepted and ignored (clients send many harmless extras);
+integers and booleans are strict, so `"max_tokens": "5"` or `"stream": "yes"` is a 400."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_STOP = 16  # stop strings
+MAX_STOP_LEN = 256  # characters in one stop string
+MAX_TOP_LOGPROBS = 20
+INT64 = 2**63 - 1
+
+Int = StrictInt
+Bool = StrictBool
+# Floats accept JSON integers (1 is a fine temperature) but not strings.
+Float = Annotated[float, Field(strict=True)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+
+class StreamOptions(_Model):
+    include_usage: Bool = False
+
+
+class _SamplingRequest(_Model):
+    """Fields shared by chat and completions."""
+
+    model: str | None = None
+    max_tokens: Annotated[Int, Field(ge=1, le=INT64)] | None = None
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[Int, Field(ge=-1, le=1 << 30)] = 0  # vLLM extra; 0 or -1: off
+    seed: Annotated[Int, Field(ge=-(2**63), le=INT64)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted for compatibility; this server applies no penalties (0 is their default).
+    presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] = 0.0
+    ignore_eos: Bool = False  # vLLM extra: generate max_tokens whatever the model says
+    user: str | None = None
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ChatMessage:
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(
+                        f"content part of type {part.type!r} is not supported; only text parts"
+                    )
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (no None fields)."""
+        d: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if isinstance(self.content, list):
+            d["content"] = [{"type": "text", "text": p.text} for p in self.content]
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[Int, Field(ge=1, le=INT64)] | None = None
+    logprobs: Bool = False
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    add_generation_prompt: Bool = True  # vLLM extra
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; k: the sampled token's and the top k alternatives'."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+Prompt = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Prompt
+    max_tokens: Annotated[Int, Field(ge=1, le=INT64)] | None = 16  # the OpenAI default here
+    echo: Bool = False
+    logprobs: Annotated[Int, Field(ge=0, le=5)] | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo with logprobs needs prompt logprobs, which this server does not compute"
+            )
+        if len(self.prompts()) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt, each a string or a list of token ids (the four OpenAI shapes)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeRequest(_Model):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: Bool = True
+
+    @model_validator(mode="after")
+    def _one(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Model):
+    tokens: list[TokenId]

@@ -1,0 +1,277 @@
+"""A real `afd serve` cluster (2 FFN + 2 attention + gateway, separate processes, tcp data
+plane) driven with the official openai client."""
+
+import asyncio
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from afd.demo import TINY_CONFIG, write_step3_checkpoint
+from afd.tokenizer import ModelTokenizer
+from services.gateway.client import AttentionClient
+from services.gateway.detok import TokenBytes
+
+KEY = "sk-system-test"
+CHAT = [{"role": "user", "content": "Say something."}]
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def start_serve(model, *flags, timeout=90):
+    """Start `afd serve` on a free port; return (process, base url, stderr path)."""
+    log = model.parent / f"serve-{time.monotonic_ns()}.log"
+    argv = [sys.executable, "-m", "afd.cli", "serve", "--model", str(model), "--port", "0"]
+    proc = subprocess.Popen(
+        [*argv, "--threads", "1", "--kv-cache-gb", "0.05", *flags],
+        stdout=subprocess.PIPE,
+        stderr=open(log, "wb"),
+        text=True,
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        m = re.search(r"afd is ready: (\S+)", line)
+        if m:
+            return proc, m.group(1), log
+    proc.kill()
+    raise AssertionError("afd serve did not become ready:\n" + log.read_text()[-3000:])
+
+
+def child_pids(log):
+    return [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", log.read_text())]
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_step3_checkpoint(
+        tmp_path_factory.mktemp("gw") / "tiny", TINY_CONFIG, seed=0, init_std=0.2
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(model):
+    proc, url, log = start_serve(
+        model, "--attention", "2", "--ffn", "2", "--transport", "tcp", "--api-key", KEY
+    )
+    yield url, log
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    pids = child_pids(log)
+    assert len(pids) == 5 and not any(alive(p) for p in pids), "orphaned children"
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster[0], api_key=KEY, max_retries=0, timeout=60)
+
+
+def attention_addresses(log):
+    return re.findall(r"attention server listening on (\S+)", log.read_text())
+
+
+def wait_idle(log, timeout=5.0):
+    """Every attention server: nothing running or waiting, no KV block held."""
+
+    async def stats():
+        out = []
+        for address in attention_addresses(log):
+            c = AttentionClient(address)
+            out.append(await c.stats())
+            await c.close()
+        return out
+
+    deadline = time.monotonic() + timeout
+    while True:
+        s = asyncio.run(stats())
+        if len(s) == 2 and all(x.running == x.waiting == 0 and x.kv_usage == 0 for x in s):
+            return
+        assert time.monotonic() < deadline, f"attention servers still busy: {s}"
+        time.sleep(0.1)
+
+
+def test_ready_health_models(cluster, client):
+    url = cluster[0].removesuffix("/v1")
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/ready").json()["status"] == "ready"
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+
+
+def test_chat_stream_equals_non_stream_and_usage(client):
+    args = dict(model="tiny", messages=CHAT, max_tokens=12, **GREEDY)
+    whole = client.chat.completions.create(**args)
+    chunks = list(
+        client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 12
+    tok = httpx.post(
+        str(client.base_url).replace("/v1/", "/tokenize"),
+        json={"messages": CHAT},
+        headers={"Authorization": f"Bearer {KEY}"},
+    ).json()
+    assert whole.usage.prompt_tokens == tok["count"]
+
+
+def test_greedy_matches_afd_generate(model, cluster, client):
+    n = 10
+    out = subprocess.run(
+        [sys.executable, "-m", "afd.cli", "generate", "--model", str(model), "--chat"]
+        + ["--prompt", CHAT[0]["content"], "--json", "--temperature", "0", "--ignore-eos"]
+        + ["--max-tokens", str(n), "--ffn-shards", "2", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    expected = json.loads(out.stdout)["results"][0]
+    chat = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=n, logprobs=True, **GREEDY
+    )
+    assert chat.choices[0].message.content == expected["text"]
+    # Token for token: chat logprobs carry each token's exact bytes.
+    tb = TokenBytes(ModelTokenizer(model))
+    got = [bytes(e.bytes) for e in chat.choices[0].logprobs.content]
+    assert got == [tb(i) for i in expected["token_ids"]]
+    # The same prompt as token ids on /v1/completions.
+    tok = httpx.post(
+        cluster[0].removesuffix("/v1") + "/tokenize",
+        json={"messages": CHAT},
+        headers={"Authorization": f"Bearer {KEY}"},
+    ).json()
+    comp = client.completions.create(model="tiny", prompt=tok["tokens"], max_tokens=n, **GREEDY)
+    assert comp.choices[0].text == expected["text"]
+
+
+def test_completion_prompt_shapes_and_echo(client):
+    one = client.completions.create(model="tiny", prompt="abc", max_tokens=3, **GREEDY)
+    ids = client.completions.create(model="tiny", prompt=[97, 98, 99], max_tokens=3, **GREEDY)
+    assert one.choices[0].text == ids.choices[0].text
+    many = client.completions.create(
+        model="tiny", prompt=[[97, 98, 99], [120, 121]], max_tokens=3, **GREEDY
+    )
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == one.choices[0].text
+    assert many.usage.prompt_tokens == 5 and many.usage.completion_tokens == 6
+    echo = client.completions.create(model="tiny", prompt="abc", max_tokens=3, echo=True, **GREEDY)
+    assert echo.choices[0].text == "abc" + one.choices[0].text
+
+
+def test_stop_string_is_matched_and_never_leaked(client):
+    args = dict(model="tiny", prompt="hello", max_tokens=24, **GREEDY)
+    text = client.completions.create(**args).choices[0].text
+    i = next(
+        i
+        for i in range(1, len(text) - 2)
+        if "\ufffd" not in text[i : i + 2] and text.find(text[i : i + 2]) == i
+    )
+    stop = text[i : i + 2]  # two byte tokens: the stop string spans a token boundary
+    cut = client.completions.create(**args, stop=[stop, "never-there"])
+    assert cut.choices[0].text == text[:i] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(**args, stop=stop, stream=True)
+    pieces = [c.choices[0].text for c in streamed]
+    assert "".join(pieces) == text[:i]
+
+
+def test_n_and_seeds_are_reproducible(client):
+    args = dict(model="tiny", messages=CHAT, max_tokens=8, temperature=1.0, n=3, seed=1234)
+    a = [c.message.content for c in client.chat.completions.create(**args).choices]
+    b = [c.message.content for c in client.chat.completions.create(**args).choices]
+    assert a == b and len(set(a)) == 3  # reproducible, and the choices differ
+    other = client.chat.completions.create(**{**args, "seed": 99, "n": 1})
+    assert other.choices[0].message.content != a[0]
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=3, **GREEDY
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)  # greedy: the top one
+    c = client.completions.create(model="tiny", prompt="hi", max_tokens=4, logprobs=2, **GREEDY)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+
+
+def test_bad_requests_get_openai_errors_and_leave_nothing_allocated(cluster, client):
+    url, log = cluster
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    bad = [
+        (b"{not json", 400),
+        (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": "ten"}), 400),
+        (json.dumps({"model": "nope", "prompt": "x"}), 400),
+        (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 10**9}), 400),
+        (json.dumps({"model": "tiny", "prompt": "x" * 600}), 400),
+        (json.dumps({"model": "tiny", "prompt": "x", "temperature": -1}), 400),
+        (json.dumps({"model": "tiny", "prompt": "x", "n": 10**6}), 400),
+        (json.dumps({"model": "tiny", "prompt": "x" * (5 << 20)}), 413),
+    ]
+    for body, status in bad:
+        r = httpx.post(f"{url}/completions", content=body, headers=h, timeout=30)
+        assert r.status_code == status, (body[:80], r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10**6)
+    wait_idle(log)
+
+
+def test_api_key(cluster):
+    url = cluster[0]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    r = httpx.get(f"{url}/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_request_id_is_honoured(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=CHAT, max_tokens=2, extra_headers={"X-Request-Id": "trace-42"}
+    )
+    assert raw.headers["x-request-id"] == "trace-42"
+    assert raw.parse().id == "chatcmpl-trace-42"
+
+
+def test_client_disconnect_aborts_the_request(cluster):
+    url, log = cluster
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    h = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{url}/completions", json=body, headers=h, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert next(lines) == ""
+    # Non-streaming too: the client times out and hangs up long before 3 x 400 tokens.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{url}/completions", json={**body, "stream": False, "n": 3}, headers=h, timeout=0.5
+        )
+    wait_idle(log)
