@@ -184,8 +184,16 @@ def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     bsub = p.add_subparsers(dest="bench", required=True)
     from afd.bench import engine as bench_engine
+    from afd.bench import pipeline as bench_pipeline
+    from afd.bench import wire as bench_wire
 
     bench_engine.add_parser(bsub)
+    bench_pipeline.add_parser(bsub)
+    w = bsub.add_parser(
+        "wire", help="FP8 codec, per-layer round trip, bytes on the wire", add_help=False
+    )
+    w.add_argument("rest", nargs=argparse.REMAINDER)
+    w.set_defaults(func=lambda a: bench_wire.main(a.rest) or 0)
 
 
 def _serving_parsers(sub) -> None:

@@ -19,8 +19,8 @@ from afd.ops import Linear, rms_norm
 class PrefillSeq:
     q_start: int  # first row of this sequence in the micro-batch
     q_len: int
-    ctx_slots: torch.Tensor  # [L] long: KV slots of positions 0..L-1, L = start_pos + q_len
-    bias: torch.Tensor  # [q_len, L] float32: 0 where visible (causal), -inf elsewhere
+    blocks: torch.Tensor  # [nb] long: the KV blocks holding positions 0..L-1, L = start + q_len
+    bias: torch.Tensor  # [q_len, nb * block_size] float32: 0 visible (causal), -inf elsewhere
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,8 @@ class AttnMeta:
     positions: torch.Tensor  # [T] long
     slots: torch.Tensor  # [T] long: where each new token's K/V is written
     num_decode: int  # rows 0..num_decode-1 are single-token decodes
-    decode_ctx: torch.Tensor | None  # [nd, Lmax] long: KV slots per decode row, padded
-    decode_bias: torch.Tensor | None  # [nd, 1, 1, Lmax] float32: 0 valid, -inf padding
+    decode_blocks: torch.Tensor | None  # [nd, nb] long: block table per decode row, padded
+    decode_bias: torch.Tensor | None  # [nd, 1, nb * block_size] float32: 0 valid, -inf padding
     prefills: tuple[PrefillSeq, ...]
 
 
@@ -93,8 +93,8 @@ ATTENTION_KINDS: dict[str, type[AttentionKind]] = {"gqa": GQA, "mfa": MFA}
 
 def paged_attention(
     q: torch.Tensor,  # [T, nh, D], after RoPE
-    k_cache: torch.Tensor,  # [S, kvh, D], already holding this step's keys
-    v_cache: torch.Tensor,  # [S, kvh, D]
+    k_cache: torch.Tensor,  # [kvh, NB, bs, D], already holding this step's keys
+    v_cache: torch.Tensor,  # [kvh, NB, bs, D]
     meta: AttnMeta,
     scale: float,
 ) -> torch.Tensor:  # [T, nh * D]
@@ -102,35 +102,36 @@ def paged_attention(
     out = torch.empty(T, nh * D, dtype=q.dtype)
     nd = meta.num_decode
     if nd:
-        k = k_cache[meta.decode_ctx]  # [nd, L, kvh, D]
-        v = v_cache[meta.decode_ctx]
-        out[:nd] = _attend(q[:nd].unsqueeze(1), k, v, meta.decode_bias, scale).reshape(nd, -1)
+        o = _attend(
+            q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_blocks, meta.decode_bias, scale
+        )
+        out[:nd] = o.reshape(nd, -1)
     for p in meta.prefills:
-        k = k_cache[p.ctx_slots].unsqueeze(0)  # [1, L, kvh, D]
-        v = v_cache[p.ctx_slots].unsqueeze(0)
         qs = q[p.q_start : p.q_start + p.q_len].unsqueeze(0)  # [1, n, nh, D]
-        bias = p.bias.view(1, 1, 1, p.q_len, -1)
-        o = _attend(qs, k, v, bias, scale)  # [1, n, nh, D]
+        o = _attend(qs, k_cache, v_cache, p.blocks.unsqueeze(0), p.bias.unsqueeze(0), scale)
         out[p.q_start : p.q_start + p.q_len] = o.reshape(p.q_len, -1)
     return out
 
 
 def _attend(
     q: torch.Tensor,  # [B, n, nh, D]
-    k: torch.Tensor,  # [B, L, kvh, D]
-    v: torch.Tensor,  # [B, L, kvh, D]
-    bias: torch.Tensor,  # broadcastable to [B, kvh, g, n, L]
+    k_cache: torch.Tensor,  # [kvh, NB, bs, D]
+    v_cache: torch.Tensor,  # [kvh, NB, bs, D]
+    blocks: torch.Tensor,  # [B, nb] long: each sequence's block table (padded)
+    bias: torch.Tensor,  # [B, n or 1, L] float32, L = nb * bs: 0 visible, -inf masked
     scale: float,
 ) -> torch.Tensor:  # [B, n, nh, D]
-    """Softmax attention as batched matmuls: the g query heads of a K/V head share one matmul."""
+    """Softmax attention as batched matmuls over (K/V head, sequence) pairs; the g query heads
+    of a K/V head and the n query tokens of a sequence share one matmul."""
     B, n, nh, D = q.shape
-    L, kvh = k.shape[1], k.shape[2]
+    kvh, _, bs, _ = k_cache.shape
+    L = blocks.shape[1] * bs
     g = nh // kvh
-    qg = q.view(B, n, kvh, g, D).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * n, D)
-    kt = k.permute(0, 2, 3, 1)  # [B, kvh, D, L]
-    scores = torch.matmul(qg, kt).float().view(B, kvh, g, n, L) * scale
-    if bias.dim() == 4:  # decode: [nd, 1, 1, L] -> [B, 1, 1, 1, L]
-        bias = bias.unsqueeze(3)
-    probs = torch.softmax(scores + bias, dim=-1).to(q.dtype).view(B, kvh, g * n, L)
-    o = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, kvh, g*n, D]
-    return o.view(B, kvh, g, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, nh, D)
+    # One gather of whole blocks per cache: [kvh, B*nb, bs, D] is already [kvh*B, L, D].
+    k = k_cache.index_select(1, blocks.reshape(-1)).view(kvh * B, L, D)
+    v = v_cache.index_select(1, blocks.reshape(-1)).view(kvh * B, L, D)
+    qg = q.view(B, n, kvh, g, D).permute(2, 0, 3, 1, 4).reshape(kvh * B, g * n, D)
+    scores = torch.bmm(qg, k.transpose(1, 2)).float().view(kvh, B, g, n, L) * scale
+    probs = torch.softmax(scores + bias.view(1, B, 1, -1, L), dim=-1)
+    o = torch.bmm(probs.to(q.dtype).view(kvh * B, g * n, L), v)  # [kvh*B, g*n, D]
+    return o.view(kvh, B, g, n, D).permute(1, 3, 0, 2, 4).reshape(B, n, nh, D)

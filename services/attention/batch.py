@@ -51,13 +51,13 @@ def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
         positions=torch.cat(positions),
         slots=torch.cat(slots),
         num_decode=len(decodes),
-        decode_ctx=None,
+        decode_blocks=None,
         decode_bias=None,
         prefills=(),
     )
     if decodes:
-        ctx, bias = _decode_ctx(decodes, block_size)
-        meta = replace(meta, decode_ctx=ctx, decode_bias=bias)
+        table, bias = _decode_blocks(decodes, block_size)
+        meta = replace(meta, decode_blocks=table, decode_bias=bias)
     if prefills:
         meta = replace(meta, prefills=_prefill_seqs(prefills, len(decodes), block_size))
     rows, sample_seqs, row = [], [], 0
@@ -79,19 +79,17 @@ def _slots(blocks: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Te
     return blocks[pos // block_size] * block_size + pos % block_size
 
 
-def _decode_ctx(decodes: list[ScheduledSeq], bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_blocks(decodes: list[ScheduledSeq], bs: int) -> tuple[torch.Tensor, torch.Tensor]:
     lens = torch.tensor([s.start_pos + 1 for s in decodes])  # keys each row attends to
-    L = int(lens.max())
-    nblk = (L + bs - 1) // bs
+    nblk = (int(lens.max()) + bs - 1) // bs
     table = torch.zeros(len(decodes), nblk, dtype=torch.long)  # padded with block 0 (masked)
     for i, s in enumerate(decodes):
         b = s.block_ids[:nblk]
         table[i, : len(b)] = torch.tensor(b)
-    pos = torch.arange(L)
-    ctx = table[:, pos // bs] * bs + pos % bs  # [nd, L]
-    bias = torch.zeros(len(decodes), L)
-    bias.masked_fill_(pos.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
-    return ctx, bias.view(len(decodes), 1, 1, L)
+    pos = torch.arange(nblk * bs)
+    bias = torch.zeros(len(decodes), 1, nblk * bs)
+    bias.masked_fill_(pos.view(1, 1, -1) >= lens.view(-1, 1, 1), float("-inf"))
+    return table, bias
 
 
 def _prefill_seqs(prefills: list[ScheduledSeq], first_row: int, bs: int) -> tuple[PrefillSeq, ...]:
@@ -99,9 +97,11 @@ def _prefill_seqs(prefills: list[ScheduledSeq], first_row: int, bs: int) -> tupl
     row = first_row
     for s in prefills:
         n, L = s.num_new_tokens, s.start_pos + s.num_new_tokens
-        ctx = _slots(torch.tensor(s.block_ids), torch.arange(L), bs)
+        nblk = (L + bs - 1) // bs
         q_pos = torch.arange(s.start_pos, L).unsqueeze(1)  # [n, 1]
-        bias = torch.zeros(n, L).masked_fill_(torch.arange(L).unsqueeze(0) > q_pos, float("-inf"))
-        out.append(PrefillSeq(q_start=row, q_len=n, ctx_slots=ctx, bias=bias))
+        bias = torch.zeros(n, nblk * bs)
+        bias.masked_fill_(torch.arange(nblk * bs).unsqueeze(0) > q_pos, float("-inf"))
+        blocks = torch.tensor(s.block_ids[:nblk], dtype=torch.long)
+        out.append(PrefillSeq(q_start=row, q_len=n, blocks=blocks, bias=bias))
         row += n
     return tuple(out)

@@ -8,7 +8,7 @@ The partial outputs are summed in float32 and returned in the compute dtype.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -100,6 +100,8 @@ class FFNPool:
                     f"FFN peer {peer.client.address} failed layer {reply.layer}: "
                     f"{reply.error_code}: {reply.error}"
                 )
+            if not reply.trace.a_recv:  # the in-process backend has no receive stamp of its own
+                reply = replace(reply, trace=replace(reply.trace, a_recv=time.time()))
             self.traces.append((peer.client.address, reply))
             out = reply.output
             if len(pending.parts) == 1:
@@ -132,6 +134,17 @@ class FFNPool:
             reply = peer.client.wait(seq, timeout)
             if not reply.ok:
                 raise TransportError(f"FFN peer {peer.client.address}: {reply.error}")
+
+    def wait_ready(self, timeout: float, probe_s: float = 2.0) -> None:
+        """Ping until every peer answers (a send to a peer that is still starting is dropped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.ping(probe_s)
+            except TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                self.reset()
 
     def reset(self) -> None:
         for peer in self.peers:

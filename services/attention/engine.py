@@ -9,6 +9,7 @@ import torch
 
 from afd.config import EngineConfig
 from afd.errors import TransportError
+from afd.runtime import tune_allocator
 from afd.sharding import ExpertShard
 from afd.transport import connect
 from services.attention.block_manager import BlockManager
@@ -26,6 +27,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 
 class Engine:
     def __init__(self, cfg: EngineConfig, model: AttentionModel | None = None, progress=True):
+        tune_allocator()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg

@@ -18,8 +18,9 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
         self.block_size = block_size
         self.num_blocks = num_blocks
-        slots = num_blocks * block_size
-        shape = (slots, cfg.num_kv_heads, cfg.head_dim)  # [S, kvh, D]
+        # Heads outermost, then whole blocks: gathering a sequence's blocks copies 2-4 KiB rows
+        # and yields [kvh, L, D] directly, the layout the attention matmuls read.
+        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # [kvh, NB, bs, D]
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
 
@@ -30,5 +31,6 @@ class KVCache:
         k: torch.Tensor,  # [T, kvh, D]
         v: torch.Tensor,  # [T, kvh, D]
     ) -> None:
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        kvh, _, _, D = self.k[layer].shape
+        self.k[layer].view(kvh, -1, D).index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].view(kvh, -1, D).index_copy_(1, slots, v.transpose(0, 1))

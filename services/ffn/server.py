@@ -14,6 +14,7 @@ from afd.checkpoint import load_weights
 from afd.config import ModelConfig
 from afd.ops import Linear, swiglu
 from afd.quant import dequantize_fp8
+from afd.runtime import tune_allocator
 from afd.sharding import ExpertShard
 from afd.transport.messages import FFNReply, FFNRequest, Trace
 from services.ffn.experts import ExpertGroup, MLPWeights, routed_experts
@@ -30,6 +31,7 @@ class FFNServer:
         weights: dict[str, torch.Tensor] | None = None,
         progress: bool = True,
     ):
+        tune_allocator()
         self.cfg = cfg
         self.shard = shard
         self.dtype = dtype

@@ -1,0 +1,36 @@
+"""Process-wide tuning applied once by every service."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+
+log = logging.getLogger("afd.runtime")
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+@functools.cache
+def tune_allocator() -> bool:
+    """Keep freed memory in glibc's heap instead of returning it to the OS.
+
+    Every decode step allocates the same large temporaries (gathered K/V, activations). By
+    default glibc serves blocks over 128 KiB-32 MiB with mmap and unmaps them on free, so each
+    step page-faults all of them in again: measured here, a 32 MiB gather took 25 ms that way
+    and 7 ms with reuse. Returns whether the setting took effect (glibc only).
+    """
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1
+        ok &= libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1) == 1
+    except (OSError, AttributeError):
+        return False
+    if not ok:
+        log.debug("mallopt not honoured; large temporaries will be re-faulted each step")
+    return ok
