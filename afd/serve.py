@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from afd.errors import AfdError
@@ -58,6 +58,7 @@ class ClusterConfig:
 class Child:
     name: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     proc: subprocess.Popen | None = None
     pump: threading.Thread | None = None
 
@@ -157,9 +158,8 @@ class Cluster:
             children.append(Child(f"attention-{i}", [*argv, "--ffn", ",".join(self.ffn_addresses)]))
         gw = [*py, "gateway", *model, "--attention", ",".join(self.attention_addresses)]
         gw += ["--host", c.host, "--port", str(self.port)]
-        if c.api_key:
-            gw += ["--api-key", c.api_key]
-        children.append(Child("gateway", gw))
+        # The key travels in the environment: a command line is readable by every local user.
+        children.append(Child("gateway", gw, {"AFD_API_KEY": c.api_key} if c.api_key else {}))
         return children
 
     def start(self) -> None:
@@ -175,7 +175,7 @@ class Cluster:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env={**env, **child.env},
                 process_group=0,
                 preexec_fn=lambda: _die_with_parent(parent),
             )
@@ -310,7 +310,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="the gateway's interface")
     p.add_argument("--port", type=int, default=8000, help="the gateway's port (0: any free)")
     p.add_argument("--a2f-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
-    p.add_argument("--api-key", default="", help="require this key on the HTTP API")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("AFD_API_KEY", ""),
+        help="require this key on the HTTP API (default: $AFD_API_KEY)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads per server (0: auto)")
     p.add_argument(
         "--kv-cache-gb", type=float, default=0.0, help="per attention server (0: default)"

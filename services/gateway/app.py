@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,7 +216,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the model's name in the API (default: dir name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default="", help="require this key (Authorization: Bearer)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("AFD_API_KEY", ""),
+        help="require this key (Authorization: Bearer); default: $AFD_API_KEY, which keeps "
+        "the key out of the process list",
+    )
     p.add_argument(
         "--private-metrics", action="store_true", help="require the API key for /metrics too"
     )

@@ -251,6 +251,9 @@ def test_api_key(cluster):
         openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
     r = httpx.get(f"{url}/models")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    for pid in child_pids(cluster[1]):  # the key is not on any command line
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert KEY.encode() not in f.read()
 
 
 def test_request_id_is_honoured(client):
