@@ -45,6 +45,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ffn-timeout", type=float, default=30.0, help="deadline of one FFN call, s")
 
 
+def add_side_port_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-host", default="127.0.0.1", help="interface of the HTTP side port")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="HTTP side port serving /metrics, /health, /ready (0: off)",
+    )
+
+
 def model_config(args: argparse.Namespace) -> ModelConfig:
     if args.model:
         return ModelConfig.from_hf(args.model)
@@ -143,7 +153,16 @@ def _run_ffn(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise AfdError(str(e)) from e
     _set_threads(args.threads)
-    return serve(FFNServiceConfig(model=mc, shard=shard, listen=args.listen, dtype=args.dtype))
+    return serve(
+        FFNServiceConfig(
+            model=mc,
+            shard=shard,
+            listen=args.listen,
+            dtype=args.dtype,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
+        )
+    )
 
 
 def _attention_parser(sub) -> None:
@@ -156,6 +175,7 @@ def _attention_parser(sub) -> None:
     )
     p.add_argument("--listen", default="127.0.0.1:50051", help="control-plane gRPC host:port")
     p.add_argument("--device", default="cpu", choices=["cpu"])
+    add_side_port_args(p)
     p.set_defaults(func=_run_attention)
 
 
@@ -164,7 +184,15 @@ def _run_attention(args: argparse.Namespace) -> int:
 
     ffn = tuple(a.strip() for a in args.ffn.split(",") if a.strip())
     cfg = engine_config(args, ffn)
-    return serve(AttentionServerConfig(engine=cfg, listen=args.listen, model_name=_name(args)))
+    return serve(
+        AttentionServerConfig(
+            engine=cfg,
+            listen=args.listen,
+            model_name=_name(args),
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
+        )
+    )
 
 
 def _name(args: argparse.Namespace) -> str:
@@ -189,6 +217,9 @@ def _bench_parser(sub) -> None:
 
     bench_engine.add_parser(bsub)
     bench_pipeline.add_parser(bsub)
+    from afd.bench import http as bench_http
+
+    bench_http.add_parser(bsub)
     w = bsub.add_parser(
         "wire", help="FP8 codec, per-layer round trip, bytes on the wire", add_help=False
     )

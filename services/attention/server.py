@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from afd import sidecar
 from afd.config import EngineConfig
 from afd.errors import TransportError
 from services.attention.control import event_to_pb, pb, pb_grpc, sampling_from_pb
@@ -28,6 +29,8 @@ class AttentionServerConfig:
     listen: str = "127.0.0.1:50051"  # control plane (gRPC)
     model_name: str = ""
     ready_cache_s: float = 1.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # HTTP /metrics, /health, /ready; 0: off
 
 
 class ControlServicer(pb_grpc.AttentionServiceServicer):
@@ -82,16 +85,32 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
         )
 
     async def _readiness(self) -> tuple[bool, str]:
+        return await asyncio.wrap_future(self.readiness_future())
+
+    def readiness(self, timeout: float = 5.0) -> tuple[bool, str]:
+        """For the HTTP side port's thread."""
+        return self.readiness_future().result(timeout)
+
+    def readiness_future(self):
+        """Ready = the FFN pool answers (every shard, so every expert is covered); cached."""
+        from concurrent.futures import Future
+
         t, ready, reason = self._ready
         if time.monotonic() - t < self.cfg.ready_cache_s:
-            return ready, reason
-        try:
-            await asyncio.wrap_future(self.loop.call(lambda: self.loop.engine.pool.ping(2.0)))
-            ready, reason = True, ""
-        except TransportError as e:
-            ready, reason = False, f"FFN pool does not cover every expert: {e}"
-        self._ready = (time.monotonic(), ready, reason)
-        return ready, reason
+            fut: Future = Future()
+            fut.set_result((ready, reason))
+            return fut
+
+        def probe() -> tuple[bool, str]:
+            try:
+                self.loop.engine.pool.ping(2.0)
+                result = (True, "")
+            except TransportError as e:
+                result = (False, f"FFN pool does not cover every expert: {e}")
+            self._ready = (time.monotonic(), *result)
+            return result
+
+        return self.loop.call(probe)
 
 
 def _start_inproc_ffn(cfg: EngineConfig) -> list:
@@ -121,11 +140,13 @@ async def _serve(cfg: AttentionServerConfig) -> None:
     engine = Engine(cfg.engine)
     loop = EngineLoop(engine)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_AttentionServiceServicer_to_server(ControlServicer(loop, cfg), server)
+    servicer = ControlServicer(loop, cfg)
+    pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port(cfg.listen)
     if port == 0:
         raise TransportError(f"cannot listen on {cfg.listen}")
     await server.start()
+    side = sidecar.start(cfg.metrics_host, cfg.metrics_port, servicer.readiness)
     log.info(
         "attention server listening on %s (FFN pool: %s)",
         cfg.listen,
@@ -139,6 +160,8 @@ async def _serve(cfg: AttentionServerConfig) -> None:
     log.info("attention server stopping")
     await server.stop(grace=2.0)
     loop.close()
+    if side:
+        side.close()
     for listener in ffn_listeners:
         listener.close()
 

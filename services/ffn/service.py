@@ -8,6 +8,7 @@ import signal
 import threading
 from dataclasses import dataclass
 
+from afd import sidecar
 from afd.config import ModelConfig
 from afd.sharding import ExpertShard
 from afd.transport import listen
@@ -24,6 +25,8 @@ class FFNServiceConfig:
     listen: str = "tcp://127.0.0.1:5600"
     dtype: str = "bfloat16"
     max_tokens: int = 65536  # largest message accepted, in tokens
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # HTTP /metrics, /health, /ready; 0: off
 
 
 def limits_for(cfg: ModelConfig, max_tokens: int):
@@ -50,10 +53,13 @@ def serve(cfg: FFNServiceConfig) -> int:
         ", shared expert and dense MLPs" if cfg.shard.owns_dense else "",
         cfg.listen,
     )
+    side = sidecar.start(cfg.metrics_host, cfg.metrics_port, lambda: (True, ""))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("FFN server stopping")
     listener.close()
+    if side:
+        side.close()
     return 0
