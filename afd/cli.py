@@ -140,6 +140,7 @@ def _ffn_parser(sub) -> None:
         choices=["cpu"],
         help="compute device (the wire format is device-independent)",
     )
+    add_side_port_args(p)
     p.set_defaults(func=_run_ffn)
 
 
