@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from afd.errors import ConfigError
+from afd.security import Security
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "step3_text")
 
@@ -261,3 +262,4 @@ class EngineConfig:
     ffn_timeout_s: float = 30.0
     device: str = "cpu"
     threads: int = 0  # 0: leave torch's default
+    security: Security = field(default_factory=Security)  # data-plane CURVE / TLS

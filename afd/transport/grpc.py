@@ -21,6 +21,7 @@ import grpc
 
 from afd.errors import ConfigError, TransportError
 from afd.protos import ensure_generated
+from afd.security import Security, add_port, channel
 from afd.transport.base import FFNClient, Handler, Listener
 from afd.transport.messages import FFNReply, FFNRequest
 from afd.transport.serving import Inbound, serve_messages, stamp_received
@@ -71,14 +72,19 @@ class _Stream:
 class GrpcClient(FFNClient):
     """A channel and one open Exchange stream to one FFN server. Used from one thread."""
 
-    def __init__(self, address: str, stream_deadline: float = STREAM_DEADLINE_S):
+    def __init__(
+        self,
+        address: str,
+        stream_deadline: float = STREAM_DEADLINE_S,
+        security: Security | None = None,
+    ):
         super().__init__(address)
         self._deadline = stream_deadline
         options = _RECONNECT + [
             ("grpc.max_send_message_length", -1),
             ("grpc.max_receive_message_length", _MAX_REPLY_BYTES),
         ]
-        self._channel = grpc.insecure_channel(_target(address), options=options)
+        self._channel = channel(_target(address), options, security)
         self._stub = pb_grpc.FFNServiceStub(self._channel)
         self._replies: queue.SimpleQueue[FFNReply] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -167,7 +173,9 @@ class _Servicer(pb_grpc.FFNServiceServicer):
 class GrpcListener(Listener):
     """A gRPC server whose stream threads feed one compute thread (batching across clients)."""
 
-    def __init__(self, address: str, handler: Handler, limits: WireLimits):
+    def __init__(
+        self, address: str, handler: Handler, limits: WireLimits, security: Security | None = None
+    ):
         self._handler = handler
         self._limits = limits
         self._inbox: queue.SimpleQueue[Inbound | None] = queue.SimpleQueue()
@@ -180,7 +188,7 @@ class GrpcListener(Listener):
         pb_grpc.add_FFNServiceServicer_to_server(_Servicer(self._inbox), self._server)
         target = _target(address)
         try:
-            port = self._server.add_insecure_port(target)
+            port = add_port(self._server, target, security)
         except RuntimeError:  # newer grpcio raises where older ones returned 0
             port = 0
         if not port:
@@ -213,15 +221,26 @@ class GrpcListener(Listener):
         self._thread.join(timeout=10)
 
 
-def connect(address: str, *, stream_deadline: float = STREAM_DEADLINE_S, **_: object) -> FFNClient:
-    return GrpcClient(address, stream_deadline=stream_deadline)
+def connect(
+    address: str,
+    *,
+    stream_deadline: float = STREAM_DEADLINE_S,
+    security: Security | None = None,
+    **_: object,
+) -> FFNClient:
+    return GrpcClient(address, stream_deadline=stream_deadline, security=security)
 
 
 def listen(
-    address: str, handler: Handler, *, limits: WireLimits | None = None, **_: object
+    address: str,
+    handler: Handler,
+    *,
+    limits: WireLimits | None = None,
+    security: Security | None = None,
+    **_: object,
 ) -> Listener:
     if limits is None:
         raise ConfigError(
             f"listening on {address} needs limits=WireLimits(...) to validate messages"
         )
-    return GrpcListener(address, handler, limits)
+    return GrpcListener(address, handler, limits, security)

@@ -16,6 +16,7 @@ import time
 import zmq
 
 from afd.errors import ConfigError, TransportError
+from afd.security import Security
 from afd.transport.base import FFNClient, Handler, Listener
 from afd.transport.messages import FFNReply, FFNRequest
 from afd.transport.serving import Inbound, serve_messages, stamp_received
@@ -40,15 +41,37 @@ def _common_options(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
 
 
+def _curve_client(sock: zmq.Socket, security: Security) -> None:
+    public, secret = security.curve_keys("client")
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+    sock.curve_serverkey = security.server_public_key()
+
+
+def _curve_server(ctx: zmq.Context, sock: zmq.Socket, security: Security):
+    """CURVE on the server socket, and a ZAP authenticator that admits only the client keys in
+    the authorized/ directory; returns the authenticator (stop it on close)."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    public, secret = security.curve_keys("server")
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=security.authorized_dir)
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+    sock.curve_server = True
+    return auth
+
+
 class ZmqClient(FFNClient):
     """One DEALER socket to one FFN server. Used from one thread (like the engine loop)."""
 
-    def __init__(self, address: str, connect_grace: float = 0.5):
+    def __init__(self, address: str, connect_grace: float = 0.5, security: Security | None = None):
         super().__init__(address)
         self._grace = connect_grace
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         _common_options(self._sock)
+        if security is not None and security.curve:
+            _curve_client(self._sock, security)
         # IMMEDIATE: queue only on completed connections, so nothing waits for a dead peer.
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
@@ -103,12 +126,17 @@ class ZmqClient(FFNClient):
 class ZmqListener(Listener):
     """A ROUTER socket served by one background thread that also runs the handler."""
 
-    def __init__(self, address: str, handler: Handler, limits: WireLimits):
+    def __init__(
+        self, address: str, handler: Handler, limits: WireLimits, security: Security | None = None
+    ):
         self._handler = handler
         self._limits = limits
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         _common_options(self._sock)
+        self._auth = None
+        if security is not None and security.curve:
+            self._auth = _curve_server(self._ctx, self._sock, security)
         try:
             self._sock.bind(address)
         except zmq.ZMQError as e:
@@ -152,18 +180,27 @@ class ZmqListener(Listener):
         if self._thread.is_alive():
             log.error("zmq listener %s did not stop", self.address)
             return
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
 
-def connect(address: str, *, connect_grace: float = 0.5, **_: object) -> FFNClient:
-    return ZmqClient(address, connect_grace=connect_grace)
+def connect(
+    address: str, *, connect_grace: float = 0.5, security: Security | None = None, **_: object
+) -> FFNClient:
+    return ZmqClient(address, connect_grace=connect_grace, security=security)
 
 
 def listen(
-    address: str, handler: Handler, *, limits: WireLimits | None = None, **_: object
+    address: str,
+    handler: Handler,
+    *,
+    limits: WireLimits | None = None,
+    security: Security | None = None,
+    **_: object,
 ) -> Listener:
     if limits is None:
         raise ConfigError(
             f"listening on {address} needs limits=WireLimits(...) to validate messages"
         )
-    return ZmqListener(address, handler, limits)
+    return ZmqListener(address, handler, limits, security)

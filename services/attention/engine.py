@@ -41,12 +41,13 @@ class Engine:
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, self.max_model_len)
         n = len(cfg.ffn_addresses)
         peers = [
-            Peer(connect(addr), ExpertShard(i, n, mc.num_experts))
+            Peer(connect(addr, security=cfg.security), ExpertShard(i, n, mc.num_experts))
             for i, addr in enumerate(cfg.ffn_addresses)
         ]
         self.pool = FFNPool(mc, peers, cfg.a2f_dtype, dtype, cfg.ffn_timeout_s)
         self.runner = ModelRunner(self.model, self.cache, self.pool, cfg.micro_batches)
         self._ids = itertools.count()
+        self.last_step_tokens = 0  # tokens computed by the latest step (for the telemetry)
 
     def add_request(
         self,
@@ -72,7 +73,9 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that got a token or finished in it."""
+        self.pool.begin_step()
         plan = self.scheduler.schedule()
+        self.last_step_tokens = sum(s.num_new_tokens for s in plan.scheduled)
         if not plan.scheduled:
             return []
         try:
