@@ -1,18 +1,11 @@
-"""Attention kinds (how q, k, v are projected) and paged attention over the KV pool.
-
-A kind is a small class plus a registry entry; the paged attention that follows is shared:
-every kind yields q [T, nh, D] and k, v [T, kvh, D], GQA with kvh | nh, MFA with kvh = 1.
-"""
+"""Paged attention over the KV pool, shared by every attention kind (services/attention/kinds):
+each kind yields q [T, nh, D] and k, v [T, kvh, D] (GQA with kvh | nh, MFA with kvh = 1)."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-
-from afd.config import ModelConfig
-from afd.ops import Linear, rms_norm
 
 
 @dataclass(frozen=True)
@@ -33,62 +26,6 @@ class AttnMeta:
     decode_blocks: torch.Tensor | None  # [nd, nb] long: block table per decode row, padded
     decode_bias: torch.Tensor | None  # [nd, 1, nb * block_size] float32: 0 valid, -inf padding
     prefills: tuple[PrefillSeq, ...]
-
-
-class AttentionKind(ABC):
-    """Projects normalised hidden states into q, k, v for one layer."""
-
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
-        self.cfg = cfg
-
-    @abstractmethod
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> q [T, nh, D], k [T, kvh, D], v [T, kvh, D] (before RoPE)."""
-
-
-class GQA(AttentionKind):
-    """Grouped-query attention; Qwen3 adds an RMSNorm over each q and k head."""
-
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
-        super().__init__(cfg, w, layer)
-        b = f"layers.{layer}"
-        self.w_qkv = Linear(torch.cat([w[f"{b}.q_proj"], w[f"{b}.k_proj"], w[f"{b}.v_proj"]]))
-        self.q_norm = w.get(f"{b}.q_norm")
-        self.k_norm = w.get(f"{b}.k_norm")
-
-    def qkv(self, x):
-        c = self.cfg
-        q, k, v = self.w_qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(-1, c.num_heads, c.head_dim)
-        k = k.view(-1, c.num_kv_heads, c.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, c.rms_norm_eps)
-        return q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)
-
-
-class MFA(AttentionKind):
-    """Step-3 multi-matrix factorisation attention: low-rank query, one shared K/V head."""
-
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
-        super().__init__(cfg, w, layer)
-        b = f"layers.{layer}"
-        self.w_qkv = Linear(torch.cat([w[f"{b}.q_proj"], w[f"{b}.k_proj"], w[f"{b}.v_proj"]]))
-        self.inter_norm = w[f"{b}.inter_norm"]
-        self.wq = Linear(w[f"{b}.wq"])
-
-    def qkv(self, x):
-        c = self.cfg
-        q, k, v = self.w_qkv(x).split([c.q_lora_dim, c.kv_size, c.kv_size], dim=-1)
-        q = self.wq(rms_norm(q, self.inter_norm, c.rms_norm_eps))  # [T, nh*D]
-        return (
-            q.view(-1, c.num_heads, c.head_dim),
-            k.reshape(-1, c.num_kv_heads, c.head_dim),
-            v.reshape(-1, c.num_kv_heads, c.head_dim),
-        )
-
-
-ATTENTION_KINDS: dict[str, type[AttentionKind]] = {"gqa": GQA, "mfa": MFA}
 
 
 def paged_attention(

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from afd.checkpoint import load_weights
 from afd.config import ModelConfig
 from afd.ops import Linear, rms_norm
-from services.attention.attention import ATTENTION_KINDS, AttentionKind, AttnMeta, paged_attention
+from services.attention.attention import AttnMeta, paged_attention
+from services.attention.kinds import ATTENTION_KINDS, AttentionKind
 from services.attention.kv_cache import KVCache
 from services.attention.rope import Rope
 from services.attention.router import ROUTERS

@@ -1,0 +1,30 @@
+"""Grouped-query attention (Qwen3-MoE, Mixtral)."""
+
+from __future__ import annotations
+
+import torch
+
+from afd.config import ModelConfig
+from afd.ops import Linear, rms_norm
+from services.attention.kinds.base import AttentionKind
+
+
+class GQA(AttentionKind):
+    """Grouped-query attention; Qwen3 adds an RMSNorm over each q and k head."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
+        super().__init__(cfg, w, layer)
+        b = f"layers.{layer}"
+        self.w_qkv = Linear(torch.cat([w[f"{b}.q_proj"], w[f"{b}.k_proj"], w[f"{b}.v_proj"]]))
+        self.q_norm = w.get(f"{b}.q_norm")
+        self.k_norm = w.get(f"{b}.k_norm")
+
+    def qkv(self, x):
+        c = self.cfg
+        q, k, v = self.w_qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, c.rms_norm_eps)
+        return q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)

@@ -1,0 +1,30 @@
+"""Step-3 multi-matrix factorisation attention."""
+
+from __future__ import annotations
+
+import torch
+
+from afd.config import ModelConfig
+from afd.ops import Linear, rms_norm
+from services.attention.kinds.base import AttentionKind
+
+
+class MFA(AttentionKind):
+    """Step-3 multi-matrix factorisation attention: low-rank query, one shared K/V head."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
+        super().__init__(cfg, w, layer)
+        b = f"layers.{layer}"
+        self.w_qkv = Linear(torch.cat([w[f"{b}.q_proj"], w[f"{b}.k_proj"], w[f"{b}.v_proj"]]))
+        self.inter_norm = w[f"{b}.inter_norm"]
+        self.wq = Linear(w[f"{b}.wq"])
+
+    def qkv(self, x):
+        c = self.cfg
+        q, k, v = self.w_qkv(x).split([c.q_lora_dim, c.kv_size, c.kv_size], dim=-1)
+        q = self.wq(rms_norm(q, self.inter_norm, c.rms_norm_eps))  # [T, nh*D]
+        return (
+            q.view(-1, c.num_heads, c.head_dim),
+            k.reshape(-1, c.num_kv_heads, c.head_dim),
+            v.reshape(-1, c.num_kv_heads, c.head_dim),
+        )
