@@ -246,6 +246,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # 0: the model's max_position
     enable_chunked_prefill: bool = True
+    # Backpressure: past either bound a new request is refused as overloaded (HTTP 429).
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 1 << 20  # prompt tokens waiting in total
 
 
 @dataclass(frozen=True)

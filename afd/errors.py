@@ -17,5 +17,9 @@ class RequestError(AfdError):
     """A request that cannot be served as asked (e.g. a prompt longer than the context)."""
 
 
+class OverloadedError(RequestError):
+    """The waiting queue is full: try again later (HTTP 429 with Retry-After)."""
+
+
 class TransportError(AfdError):
     """A peer that did not answer within its deadline, or answered with an error."""

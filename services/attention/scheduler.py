@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from afd.config import SchedulerConfig
-from afd.errors import ConfigError, RequestError
+from afd.errors import ConfigError, OverloadedError, RequestError
 from services.attention.block_manager import BlockManager
 from services.attention.request import Request, RequestStatus
 
@@ -118,8 +118,23 @@ class Scheduler:
         if req.status is not RequestStatus.WAITING or req.num_computed_tokens or req.block_ids:
             raise RequestError(f"request {req.request_id!r} is not fresh (status {req.status})")
         self._check_fits_pool(req)
+        self._check_backpressure(n)
         self._waiting.append(req)
         self._requests[req.request_id] = req
+
+    def _check_backpressure(self, n: int) -> None:
+        cfg = self.config
+        if len(self._waiting) >= cfg.max_waiting_requests:
+            raise OverloadedError(
+                f"{len(self._waiting)} requests are already waiting (limit "
+                f"{cfg.max_waiting_requests}); retry later"
+            )
+        waiting_tokens = sum(r.num_tokens for r in self._waiting)
+        if waiting_tokens + n > cfg.max_waiting_tokens:
+            raise OverloadedError(
+                f"{waiting_tokens} prompt tokens are already waiting (limit "
+                f"{cfg.max_waiting_tokens}); retry later"
+            )
 
     def _check_fits_pool(self, req: Request) -> None:
         # The most K/V a request ever holds is one token short of its longest possible sequence

@@ -408,3 +408,24 @@ def test_modules_do_not_import_torch() -> None:
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+def test_backpressure_bounds_the_waiting_queue():
+    from afd.errors import OverloadedError
+
+    cfg = SchedulerConfig(
+        max_num_seqs=1, max_num_batched_tokens=64, max_waiting_requests=2, max_waiting_tokens=1000
+    )
+    sched = Scheduler(cfg, BlockManager(64, 4), max_model_len=64)
+    sched.add_request(Request("a", [1] * 10, SamplingParams(max_tokens=4)))
+    sched.add_request(Request("b", [1] * 10, SamplingParams(max_tokens=4)))
+    with pytest.raises(OverloadedError, match="2 requests are already waiting"):
+        sched.add_request(Request("c", [1] * 10, SamplingParams(max_tokens=4)))
+    sched.schedule()  # "a" starts running: one slot frees up in the waiting queue
+    sched.add_request(Request("c", [1] * 10, SamplingParams(max_tokens=4)))
+
+    tight = SchedulerConfig(max_waiting_tokens=15)
+    sched = Scheduler(tight, BlockManager(64, 4), max_model_len=64)
+    sched.add_request(Request("a", [1] * 10, SamplingParams(max_tokens=4)))
+    with pytest.raises(OverloadedError, match="prompt tokens are already waiting"):
+        sched.add_request(Request("b", [1] * 10, SamplingParams(max_tokens=4)))
