@@ -146,11 +146,12 @@ def _ffn_parser(sub) -> None:
 
 def _run_ffn(args: argparse.Namespace) -> int:
     from afd.sharding import ExpertShard
-    from services.ffn.service import FFNServiceConfig, serve
+    from services.ffn.service import FFNServiceConfig, inject_delay_from_env, serve
 
     mc = model_config(args)
     try:
         shard = ExpertShard.parse(args.shard, mc.num_experts)
+        delay = inject_delay_from_env()
     except ValueError as e:
         raise AfdError(str(e)) from e
     _set_threads(args.threads)
@@ -162,6 +163,7 @@ def _run_ffn(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             metrics_host=args.metrics_host,
             metrics_port=args.metrics_port,
+            inject_delay_s=delay,
         )
     )
 
@@ -177,7 +179,38 @@ def _attention_parser(sub) -> None:
     p.add_argument("--listen", default="127.0.0.1:50051", help="control-plane gRPC host:port")
     p.add_argument("--device", default="cpu", choices=["cpu"])
     add_side_port_args(p)
+    add_straggler_args(p)
     p.set_defaults(func=_run_attention)
+
+
+def add_straggler_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("straggler detection (FFN peers)")
+    g.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=2.0,
+        help="flag an FFN peer whose round-trip p99 exceeds the rest of the pool's median "
+        "by this factor",
+    )
+    g.add_argument(
+        "--straggler-checks", type=int, default=3, help="... at this many consecutive checks"
+    )
+    g.add_argument("--straggler-window", type=float, default=10.0, help="sliding window, s")
+    g.add_argument("--straggler-interval", type=float, default=1.0, help="seconds between checks")
+
+
+def straggler_config(args: argparse.Namespace):
+    from services.attention.stragglers import StragglerConfig
+
+    try:
+        return StragglerConfig(
+            factor=args.straggler_factor,
+            checks=args.straggler_checks,
+            window_s=args.straggler_window,
+            interval_s=args.straggler_interval,
+        )
+    except ValueError as e:
+        raise AfdError(str(e)) from e
 
 
 def _run_attention(args: argparse.Namespace) -> int:
@@ -192,6 +225,7 @@ def _run_attention(args: argparse.Namespace) -> int:
             model_name=_name(args),
             metrics_host=args.metrics_host,
             metrics_port=args.metrics_port,
+            stragglers=straggler_config(args),
         )
     )
 
@@ -219,8 +253,10 @@ def _bench_parser(sub) -> None:
     bench_engine.add_parser(bsub)
     bench_pipeline.add_parser(bsub)
     from afd.bench import http as bench_http
+    from afd.bench import serve as bench_serve
 
     bench_http.add_parser(bsub)
+    bench_serve.add_parser(bsub)
     w = bsub.add_parser(
         "wire", help="FP8 codec, per-layer round trip, bytes on the wire", add_help=False
     )

@@ -7,6 +7,8 @@ grace period. Each child runs in its own process group (so one terminal Ctrl-C r
 this process, which then stops the children in order) and is asked by the kernel
 (PR_SET_PDEATHSIG) to die with its parent, so even `kill -9` of this process leaves no orphans.
 Every line a child writes comes out prefixed with its name: `[ffn-0]`, `[attention-1]`, ...
+Each attention and FFN server gets a free HTTP side port for /metrics (and /health, /ready);
+the launcher prints where every service's /metrics is once the cluster is ready.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class ClusterConfig:
     max_model_len: int = 0
     ready_timeout_s: float = 300.0
     stop_timeout_s: float = 10.0
+    sla_ttft_s: float = 0.0  # the gateway's SLA targets (0: none)
+    sla_tpot_s: float = 0.05
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     proc: subprocess.Popen | None = None
     pump: threading.Thread | None = None
+    metrics_url: str = ""  # where its Prometheus metrics are
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -111,6 +116,11 @@ class Cluster:
         self.ffn_addresses: list[str] = []
 
     @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Every child's /metrics, by child name (gateway, attention-i, ffn-i)."""
+        return {c.name: c.metrics_url for c in self.children if c.metrics_url}
+
+    @property
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.port}/v1"
 
@@ -145,7 +155,7 @@ class Cluster:
         if c.transport != "inproc":
             for i, addr in enumerate(self.ffn_addresses):
                 argv = [*py, "ffn", *model, *threads, "--shard", f"{i}/{c.ffn}", "--listen", addr]
-                children.append(Child(f"ffn-{i}", argv))
+                children.append(_with_metrics_port(Child(f"ffn-{i}", argv)))
         engine = ["--micro-batches", str(c.micro_batches), "--a2f-dtype", c.a2f_dtype]
         if c.kv_cache_gb:
             engine += ["--kv-cache-gb", str(c.kv_cache_gb)]
@@ -155,11 +165,15 @@ class Cluster:
             addr = f"127.0.0.1:{free_port()}"
             self.attention_addresses.append(addr)
             argv = [*py, "attention", *model, *threads, *engine, "--listen", addr]
-            children.append(Child(f"attention-{i}", [*argv, "--ffn", ",".join(self.ffn_addresses)]))
+            argv += ["--ffn", ",".join(self.ffn_addresses)]
+            children.append(_with_metrics_port(Child(f"attention-{i}", argv)))
         gw = [*py, "gateway", *model, "--attention", ",".join(self.attention_addresses)]
         gw += ["--host", c.host, "--port", str(self.port)]
+        gw += ["--sla-ttft", str(c.sla_ttft_s), "--sla-tpot", str(c.sla_tpot_s)]
         # The key travels in the environment: a command line is readable by every local user.
-        children.append(Child("gateway", gw, {"AFD_API_KEY": c.api_key} if c.api_key else {}))
+        env = {"AFD_API_KEY": c.api_key} if c.api_key else {}
+        host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "") else c.host
+        children.append(Child("gateway", gw, env, metrics_url=f"http://{host}:{self.port}/metrics"))
         return children
 
     def start(self) -> None:
@@ -247,6 +261,14 @@ class Cluster:
         self.stop()
 
 
+def _with_metrics_port(child: Child) -> Child:
+    """The child with a free side port for /metrics (internal: bound to 127.0.0.1)."""
+    port = free_port()
+    child.argv += ["--metrics-port", str(port)]
+    child.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    return child
+
+
 def _signal_group(proc: subprocess.Popen | None, sig: int) -> None:
     if proc is None:
         return
@@ -264,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with Cluster(cfg) as cluster:
         cluster.wait_ready(stop)
+        for name, url in cluster.metrics_urls.items():
+            print(f"metrics of {name}: {url}", flush=True)
         print(f"afd is ready: {cluster.url} (model {cluster.model_name})", flush=True)
         while not stop.wait(0.5):
             gone = cluster.dead()
@@ -291,6 +315,8 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         kv_cache_gb=args.kv_cache_gb,
         max_model_len=args.max_model_len,
         ready_timeout_s=args.ready_timeout,
+        sla_ttft_s=args.sla_ttft,
+        sla_tpot_s=args.sla_tpot,
     )
 
 
@@ -321,5 +347,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-model-len", type=int, default=0, help="0: the model's context length")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /ready")
+    from services.gateway.app import add_sla_args
+
+    add_sla_args(p)
     p.set_defaults(func=run)
     return p

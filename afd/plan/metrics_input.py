@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+from afd.metrics import (  # the names are defined once, with the metrics themselves
+    ATTENTION_LAYER_SECONDS,
+    FFN_COMPUTE_SECONDS,
+    FFN_ROUNDTRIP_SECONDS,
+    PEER_LABEL,
+)
 from afd.plan.errors import PlanError
-
-ATTENTION_LAYER_SECONDS = "afd_attention_layer_seconds"
-FFN_COMPUTE_SECONDS = "afd_ffn_compute_seconds"
-FFN_ROUNDTRIP_SECONDS = "afd_ffn_roundtrip_seconds"
-PEER_LABEL = "peer"
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?\s*$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')

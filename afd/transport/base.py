@@ -33,23 +33,41 @@ class FFNClient(ABC):
 
     @abstractmethod
     def _recv(self, timeout: float) -> FFNReply | None:
-        """The next reply from the peer, or None if none came within `timeout` seconds."""
+        """The next reply from the peer, or None if none came within `timeout` seconds (0: do
+        not wait); its trace.a_recv is stamped when it was received."""
 
     def wait(self, seq: int, timeout: float) -> FFNReply:
+        reply = self.poll(seq, timeout)
+        if reply is None:
+            raise TransportError(
+                f"FFN peer {self.address} did not reply to message {seq} within {timeout:.1f}s"
+            )
+        return reply
+
+    def poll(self, seq: int, timeout: float = 0.0) -> FFNReply | None:
+        """The reply to `seq` if it is here or arrives within `timeout` seconds, else None.
+        Replies to other messages that arrive meanwhile are kept for their own wait/poll."""
         if seq in self._early:
             return self._early.pop(seq)
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransportError(
-                    f"FFN peer {self.address} did not reply to message {seq} within {timeout:.1f}s"
-                )
-            reply = self._recv(left)
-            if reply is None:
-                continue
-            if reply.seq == seq:
-                return reply
+            reply = self._recv(max(0.0, deadline - time.monotonic()))
+            if reply is not None:
+                if reply.seq == seq:
+                    return reply
+                self._early[reply.seq] = reply
+            elif time.monotonic() >= deadline:
+                return None
+
+    @property
+    def buffered(self) -> int:
+        """Replies received and kept for a later wait/poll."""
+        return len(self._early)
+
+    def drain(self) -> None:
+        """Take every reply that has already arrived, without waiting: each is stamped
+        (trace.a_recv) when it is taken, so draining often keeps the stamps close to arrival."""
+        while (reply := self._recv(0.0)) is not None:
             self._early[reply.seq] = reply
 
     def reset(self) -> None:

@@ -12,6 +12,7 @@ import threading
 from afd.errors import ConfigError
 from afd.transport.base import FFNClient, Handler, Listener
 from afd.transport.messages import FFNReply, FFNRequest
+from afd.transport.serving import stamp_received
 
 # inproc:// names are process-local endpoints; this table is the only way two objects of one
 # process find each other by address, exactly as a socket address does between processes.
@@ -92,7 +93,7 @@ class _InprocClient(FFNClient):
 
     def _recv(self, timeout: float) -> FFNReply | None:
         try:
-            return self._replies.get(timeout=min(timeout, 0.5))
+            return stamp_received(self._replies.get(timeout=min(timeout, 0.5)))
         except queue.Empty:
             return None
 

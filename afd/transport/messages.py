@@ -41,6 +41,9 @@ class Trace:
     f_send: float = 0.0
     a_recv: float = 0.0  # attention host
     merged: int = 1  # how many requests the FFN server computed together
+    # Attention host, when the send call returned; kept on the attention side (not on the wire):
+    # a_sent - a_send is the attention host's own share of the round trip.
+    a_sent: float = 0.0
 
 
 @dataclass(frozen=True)

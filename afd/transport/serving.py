@@ -5,8 +5,8 @@ A backend's receive loop collects the messages that arrived together, each with 
 `serve_messages`. That decodes and validates each one (a malformed message gets an error reply
 when its seq is known, else it is dropped with a log line), answers expired requests without
 computing them, groups the rest by layer and calls the handler once per group, stamps the
-timing trace and encodes the replies. Nothing raised by the handler escapes: the server keeps
-serving.
+timing trace, records the FFN server's metrics (afd.metrics) and encodes the replies. Nothing
+raised by the handler escapes: the server keeps serving.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
+from afd import metrics
 from afd.transport.base import Handler
 from afd.transport.messages import FFNReply, FFNRequest, Trace
 from afd.wire import Buffer, WireError, WireLimits, decode_request, encode_reply
@@ -82,11 +83,13 @@ def _compute(handler: Handler, reqs: list[FFNRequest]) -> list[FFNReply]:
 def _stamp(
     rep: FFNReply, req: FFNRequest | None, t_recv: float, span: tuple[float, float], n: int
 ) -> FFNReply:
-    # Fill only what the handler left unset: it may know its compute window better.
+    # The listener knows when the message arrived (the handler only when it got it, after any
+    # queueing); of the rest, fill only what the handler left unset: it may know its compute
+    # window better.
     tr = rep.trace
     stamped = Trace(
         a_send=tr.a_send or (req.t_send if req is not None else 0.0),
-        f_recv=tr.f_recv or t_recv,
+        f_recv=t_recv or tr.f_recv,
         f_compute_start=tr.f_compute_start or span[0],
         f_compute_end=tr.f_compute_end or span[1],
         f_send=tr.f_send or time.time(),
@@ -96,7 +99,28 @@ def _stamp(
     return dataclasses.replace(rep, trace=stamped)
 
 
+def _observe(group: list[tuple[Inbound[P], FFNRequest]], replies: list[FFNReply]) -> None:
+    """One layer call's metrics. Empty messages (the attention side's readiness pings) are
+    left out: they would drag every mean towards zero."""
+    done = [(msg, req, rep) for (msg, req), rep in zip(group, replies, strict=True)]
+    done = [d for d in done if d[2].ok and d[1].num_tokens]
+    if not done:
+        return
+    tr = done[0][2].trace
+    tokens = sum(req.num_tokens for _, req, _ in done)
+    metrics.FFN_MESSAGES.inc(len(done))
+    metrics.FFN_TOKENS.inc(tokens)
+    metrics.FFN_BATCH_TOKENS.observe(tokens)
+    metrics.FFN_BATCH_MESSAGES.observe(len(done))
+    metrics.FFN_BATCH_PEERS.observe(len({msg.peer for msg, _, _ in done}))
+    metrics.FFN_COMPUTE.observe(max(0.0, tr.f_compute_end - tr.f_compute_start))
+    for msg, _, rep in done:
+        metrics.FFN_QUEUE.observe(max(0.0, rep.trace.f_compute_start - msg.t_recv))
+
+
 def _encode(peer: P, rep: FFNReply) -> tuple[P, list[Buffer]]:
+    if rep.error_code:
+        metrics.FFN_ERRORS.labels(rep.error_code).inc()
     try:
         return peer, encode_reply(rep)
     except WireError as e:  # the handler produced something the wire cannot carry
@@ -126,8 +150,13 @@ def serve_messages(
         start = time.time()
         replies = _compute(handler, reqs)
         span = (start, time.time())
-        for (msg, req), rep in zip(group, replies, strict=True):
-            out.append(_encode(msg.peer, _stamp(rep, req, msg.t_recv, span, len(reqs))))
+        stamped = [
+            _stamp(rep, req, msg.t_recv, span, len(reqs))
+            for (msg, req), rep in zip(group, replies, strict=True)
+        ]
+        _observe(group, stamped)
+        for (msg, _req), rep in zip(group, stamped, strict=True):
+            out.append(_encode(msg.peer, rep))
     return out
 
 

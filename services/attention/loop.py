@@ -1,7 +1,9 @@
 """The engine loop: one thread that owns the Engine and runs schedule -> execute -> update.
 
 Other threads (the control-plane server) talk to it only through `submit` and `abort`; each
-request's events go to the `sink` given with it, called on the engine thread.
+request's events go to the `sink` given with it, called on the engine thread. The optional
+telemetry records the server's metrics on this thread after each step (and refreshes its
+gauges while idle).
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from afd.errors import RequestError
 from services.attention.engine import Engine
@@ -36,9 +40,16 @@ class Event:
 Sink = Callable[[Event], None]
 
 
+class Telemetry(Protocol):
+    def after_step(self, seconds: float) -> None: ...
+
+    def idle(self) -> None: ...
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, telemetry: Telemetry | None = None):
         self.engine = engine
+        self.telemetry = telemetry
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._sent: dict[str, int] = {}
@@ -70,10 +81,18 @@ class EngineLoop:
             self._drain(block=not busy)
             if self.engine.has_unfinished():
                 try:
-                    self._publish(self.engine.step())
+                    t0 = time.perf_counter()
+                    updated = self.engine.step()
+                    seconds = time.perf_counter() - t0
+                    self._publish(updated)
                 except Exception as e:  # a broken step must not kill the server
                     log.exception("engine step failed")
                     self._fail_all(f"internal error: {e}")
+                    continue
+                if self.telemetry is not None:
+                    self.telemetry.after_step(seconds)
+            elif self.telemetry is not None:
+                self.telemetry.idle()
 
     def _drain(self, block: bool) -> None:
         try:

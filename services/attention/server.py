@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from afd import sidecar
+from afd import metrics, sidecar
 from afd.config import EngineConfig
 from afd.errors import TransportError
 from services.attention.control import event_to_pb, pb, pb_grpc, sampling_from_pb
 from services.attention.engine import Engine
 from services.attention.loop import EngineLoop, Event
+from services.attention.stragglers import StragglerConfig
+from services.attention.telemetry import EngineTelemetry
 
 log = logging.getLogger("afd.attention")
 
@@ -31,6 +33,7 @@ class AttentionServerConfig:
     ready_cache_s: float = 1.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # HTTP /metrics, /health, /ready; 0: off
+    stragglers: StragglerConfig = StragglerConfig()
 
 
 class ControlServicer(pb_grpc.AttentionServiceServicer):
@@ -138,7 +141,8 @@ def _start_inproc_ffn(cfg: EngineConfig) -> list:
 async def _serve(cfg: AttentionServerConfig) -> None:
     ffn_listeners = _start_inproc_ffn(cfg.engine)
     engine = Engine(cfg.engine)
-    loop = EngineLoop(engine)
+    metrics.register("attention")
+    loop = EngineLoop(engine, EngineTelemetry(engine, cfg.stragglers))
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     servicer = ControlServicer(loop, cfg)
     pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)

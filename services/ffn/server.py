@@ -30,9 +30,13 @@ class FFNServer:
         dtype: torch.dtype = torch.bfloat16,
         weights: dict[str, torch.Tensor] | None = None,
         progress: bool = True,
+        inject_delay_s: float = 0.0,
     ):
         tune_allocator()
         self.cfg = cfg
+        # Fault injection (tests): extra seconds inside every layer call's compute window, so
+        # this server looks like a slow FFN to the attention side's straggler detection.
+        self.inject_delay_s = inject_delay_s
         self.shard = shard
         self.dtype = dtype
         w = weights if weights is not None else load_weights(cfg, "ffn", dtype, shard, progress)
@@ -69,6 +73,8 @@ class FFNServer:
             try:
                 t0 = time.time()
                 outs = self._compute(layer, group)
+                if self.inject_delay_s:
+                    time.sleep(self.inject_delay_s)
                 t1 = time.time()
             except Exception as e:  # a bad batch must not take the server down
                 log.exception("FFN compute failed on layer %d", layer)

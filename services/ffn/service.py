@@ -1,14 +1,20 @@
 """The FFN server process: load one expert shard, listen on a data-plane address, serve until
-SIGTERM. `afd ffn --model DIR --shard i/N --listen ADDR`"""
+SIGTERM. `afd ffn --model DIR --shard i/N --listen ADDR`
+
+Fault injection (tests, drills): AFD_FFN_INJECT_DELAY_MS=N in this process's environment adds
+N ms to every layer call's compute, which makes the server a straggler the attention side
+must detect. Never set it in production.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass
 
-from afd import sidecar
+from afd import metrics, sidecar
 from afd.config import ModelConfig
 from afd.sharding import ExpertShard
 from afd.transport import listen
@@ -27,6 +33,26 @@ class FFNServiceConfig:
     max_tokens: int = 65536  # largest message accepted, in tokens
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # HTTP /metrics, /health, /ready; 0: off
+    inject_delay_s: float = 0.0  # fault injection; see the module docstring
+
+
+INJECT_DELAY_ENV = "AFD_FFN_INJECT_DELAY_MS"
+
+
+def inject_delay_from_env() -> float:
+    """Seconds of injected compute delay from AFD_FFN_INJECT_DELAY_MS (unset or empty: 0)."""
+    raw = os.environ.get(INJECT_DELAY_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"{INJECT_DELAY_ENV} must be a number of milliseconds, got {raw!r}"
+        ) from None
+    if ms < 0:
+        raise ValueError(f"{INJECT_DELAY_ENV} must be >= 0, got {raw!r}")
+    return ms / 1e3
 
 
 def limits_for(cfg: ModelConfig, max_tokens: int):
@@ -42,7 +68,14 @@ def limits_for(cfg: ModelConfig, max_tokens: int):
 
 
 def serve(cfg: FFNServiceConfig) -> int:
-    server = FFNServer(cfg.model, cfg.shard, DTYPES[cfg.dtype])
+    metrics.register("ffn")
+    server = FFNServer(cfg.model, cfg.shard, DTYPES[cfg.dtype], inject_delay_s=cfg.inject_delay_s)
+    if cfg.inject_delay_s:
+        log.warning(
+            "fault injection: %s adds %.1f ms to every layer call",
+            INJECT_DELAY_ENV,
+            cfg.inject_delay_s * 1e3,
+        )
     listener = listen(cfg.listen, server.handle, limits=limits_for(cfg.model, cfg.max_tokens))
     log.info(
         "FFN shard %d/%d (experts %d..%d%s) listening on %s",

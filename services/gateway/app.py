@@ -12,7 +12,7 @@ import argparse
 import logging
 import os
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -21,12 +21,14 @@ from starlette.exceptions import HTTPException
 
 from afd import metrics
 from afd.config import ModelConfig
+from afd.errors import AfdError
 from afd.tokenizer import ModelTokenizer
 from services.gateway import handlers as h
 from services.gateway.auth import APIKeyMiddleware
 from services.gateway.client import AttentionClient
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, error_body
+from services.gateway.latency import SLA, publish_sla
 from services.gateway.middleware import BodyLimitMiddleware, CountingMiddleware, RequestIdMiddleware
 from services.gateway.router import Router
 from services.gateway.schemas import (
@@ -63,6 +65,7 @@ class GatewayConfig:
     generate_timeout_s: float = 600.0  # deadline of one Generate stream
     rpc_timeout_s: float = 2.0  # deadline of Health / Stats / Abort
     notice: str = ""  # shown on the model card
+    sla: SLA = SLA()  # targets of the SLA-attainment (goodput) counters
 
 
 def build_state(cfg: GatewayConfig) -> h.GatewayState:
@@ -81,6 +84,10 @@ def build_state(cfg: GatewayConfig) -> h.GatewayState:
 def create_app(state: h.GatewayState, cfg: GatewayConfig):
     """The ASGI application: FastAPI routes wrapped in request-id, counting, auth and
     body-limit middleware (outermost first)."""
+
+    metrics.register("gateway")
+    publish_sla(cfg.sla)
+    state = replace(state, sla=cfg.sla)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -227,11 +234,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline per request, s")
+    add_sla_args(p)
     p.set_defaults(func=run)
     return p
 
 
+def add_sla_args(p: argparse.ArgumentParser) -> None:
+    """--sla-ttft / --sla-tpot (also on `afd serve`, which passes them to its gateway)."""
+    p.add_argument(
+        "--sla-ttft", type=float, default=0.0, help="TTFT target in seconds (0: none) for goodput"
+    )
+    p.add_argument(
+        "--sla-tpot",
+        type=float,
+        default=SLA().tpot_s,
+        help="time-per-output-token target in seconds (0: none) for goodput; default 0.05",
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    if args.sla_ttft < 0 or args.sla_tpot < 0:
+        raise AfdError("--sla-ttft and --sla-tpot must be >= 0 (0: no target)")
     notice = ""
     if args.model:
         model_dir, name = args.model, Path(args.model).name
@@ -250,6 +273,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes,
         generate_timeout_s=args.request_timeout,
         notice=notice,
+        sla=SLA(ttft_s=args.sla_ttft, tpot_s=args.sla_tpot),
     )
 
 

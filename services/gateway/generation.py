@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from services.gateway.client import GenParams
 from services.gateway.detok import IncrementalDetokenizer, StopMatcher
 from services.gateway.errors import APIError, internal
+from services.gateway.latency import ChoiceTiming
 from services.gateway.router import Router
 
 # per token: (token id, logprob, [(token id, logprob)] top alternatives)
@@ -44,10 +45,13 @@ class Delta:
 class ChoiceRun:
     """One choice: a Generate call on the least-loaded attention server, as text deltas."""
 
-    def __init__(self, spec: ChoiceSpec, router: Router, decoder) -> None:
+    def __init__(
+        self, spec: ChoiceSpec, router: Router, decoder, timing: ChoiceTiming | None = None
+    ) -> None:
         self.spec = spec
         self._router = router
         self._decoder = decoder  # afd.tokenizer.ModelTokenizer
+        self._timing = timing
         self.prompt_tokens = len(spec.prompt_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -66,6 +70,8 @@ class ChoiceRun:
             stream = client.generate(spec.request_id, spec.prompt_ids, spec.params)
             async with aclosing(stream) as events:  # closing early cancels the call
                 async for ev in events:
+                    if self._timing is not None:
+                        self._timing.event(len(ev.token_ids), ev.queue_seconds)
                     self.completion_tokens = ev.completion_tokens
                     ids += ev.token_ids
                     lps += [
@@ -86,6 +92,8 @@ class ChoiceRun:
                         ids, lps = [], []
                     if finish:
                         self.finish_reason = finish
+                        if self._timing is not None:
+                            self._timing.finish(self.completion_tokens)
                         return
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from services.gateway.client import GenParams
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, invalid, validation_message
 from services.gateway.generation import ChoiceRun, ChoiceSpec, ChoiceStreams, Delta
+from services.gateway.latency import SLA, ChoiceTiming
 from services.gateway.responses import (
     SSE_DONE,
     ChatFormatter,
@@ -43,6 +45,7 @@ class GatewayState:
     model_name: str
     vocab_size: int  # token ids must be below this (the model's embedding rows)
     notice: str = ""  # shown on the model card (the demo model says its text is meaningless)
+    sla: SLA = SLA()  # latency targets the SLA-attainment counters check
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -165,7 +168,11 @@ async def respond(
         state.token_bytes,
         req.include_usage,
     )
-    runs = [ChoiceRun(s, state.router, state.tokenizer) for s in specs]
+    t_arrival = getattr(request.state, "t_arrival", None) or time.perf_counter()
+    runs = [
+        ChoiceRun(s, state.router, state.tokenizer, ChoiceTiming(t_arrival, state.sla))
+        for s in specs
+    ]
     streams = ChoiceStreams(runs, req.n)
     streams.start(lambda: _disconnected(request))
     with_lp = req.num_logprobs is not None

@@ -1,10 +1,11 @@
 """Plain ASGI middleware (cheaper than Starlette's BaseHTTPMiddleware and safe for streams):
-request ids, the body-size limit, and per-endpoint request counting."""
+request ids and arrival stamps, the body-size limit, and per-endpoint request counting."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 from collections.abc import Callable, Iterable
 
@@ -49,7 +50,9 @@ class RequestIdMiddleware:
             return
         given = (_header(scope, b"x-request-id") or b"").decode("latin-1")
         rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
+        state["t_arrival"] = time.perf_counter()  # the start of the client-seen latencies
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":

@@ -1,0 +1,412 @@
+"""`afd bench serve`: a load generator for any OpenAI-compatible endpoint (afd or not).
+
+    afd bench serve --base-url http://127.0.0.1:8000/v1 --num-requests 200 --concurrency 16 \
+        --input-len 128 --output-len 64 --ignore-eos --sla-ttft 0.5 --sla-tpot 0.05
+
+Requests stream (SSE) from /v1/completions or /v1/chat/completions, either at a fixed
+concurrency or arriving as a Poisson process (`--request-rate`, optionally capped by
+`--concurrency`). Prompts are synthetic, of a given token length (measured with the server's
+/tokenize when it has one, else approximated with words), or read from a JSONL file. Reported,
+as vLLM's `bench serve` and DistServe define them:
+
+- TTFT: send to the first streamed token; E2E: send to the last byte of the stream;
+- TPOT per request: (E2E - TTFT) / (output tokens - 1);
+- ITL: gap between consecutive streamed chunks, split evenly over the tokens of a chunk when the
+  chunk says how many (with --logprobs every token is counted, else one token per chunk);
+- throughput: requests and tokens per second over the run; goodput: requests per second that
+  met every SLA given. Output tokens come from the stream's usage when the server reports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from afd.errors import AfdError
+
+_WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week "
+    "case point government company number group problem fact river stone cloud garden window "
+    "music letter paper engine signal market orange silver winter summer morning evening"
+).split()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    body: dict  # the request body without model/stream fields
+    prompt_tokens: int  # as prepared (0: unknown)
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+# ------------------------------------------------------------------ prompts
+
+
+def _root(base_url: str) -> str:
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+async def _tokenize(http, root: str, text: str) -> list[int] | None:
+    try:
+        r = await http.post(f"{root}/tokenize", json={"prompt": text})
+        if r.status_code != 200:
+            return None
+        tokens = r.json().get("tokens")
+        return tokens if isinstance(tokens, list) else None
+    except Exception:  # no /tokenize (a plain OpenAI endpoint): fall back to words
+        return None
+
+
+async def _detokenize(http, root: str, ids: list[int]) -> str | None:
+    try:
+        r = await http.post(f"{root}/detokenize", json={"tokens": ids})
+        return r.json().get("prompt") if r.status_code == 200 else None
+    except Exception:
+        return None
+
+
+async def _synthetic_text(http, root: str, rng: random.Random, n_tokens: int) -> tuple[str, int]:
+    """Text of about `n_tokens` tokens: (text, measured tokens or 0 if the server cannot say)."""
+    # A random number first: no two prompts share a prefix (a prefix cache would flatter TTFT).
+    words = [str(rng.randrange(10**6))] + [rng.choice(_WORDS) for _ in range(n_tokens)]
+    text = " ".join(words)
+    ids = await _tokenize(http, root, text)
+    if ids is None:
+        return " ".join(words[: max(1, n_tokens)]), 0
+    while len(ids) < n_tokens:  # rare: fewer tokens than words
+        text += " " + " ".join(rng.choice(_WORDS) for _ in range(n_tokens - len(ids)))
+        ids = await _tokenize(http, root, text) or ids
+    cut = await _detokenize(http, root, ids[:n_tokens])
+    if cut is None:
+        return text, len(ids)
+    again = await _tokenize(http, root, cut)
+    return cut, len(again) if again is not None else n_tokens
+
+
+def _body(args: argparse.Namespace, text: str | None, messages: list | None, out: int) -> dict:
+    body: dict = {"max_tokens": out, "temperature": args.temperature}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if args.endpoint == "chat":
+        body["messages"] = messages or [{"role": "user", "content": text or ""}]
+        if args.logprobs is not None:
+            body["logprobs"] = True
+            body["top_logprobs"] = args.logprobs
+    else:
+        body["prompt"] = text if text is not None else _flatten(messages or [])
+        if args.logprobs is not None:
+            body["logprobs"] = args.logprobs
+    return body
+
+
+def _flatten(messages: list) -> str:
+    return "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+
+
+def _read_jsonl(path: str, args: argparse.Namespace) -> list[Prompt]:
+    """One JSON object per line: {"prompt": str} or {"messages": [...]}, optionally
+    "max_tokens" or "output_len"."""
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise AfdError(f"{path}:{i}: not JSON: {e}") from None
+        if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
+            raise AfdError(f"{path}:{i}: expected an object with 'prompt' or 'messages'")
+        n = int(row.get("max_tokens") or row.get("output_len") or args.output_len)
+        out.append(Prompt(_body(args, row.get("prompt"), row.get("messages"), n), 0))
+    if not out:
+        raise AfdError(f"{path} has no prompts")
+    return out
+
+
+async def prepare_prompts(http, args: argparse.Namespace) -> list[Prompt]:
+    if args.dataset:
+        rows = _read_jsonl(args.dataset, args)
+        return [rows[i % len(rows)] for i in range(args.num_requests)]
+    rng = random.Random(args.seed)
+    root = _root(args.base_url)
+    prompts = []
+    for _ in range(args.num_requests):
+        text, n = await _synthetic_text(http, root, rng, args.input_len)
+        prompts.append(Prompt(_body(args, text, None, args.output_len), n))
+    return prompts
+
+
+# ------------------------------------------------------------------ one request
+
+
+def _chunk_tokens(choice: dict, chat: bool) -> int:
+    """Tokens in one streamed choice chunk: from its logprobs when present, else 1 if it
+    carries text."""
+    lp = choice.get("logprobs")
+    if lp:
+        return len(lp.get("content") or []) if chat else len(lp.get("tokens") or [])
+    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+    return 1 if text else 0
+
+
+async def _one(http, url: str, body: dict, chat: bool) -> Result:
+    res = Result(ok=False)
+    t0 = time.perf_counter()
+    last = t0
+    counted = 0
+    try:
+        async with http.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                res.error = f"HTTP {r.status_code}: {text[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    res.error = str(ev["error"].get("message", ev["error"]))[:200]
+                    return res
+                if ev.get("usage"):
+                    res.prompt_tokens = ev["usage"].get("prompt_tokens", 0)
+                    res.output_tokens = ev["usage"].get("completion_tokens", 0)
+                k = sum(_chunk_tokens(c, chat) for c in ev.get("choices") or [])
+                if not k:
+                    continue
+                now = time.perf_counter()
+                if not counted:
+                    res.ttft = now - t0
+                else:
+                    res.itl += [(now - last) / k] * k
+                counted += k
+                last = now
+    except Exception as e:  # a broken connection is a failed request, not a crashed run
+        res.error = f"{type(e).__name__}: {e}"[:200]
+        return res
+    res.e2e = time.perf_counter() - t0
+    res.output_tokens = res.output_tokens or counted
+    res.ok = counted > 0
+    if not res.ok:
+        res.error = "the stream carried no tokens"
+    return res
+
+
+# ------------------------------------------------------------------ the run
+
+
+async def _run(args: argparse.Namespace) -> dict:
+    import httpx
+    from tqdm import tqdm
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    chat = args.endpoint == "chat"
+    url = args.base_url.rstrip("/") + ("/chat/completions" if chat else "/completions")
+    limit = args.concurrency or args.num_requests
+    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
+    async with httpx.AsyncClient(headers=headers, timeout=args.timeout, limits=limits) as http:
+        model = args.model or await _default_model(http, args.base_url)
+        prompts = await prepare_prompts(http, args)
+        extra = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+        sem = asyncio.Semaphore(limit)
+        bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=args.no_progress)
+        rng = random.Random(args.seed + 1)
+
+        async def fire(p: Prompt) -> Result:
+            async with sem:
+                res = await _one(http, url, {**p.body, **extra}, chat)
+            res.prompt_tokens = res.prompt_tokens or p.prompt_tokens
+            bar.update(1)
+            return res
+
+        tasks = []
+        t0 = time.perf_counter()
+        for p in prompts:
+            tasks.append(asyncio.create_task(fire(p)))
+            if args.request_rate and not math.isinf(args.request_rate):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        bar.close()
+    return summarize(results, duration, args, model)
+
+
+async def _default_model(http, base_url: str) -> str:
+    r = await http.get(base_url.rstrip("/") + "/models")
+    r.raise_for_status()
+    data = r.json().get("data") or []
+    if not data:
+        raise AfdError(f"{base_url}/models lists no model: give --model")
+    return data[0]["id"]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default)."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    return {
+        "mean": sum(xs) / len(xs),
+        "p50": percentile(xs, 50),
+        "p90": percentile(xs, 90),
+        "p99": percentile(xs, 99),
+    }
+
+
+def summarize(results: list[Result], duration: float, args: argparse.Namespace, model: str):
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    tpots = [t for r in ok if (t := r.tpot) is not None]
+    good = [
+        r
+        for r in ok
+        if (not args.sla_ttft or r.ttft <= args.sla_ttft)
+        and (not args.sla_tpot or r.tpot is None or r.tpot <= args.sla_tpot)
+    ]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    return {
+        "model": model,
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "num_requests": len(results),
+        "completed": len(ok),
+        "failed": len(failed),
+        "errors": sorted({r.error for r in failed})[:5],
+        "concurrency": args.concurrency or None,
+        "request_rate": args.request_rate or None,
+        "duration_s": duration,
+        "prompt_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration if duration else math.nan,
+        "output_throughput": out_tokens / duration if duration else math.nan,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration else math.nan,
+        "sla": {"ttft_s": args.sla_ttft or None, "tpot_s": args.sla_tpot or None},
+        "good_requests": len(good),
+        "goodput": len(good) / duration if duration else math.nan,
+        "ttft_s": _stats([r.ttft for r in ok]),
+        "tpot_s": _stats(tpots),
+        "itl_s": _stats([g for r in ok for g in r.itl]),
+        "e2e_s": _stats([r.e2e for r in ok]),
+    }
+
+
+def table(s: dict) -> str:
+    rows = [
+        ("requests (completed / failed)", f"{s['completed']} / {s['failed']}"),
+        ("duration", f"{s['duration_s']:.2f} s"),
+        ("request throughput", f"{s['request_throughput']:.2f} req/s"),
+        ("output token throughput", f"{s['output_throughput']:.1f} tok/s"),
+        ("total token throughput", f"{s['total_token_throughput']:.1f} tok/s"),
+        ("goodput", f"{s['goodput']:.2f} req/s ({s['good_requests']} met the SLAs)"),
+    ]
+    lines = [f"afd bench serve: {s['model']} at {s['base_url']} ({s['endpoint']})"]
+    lines += [f"  {k:<30} {v}" for k, v in rows]
+    lines.append(f"  {'latency, ms':<30} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}")
+    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        st = s[key]
+        vals = " ".join(f"{st[q] * 1e3:9.2f}" for q in ("mean", "p50", "p90", "p99"))
+        lines.append(f"  {name:<30} {vals}")
+    for e in s["errors"]:
+        lines.append(f"  error: {e}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
+        raise AfdError("--num-requests, --input-len and --output-len must be >= 1")
+    if args.concurrency < 0 or args.request_rate < 0:
+        raise AfdError("--concurrency and --request-rate must be >= 0")
+    if not args.concurrency and not args.request_rate:
+        args.concurrency = 1
+    summary = asyncio.run(_run(args))
+    if args.output:
+        Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2) if args.json else table(summary), flush=True)
+    return 0 if summary["completed"] else 1
+
+
+def add_parser(bench_subparsers) -> argparse.ArgumentParser:
+    """Register `afd bench serve` on the bench subparsers; sets func."""
+    p = bench_subparsers.add_parser(
+        "serve",
+        help="load generator for an OpenAI-compatible endpoint: TTFT, TPOT, ITL, goodput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the API's /v1 URL")
+    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    p.add_argument("--model", help="model name (default: the first of /v1/models)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY") or os.environ.get("AFD_API_KEY", ""),
+        help="bearer key (default: $OPENAI_API_KEY or $AFD_API_KEY)",
+    )
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument(
+        "--concurrency", type=int, default=0, help="requests in flight at most (0: no cap)"
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=0.0,
+        help="Poisson arrivals per second (0: all at once, limited by --concurrency)",
+    )
+    p.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
+    p.add_argument("--dataset", help="JSONL: {'prompt': ...} or {'messages': [...]} per line")
+    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        help="ask for logprobs (top K): every token is then counted as it streams",
+    )
+    p.add_argument("--sla-ttft", type=float, default=0.0, help="TTFT SLA, s (0: none)")
+    p.add_argument("--sla-tpot", type=float, default=0.05, help="TPOT SLA, s (0: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, s")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--output", help="also write the JSON summary to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="afd bench")
+    add_parser(parser.add_subparsers(dest="bench", required=True))
+    a = parser.parse_args(sys.argv[1:])
+    sys.exit(a.func(a))

@@ -1,0 +1,97 @@
+"""The attention server's metrics, recorded on the engine thread after each step.
+
+The engine and its FFN pool keep the step's raw timing (the pool's reply traces and
+attention times, the step's token count); this turns it into Prometheus observations and feeds
+the straggler detector. Per step that is a few observe() calls per FFN reply, with the metric
+children resolved once here, so the per-layer path itself carries only its timestamps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from afd import metrics
+from afd.transport.messages import Trace
+from services.attention.engine import Engine
+from services.attention.stragglers import StragglerConfig, StragglerDetector
+
+log = logging.getLogger("afd.attention")
+
+
+def breakdown(tr: Trace) -> tuple[float, tuple[float, ...]]:
+    """(round trip, its parts in metrics.ROUNDTRIP_PARTS order). Every difference is taken
+    between two stamps of one host, so the hosts' clocks need not agree (StepMesh's way)."""
+    roundtrip = max(0.0, tr.a_recv - tr.a_send)  # attention host
+    a2f_send = max(0.0, tr.a_sent - tr.a_send) if tr.a_sent else 0.0  # attention host
+    ffn_queue = max(0.0, tr.f_compute_start - tr.f_recv)  # FFN host
+    ffn_compute = max(0.0, tr.f_compute_end - tr.f_compute_start)
+    f2a_send = max(0.0, tr.f_send - tr.f_compute_end)
+    residence = max(0.0, tr.f_send - tr.f_recv)
+    # StepMesh's net_cost: what the attention host waited that the FFN host cannot account for.
+    network = max(0.0, roundtrip - a2f_send - residence)
+    return roundtrip, (a2f_send, network, ffn_queue, ffn_compute, f2a_send)
+
+
+class EngineTelemetry:
+    def __init__(self, engine: Engine, stragglers: StragglerConfig | None = None):
+        self.engine = engine
+        peers = [p.client.address for p in engine.pool.peers]
+        self.detector = StragglerDetector(stragglers or StragglerConfig(), peers)
+        self._preemptions = engine.scheduler.num_preemptions
+        self._roundtrip = {a: metrics.FFN_ROUNDTRIP.labels(a) for a in peers}
+        self._parts = {
+            a: tuple(metrics.FFN_ROUNDTRIP_PART.labels(a, part) for part in metrics.ROUNDTRIP_PARTS)
+            for a in peers
+        }
+        self._straggler = {a: metrics.STRAGGLER.labels(a) for a in peers}
+        for g in self._straggler.values():
+            g.set(0)
+        self._failed = False
+
+    def after_step(self, seconds: float) -> None:
+        """After a step: its time, tokens, FFN round trips; then a straggler check if due."""
+        try:
+            self._after_step(seconds)
+        except Exception:  # metrics must never take the engine down; say so once
+            if not self._failed:
+                self._failed = True
+                log.exception("recording the step's metrics failed")
+
+    def idle(self) -> None:
+        """Between steps while idle: refresh the gauges (aborts change them too)."""
+        self._gauges()
+
+    def _after_step(self, seconds: float) -> None:
+        eng, pool = self.engine, self.engine.pool
+        self._gauges()
+        if not eng.last_step_tokens:
+            return  # nothing was scheduled: no step to speak of
+        metrics.STEP_SECONDS.observe(seconds)
+        metrics.STEP_TOKENS.observe(eng.last_step_tokens)
+        metrics.MICRO_BATCHES_IN_FLIGHT.set(pool.max_in_flight)
+        for s in pool.attention_seconds:
+            metrics.ATTENTION_LAYER.observe(s)
+        now = time.monotonic()
+        for addr, reply in pool.traces:
+            rt, parts = breakdown(reply.trace)
+            if addr not in self._roundtrip:
+                continue  # a peer this telemetry was not built for (never in practice)
+            self._roundtrip[addr].observe(rt)
+            for h, v in zip(self._parts[addr], parts, strict=True):
+                h.observe(v)
+            self.detector.add(addr, now, rt, parts)
+        if self.detector.maybe_check(now):
+            for addr, g in self._straggler.items():
+                g.set(1 if self.detector.flagged(addr) else 0)
+
+    def _gauges(self) -> None:
+        eng = self.engine
+        s = eng.scheduler
+        metrics.NUM_RUNNING.set(s.num_running)
+        metrics.NUM_WAITING.set(s.num_waiting)
+        metrics.KV_USAGE.set(eng.blocks.usage)
+        n = s.num_preemptions
+        if n > self._preemptions:
+            metrics.PREEMPTIONS.inc(n - self._preemptions)
+        self._preemptions = n
