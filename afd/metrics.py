@@ -12,9 +12,12 @@ microseconds, far below vLLM's GPU-sized buckets.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 
 def _decades(lo: int, hi: int, steps: Iterable[float]) -> tuple[float, ...]:
@@ -24,7 +27,7 @@ def _decades(lo: int, hi: int, steps: Iterable[float]) -> tuple[float, ...]:
 
 
 # Request latencies (TTFT, e2e, queue): 0.1 ms .. 2560 s.
-REQUEST_BUCKETS = _decades(-4, 3, (1, 2.5, 5)) + (2560.0,)
+REQUEST_BUCKETS = _decades(-4, 3, (1, 2, 3, 5, 7.5)) + (2560.0,)
 # Per-token gaps (ITL, TPOT): 0.1 ms .. 80 s; 50 ms (the Step-3 TPOT target) is a boundary.
 TOKEN_BUCKETS = _decades(-4, 1, (1, 2, 2.5, 5, 7.5)) + (20.0, 40.0, 80.0)
 # One layer, one FFN call or one part of a round trip: 10 us .. 10 s.
@@ -33,6 +36,55 @@ LAYER_BUCKETS = _decades(-5, 1, (1, 2, 3, 5, 7))
 STEP_BUCKETS = _decades(-4, 2, (1, 2, 3, 5, 7))
 COUNT_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384 (tokens per step or call)
 PEER_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0)
+
+
+class EngineHistogram:
+    """A labelled histogram for the engine thread's per-message observations: observe() is a
+    bisect and two additions, without prometheus_client's lock (about 5x cheaper), because one
+    thread writes it. A scrape from another thread may see an observation's bucket before its
+    sum; the count is the buckets' total, so the two always agree."""
+
+    _type = "histogram"
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str], buckets):
+        self._name = name
+        self._doc = documentation
+        self._labelnames = tuple(labelnames)
+        self._upper = tuple(float(b) for b in buckets) + (float("inf"),)
+        self._series: dict[tuple[str, ...], _Series] = {}
+
+    def labels(self, *values: str) -> _Series:
+        key = tuple(str(v) for v in values)
+        if len(key) != len(self._labelnames):
+            raise ValueError(f"{self._name} takes labels {self._labelnames}")
+        if key not in self._series:
+            self._series[key] = _Series(self._upper)
+        return self._series[key]
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for key, series in list(self._series.items()):
+            counts, total, cum = list(series.counts), series.total, 0.0
+            buckets = []
+            for le, n in zip(self._upper, counts, strict=True):
+                cum += n
+                buckets.append((floatToGoString(le), cum))
+            family.add_metric(list(key), buckets, total)
+        yield family
+
+
+class _Series:
+    __slots__ = ("_upper", "counts", "total")
+
+    def __init__(self, upper: tuple[float, ...]):
+        self._upper = upper
+        self.counts = [0] * len(upper)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self._upper, value)] += 1  # the first bucket with le >= value
+        self.total += value
+
 
 # Names other modules (the planner, the dashboard test) refer to as strings.
 ATTENTION_LAYER_SECONDS = "afd_attention_layer_seconds"
@@ -147,28 +199,26 @@ MICRO_BATCHES_IN_FLIGHT = Gauge(
     "Most micro-batches with FFN work outstanding at once during the last step",
     registry=None,
 )
-ATTENTION_LAYER = Histogram(
+ATTENTION_LAYER = EngineHistogram(
     ATTENTION_LAYER_SECONDS,
     "Attention-side compute of one layer of one micro-batch (attention, router, quantize): "
     "engine-thread time between handing the previous work to the FFN pool and the next send",
-    buckets=LAYER_BUCKETS,
-    registry=None,
+    [],
+    LAYER_BUCKETS,
 )
-FFN_ROUNDTRIP = Histogram(
+FFN_ROUNDTRIP = EngineHistogram(
     FFN_ROUNDTRIP_SECONDS,
     "Attention -> FFN -> attention round trip of one layer's message, per FFN peer "
     "(attention-host clock: send start to the reply's arrival)",
     [PEER_LABEL],
-    buckets=LAYER_BUCKETS,
-    registry=None,
+    LAYER_BUCKETS,
 )
-FFN_ROUNDTRIP_PART = Histogram(
+FFN_ROUNDTRIP_PART = EngineHistogram(
     FFN_ROUNDTRIP_PART_SECONDS,
     "The round trip split StepMesh-style (each part measured on one host): a2f_send, "
     "network, ffn_queue, ffn_compute, f2a_send",
     [PEER_LABEL, PART_LABEL],
-    buckets=LAYER_BUCKETS,
-    registry=None,
+    LAYER_BUCKETS,
 )
 STRAGGLER = Gauge(
     FFN_STRAGGLER,

@@ -218,9 +218,17 @@ async def _one(http, url: str, body: dict, chat: bool) -> Result:
 # ------------------------------------------------------------------ the run
 
 
-async def _run(args: argparse.Namespace) -> dict:
+async def run_async(args: argparse.Namespace) -> dict:
+    """The whole run; returns the summary (see `summarize`)."""
     import httpx
     from tqdm import tqdm
+
+    if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
+        raise AfdError("--num-requests, --input-len and --output-len must be >= 1")
+    if args.concurrency < 0 or args.request_rate < 0:
+        raise AfdError("--concurrency and --request-rate must be >= 0")
+    if not args.concurrency and not args.request_rate:
+        args.concurrency = 1  # neither given: one request at a time
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     chat = args.endpoint == "chat"
@@ -345,13 +353,7 @@ def table(s: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
-        raise AfdError("--num-requests, --input-len and --output-len must be >= 1")
-    if args.concurrency < 0 or args.request_rate < 0:
-        raise AfdError("--concurrency and --request-rate must be >= 0")
-    if not args.concurrency and not args.request_rate:
-        args.concurrency = 1
-    summary = asyncio.run(_run(args))
+    summary = asyncio.run(run_async(args))
     if args.output:
         Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2) if args.json else table(summary), flush=True)

@@ -17,7 +17,6 @@ import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 
 from afd.metrics import (  # the names are defined once, with the metrics themselves
@@ -187,11 +186,11 @@ class Recommendation:
 
 
 def _nearest_pair(ratio: float, limit: int) -> tuple[int, int]:
-    f = Fraction(ratio).limit_denominator(limit)
-    x, y = max(1, f.numerator), max(1, f.denominator)
-    if x > limit:  # ratio beyond what `limit` servers express: clamp, keep the direction
-        x, y = limit, max(1, round(limit / ratio))
-    return x, y
+    """The x:y with x, y <= limit closest to `ratio` (in log scale: 2:1 and 1:2 are equally far
+    from 1:1), the fewest servers among equals (1:1, never 2:2)."""
+    target = math.log(ratio)
+    pairs = [(x, y) for x in range(1, limit + 1) for y in range(1, limit + 1)]
+    return min(pairs, key=lambda p: (round(abs(math.log(p[0] / p[1]) - target), 9), sum(p)))
 
 
 def recommend(m: Measured, max_servers: int = 8, max_micro_batches: int = 8) -> Recommendation:

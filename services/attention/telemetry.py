@@ -23,13 +23,16 @@ def breakdown(tr: Trace) -> tuple[float, tuple[float, ...]]:
     """(round trip, its parts in metrics.ROUNDTRIP_PARTS order). Every difference is taken
     between two stamps of one host, so the hosts' clocks need not agree (StepMesh's way)."""
     roundtrip = max(0.0, tr.a_recv - tr.a_send)  # attention host
-    a2f_send = max(0.0, tr.a_sent - tr.a_send) if tr.a_sent else 0.0  # attention host
     ffn_queue = max(0.0, tr.f_compute_start - tr.f_recv)  # FFN host
     ffn_compute = max(0.0, tr.f_compute_end - tr.f_compute_start)
     f2a_send = max(0.0, tr.f_send - tr.f_compute_end)
     residence = max(0.0, tr.f_send - tr.f_recv)
     # StepMesh's net_cost: what the attention host waited that the FFN host cannot account for.
-    network = max(0.0, roundtrip - a2f_send - residence)
+    outside = max(0.0, roundtrip - residence)
+    # The FFN may have the message before the send call returns on the attention host; only
+    # the part of the send that did not overlap the FFN's work is the attention host's own.
+    a2f_send = min(max(0.0, tr.a_sent - tr.a_send), outside) if tr.a_sent else 0.0
+    network = outside - a2f_send
     return roundtrip, (a2f_send, network, ffn_queue, ffn_compute, f2a_send)
 
 
@@ -45,6 +48,7 @@ class EngineTelemetry:
             for a in peers
         }
         self._straggler = {a: metrics.STRAGGLER.labels(a) for a in peers}
+        self._layer = metrics.ATTENTION_LAYER.labels()
         for g in self._straggler.values():
             g.set(0)
         self._failed = False
@@ -71,7 +75,7 @@ class EngineTelemetry:
         metrics.STEP_TOKENS.observe(eng.last_step_tokens)
         metrics.MICRO_BATCHES_IN_FLIGHT.set(pool.max_in_flight)
         for s in pool.attention_seconds:
-            metrics.ATTENTION_LAYER.observe(s)
+            self._layer.observe(s)
         now = time.monotonic()
         for addr, reply in pool.traces:
             rt, parts = breakdown(reply.trace)

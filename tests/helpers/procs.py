@@ -28,9 +28,10 @@ class Procs:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """`afd *args` as a child; `env` is added to this process's environment."""
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         p = subprocess.Popen(
             [sys.executable, "-m", "afd.cli", "--log-level", "WARNING", *args],
             stdout=log,
