@@ -96,7 +96,11 @@ PEER_LABEL = "peer"
 PART_LABEL = "part"
 # The parts of one attention -> FFN -> attention round trip, in order; they sum to the whole.
 # a2f_send: attention host, encode and hand to the socket (StepMesh: post-send - push start)
-# network: both wire legs and socket buffering (StepMesh net_cost: round trip - FFN residence)
+# network: both wire legs and socket buffering (StepMesh net_cost: round trip - FFN residence).
+#   It also holds what no stamp can see: a message waiting in a ZeroMQ FFN server's socket while
+#   that server computes another layer (its listener stamps arrival when it takes the message;
+#   the gRPC one on arrival), and a reply that lands while the attention thread computes (taken,
+#   and stamped, at its next visit to the FFN pool).
 # ffn_queue: FFN host, arrival to compute start; ffn_compute: the layer call
 # f2a_send: FFN host, compute end to the reply's send stamp
 ROUNDTRIP_PARTS = ("a2f_send", "network", "ffn_queue", "ffn_compute", "f2a_send")
