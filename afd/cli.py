@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from afd.errors import AfdError
@@ -39,6 +40,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="backpressure: refuse new requests (429) past this many waiting",
+    )
+    p.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        default=1 << 20,
+        help="backpressure: ... or past this many waiting prompt tokens",
+    )
     p.add_argument("--max-model-len", type=int, default=0, help="0: the model's context length")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV pool")
@@ -53,6 +66,20 @@ def add_side_port_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="HTTP side port serving /metrics, /health, /ready (0: off)",
     )
+
+
+def add_security_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data-plane authentication (flags fall back to AFD_* env vars)")
+    g.add_argument("--curve-dir", default="", help="ZeroMQ CURVE key directory (afd keys)")
+    g.add_argument("--tls-cert", default="", help="gRPC TLS certificate chain (PEM)")
+    g.add_argument("--tls-key", default="", help="gRPC TLS private key (PEM)")
+    g.add_argument("--tls-ca", default="", help="CA bundle; on a server it demands client certs")
+
+
+def security(args: argparse.Namespace):
+    from afd.security import Security
+
+    return Security(args.curve_dir, args.tls_cert, args.tls_key, args.tls_ca).with_env()
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -73,6 +100,8 @@ def engine_config(args: argparse.Namespace, ffn: tuple[str, ...] = ()) -> Engine
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
+            max_waiting_requests=args.max_waiting_requests,
+            max_waiting_tokens=args.max_waiting_tokens,
         ),
         dtype=args.dtype,
         micro_batches=args.micro_batches,
@@ -141,6 +170,7 @@ def _ffn_parser(sub) -> None:
         help="compute device (the wire format is device-independent)",
     )
     add_side_port_args(p)
+    add_security_args(p)
     p.set_defaults(func=_run_ffn)
 
 
@@ -180,6 +210,7 @@ def _attention_parser(sub) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu"])
     add_side_port_args(p)
     add_straggler_args(p)
+    add_security_args(p)
     p.set_defaults(func=_run_attention)
 
 
@@ -217,7 +248,7 @@ def _run_attention(args: argparse.Namespace) -> int:
     from services.attention.server import AttentionServerConfig, serve
 
     ffn = tuple(a.strip() for a in args.ffn.split(",") if a.strip())
-    cfg = engine_config(args, ffn)
+    cfg = replace(engine_config(args, ffn), security=security(args))
     return serve(
         AttentionServerConfig(
             engine=cfg,
@@ -241,6 +272,20 @@ def _set_threads(n: int) -> None:
         import torch
 
         torch.set_num_threads(n)
+
+
+def _keys_parser(sub) -> None:
+    p = sub.add_parser("keys", help="create a ZeroMQ CURVE key directory for --curve-dir")
+    p.add_argument("--out", required=True, help="directory to create")
+    p.set_defaults(func=_run_keys)
+
+
+def _run_keys(args: argparse.Namespace) -> int:
+    from afd.security import write_curve_keys
+
+    out = write_curve_keys(args.out)
+    print(f"CURVE keys written to {out}: give FFN and attention servers --curve-dir {out}")
+    return 0
 
 
 def _bench_parser(sub) -> None:
@@ -289,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _ffn_parser(sub)
     _attention_parser(sub)
+    _keys_parser(sub)
     _serving_parsers(sub)
     _bench_parser(sub)
     _plan_parser(sub)

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from afd.errors import RequestError
+from afd.errors import OverloadedError, RequestError
 from services.attention.engine import Engine
 from services.attention.request import Request, SamplingParams
 
@@ -112,11 +112,8 @@ class EngineLoop:
             try:
                 self.engine.add_request(prompt, sampling, request_id=rid)
             except RequestError as e:
-                sink(
-                    Event(
-                        rid, [], finish_reason="error", error_code="invalid_request", error=str(e)
-                    )
-                )
+                code = "overloaded" if isinstance(e, OverloadedError) else "invalid_request"
+                sink(Event(rid, [], finish_reason="error", error_code=code, error=str(e)))
                 return
             self._sinks[rid] = sink
             self._sent[rid] = 0

@@ -16,6 +16,7 @@ import grpc
 from afd import metrics, sidecar
 from afd.config import EngineConfig
 from afd.errors import TransportError
+from afd.security import add_port
 from services.attention.control import event_to_pb, pb, pb_grpc, sampling_from_pb
 from services.attention.engine import Engine
 from services.attention.loop import EngineLoop, Event
@@ -146,7 +147,8 @@ async def _serve(cfg: AttentionServerConfig) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     servicer = ControlServicer(loop, cfg)
     pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port(cfg.listen)
+    # The control plane uses the same TLS settings as the data plane (one cert per server).
+    port = add_port(server, cfg.listen, cfg.engine.security)
     if port == 0:
         raise TransportError(f"cannot listen on {cfg.listen}")
     await server.start()

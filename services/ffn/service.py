@@ -12,10 +12,11 @@ import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from afd import metrics, sidecar
 from afd.config import ModelConfig
+from afd.security import Security
 from afd.sharding import ExpertShard
 from afd.transport import listen
 from services.attention.engine import DTYPES
@@ -33,6 +34,7 @@ class FFNServiceConfig:
     max_tokens: int = 65536  # largest message accepted, in tokens
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # HTTP /metrics, /health, /ready; 0: off
+    security: Security = field(default_factory=Security)
     inject_delay_s: float = 0.0  # fault injection; see the module docstring
 
 
@@ -76,7 +78,12 @@ def serve(cfg: FFNServiceConfig) -> int:
             INJECT_DELAY_ENV,
             cfg.inject_delay_s * 1e3,
         )
-    listener = listen(cfg.listen, server.handle, limits=limits_for(cfg.model, cfg.max_tokens))
+    listener = listen(
+        cfg.listen,
+        server.handle,
+        limits=limits_for(cfg.model, cfg.max_tokens),
+        security=cfg.security,
+    )
     log.info(
         "FFN shard %d/%d (experts %d..%d%s) listening on %s",
         cfg.shard.index,

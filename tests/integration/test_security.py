@@ -39,9 +39,14 @@ def _handler(reqs: list[FFNRequest]) -> list[FFNReply]:
 
 def _req(seq: int) -> FFNRequest:
     return FFNRequest(
-        layer=0, micro_batch=0, seq=seq, hidden=torch.ones(3, 16, dtype=torch.bfloat16),
-        scales=None, expert_ids=torch.zeros(3, 2, dtype=torch.int32),
-        expert_weights=torch.full((3, 2), 0.5), deadline=time.time() + 5,
+        layer=0,
+        micro_batch=0,
+        seq=seq,
+        hidden=torch.ones(3, 16, dtype=torch.bfloat16),
+        scales=None,
+        expert_ids=torch.zeros(3, 2, dtype=torch.int32),
+        expert_weights=torch.full((3, 2), 0.5),
+        deadline=time.time() + 5,
     )
 
 
@@ -91,8 +96,11 @@ def _write_pki(d: Path) -> dict[str, Path]:
         b = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(issuer_cert.subject if issuer_cert else
-                         x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(
+                issuer_cert.subject
+                if issuer_cert
+                else x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+            )
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -100,9 +108,12 @@ def _write_pki(d: Path) -> dict[str, Path]:
             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
         )
         if not ca:
-            b = b.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ), critical=False)
+            b = b.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
         return b.sign(issuer_key or key, hashes.SHA256())
 
     pem = serialization.Encoding.PEM
@@ -116,21 +127,29 @@ def _write_pki(d: Path) -> dict[str, Path]:
         out[f"{who}_cert"] = d / f"{who}.pem"
         out[f"{who}_cert"].write_bytes(cert(who, key, ca, ca_key).public_bytes(pem))
         out[f"{who}_key"] = d / f"{who}-key.pem"
-        out[f"{who}_key"].write_bytes(key.private_bytes(
-            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        out[f"{who}_key"].write_bytes(
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
     return out
 
 
 def test_grpc_mutual_tls(tmp_path):
     pki = _write_pki(tmp_path)
     addr = f"grpc://127.0.0.1:{_port()}"
-    server_sec = Security(tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]),
-                          tls_ca=str(pki["ca"]))
+    server_sec = Security(
+        tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]), tls_ca=str(pki["ca"])
+    )
     srv = listen(addr, _handler, limits=LIMITS, security=server_sec)
     clients = []
     try:
-        good = connect(addr, security=Security(
-            tls_cert=str(pki["client_cert"]), tls_key=str(pki["client_key"]), tls_ca=str(pki["ca"])))
+        good = connect(
+            addr,
+            security=Security(
+                tls_cert=str(pki["client_cert"]),
+                tls_key=str(pki["client_key"]),
+                tls_ca=str(pki["ca"]),
+            ),
+        )
         clients.append(good)
         assert _served(good, 0)
         no_client_cert = connect(addr, security=Security(tls_ca=str(pki["ca"])))
@@ -180,7 +199,11 @@ def test_hostile_pickle_frames_are_rejected_and_never_run(scheme):
     client = connect(addr)
     try:
         payload = pickle.dumps(_Boom())
-        for frames in ([payload], [payload, payload, payload, payload, payload], [b"\x80\x04" * 50]):
+        for frames in (
+            [payload],
+            [payload, payload, payload, payload, payload],
+            [b"\x80\x04" * 50],
+        ):
             client.send_frames(frames)
         time.sleep(0.5)
         assert _served(client, 7)  # the server kept serving valid traffic
