@@ -29,8 +29,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--micro-batches",
         type=int,
-        default=2,
-        help="S: micro-batches in flight per step (1 = serial)",
+        default=1,
+        help="S: micro-batches in flight per step (1 = serial). S >= 2 overlaps attention and "
+        "FFN; it pays when the FFN side is compute-bound (large batches); on a small CPU box the "
+        "experts are weight-bandwidth-bound and each micro-batch re-reads them (see "
+        "`afd bench pipeline`)",
     )
     p.add_argument(
         "--a2f-dtype",

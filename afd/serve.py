@@ -326,7 +326,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", help="local HF checkpoint directory (default: the demo model)")
     p.add_argument("--attention", type=int, default=1, help="N attention servers")
     p.add_argument("--ffn", type=int, default=1, help="M FFN servers (expert shards)")
-    p.add_argument("--micro-batches", type=int, default=2, help="S micro-batches in flight")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="S micro-batches in flight (1: serial, best on a small CPU box; see afd bench pipeline)",
+    )
     p.add_argument(
         "--transport",
         default="tcp",
