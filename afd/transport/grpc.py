@@ -24,7 +24,7 @@ from afd.protos import ensure_generated
 from afd.security import Security, add_port, channel
 from afd.transport.base import FFNClient, Handler, Listener
 from afd.transport.messages import FFNReply, FFNRequest
-from afd.transport.serving import Inbound, serve_messages, stamp_received
+from afd.transport.serving import Inbound, require_limits, serve_messages, stamp_received
 from afd.wire import Buffer, WireError, WireLimits, decode_reply, encode_request
 
 ensure_generated()
@@ -239,8 +239,4 @@ def listen(
     security: Security | None = None,
     **_: object,
 ) -> Listener:
-    if limits is None:
-        raise ConfigError(
-            f"listening on {address} needs limits=WireLimits(...) to validate messages"
-        )
-    return GrpcListener(address, handler, limits, security)
+    return GrpcListener(address, handler, require_limits(address, limits), security)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 from afd import metrics
+from afd.errors import ConfigError
 from afd.transport.base import Handler
 from afd.transport.messages import FFNReply, FFNRequest, Trace
 from afd.wire import Buffer, WireError, WireLimits, decode_request, encode_reply
@@ -163,3 +164,12 @@ def serve_messages(
 def stamp_received(reply: FFNReply) -> FFNReply:
     """The attention side's receive stamp (trace.a_recv), taken when the reply is decoded."""
     return dataclasses.replace(reply, trace=dataclasses.replace(reply.trace, a_recv=time.time()))
+
+
+def require_limits(address: str, limits: WireLimits | None) -> WireLimits:
+    """A network listener validates every message against its model: it must know the limits."""
+    if limits is None:
+        raise ConfigError(
+            f"listening on {address} needs limits=WireLimits(...) to validate messages"
+        )
+    return limits

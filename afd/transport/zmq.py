@@ -15,11 +15,11 @@ import time
 
 import zmq
 
-from afd.errors import ConfigError, TransportError
+from afd.errors import TransportError
 from afd.security import Security
 from afd.transport.base import FFNClient, Handler, Listener
 from afd.transport.messages import FFNReply, FFNRequest
-from afd.transport.serving import Inbound, serve_messages, stamp_received
+from afd.transport.serving import Inbound, require_limits, serve_messages, stamp_received
 from afd.wire import Buffer, WireError, WireLimits, decode_reply, encode_request
 
 log = logging.getLogger(__name__)
@@ -80,14 +80,17 @@ class ZmqClient(FFNClient):
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
 
-    def send(self, req: FFNRequest) -> None:
+    def send(self, req: FFNRequest) -> bool:
         """Send one request. Its tensors are sent zero-copy: do not modify them until the reply
         arrives. A request that cannot be handed to a connected peer within `connect_grace`
-        (or its deadline) is dropped, and wait() on it times out."""
+        (or its deadline) is dropped (False), and wait() on it times out."""
         grace = self._grace
         if req.deadline:
             grace = max(0.0, min(grace, req.deadline - time.time()))
-        self.send_frames(encode_request(req), grace)
+        return self.send_frames(encode_request(req), grace)
+
+    def try_send(self, req: FFNRequest) -> bool:
+        return self.send_frames(encode_request(req), 0.0)
 
     def send_frames(self, frames: list[Buffer], grace: float | None = None) -> bool:
         """Send raw frames (tools and fault tests use this directly); False if dropped."""
@@ -199,8 +202,4 @@ def listen(
     security: Security | None = None,
     **_: object,
 ) -> Listener:
-    if limits is None:
-        raise ConfigError(
-            f"listening on {address} needs limits=WireLimits(...) to validate messages"
-        )
-    return ZmqListener(address, handler, limits, security)
+    return ZmqListener(address, handler, require_limits(address, limits), security)
