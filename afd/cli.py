@@ -59,6 +59,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV pool")
     p.add_argument("--ffn-timeout", type=float, default=30.0, help="deadline of one FFN call, s")
+    p.add_argument(
+        "--ffn-failover-timeout",
+        type=float,
+        default=0.0,
+        help="with replicas of a shard: how long one replica may take to answer before the "
+        "message goes to another, s (0: the FFN timeout split between the replicas)",
+    )
 
 
 def add_side_port_args(p: argparse.ArgumentParser) -> None:
@@ -110,6 +117,7 @@ def engine_config(args: argparse.Namespace, ffn: tuple[str, ...] = ()) -> Engine
         micro_batches=args.micro_batches,
         a2f_dtype=args.a2f_dtype,
         ffn_timeout_s=args.ffn_timeout,
+        ffn_failover_s=args.ffn_failover_timeout,
         threads=args.threads,
         **({"ffn_addresses": ffn} if ffn else {}),
     )
@@ -196,6 +204,7 @@ def _run_ffn(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             metrics_host=args.metrics_host,
             metrics_port=args.metrics_port,
+            security=security(args),
             inject_delay_s=delay,
         )
     )
@@ -207,14 +216,26 @@ def _attention_parser(sub) -> None:
     p.add_argument(
         "--ffn",
         required=True,
-        help="FFN servers, comma-separated; the i-th holds expert shard i of N",
+        help="FFN servers, comma-separated; the i-th holds expert shard i of N; 'A|B' names "
+        "replicas of one shard (a failed one's messages go to the other)",
     )
     p.add_argument("--listen", default="127.0.0.1:50051", help="control-plane gRPC host:port")
     p.add_argument("--device", default="cpu", choices=["cpu"])
+    add_drain_arg(p)
     add_side_port_args(p)
     add_straggler_args(p)
     add_security_args(p)
     p.set_defaults(func=_run_attention)
+
+
+def add_drain_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: refuse new requests and let those in flight finish for up to this "
+        "many seconds, then exit 0",
+    )
 
 
 def add_straggler_args(p: argparse.ArgumentParser) -> None:
@@ -251,6 +272,10 @@ def _run_attention(args: argparse.Namespace) -> int:
     from services.attention.server import AttentionServerConfig, serve
 
     ffn = tuple(a.strip() for a in args.ffn.split(",") if a.strip())
+    if any(not r.strip() for a in ffn for r in a.split("|")):
+        raise AfdError(f"--ffn {args.ffn!r}: an empty replica address")
+    if args.drain_timeout < 0 or args.ffn_failover_timeout < 0:
+        raise AfdError("--drain-timeout and --ffn-failover-timeout must be >= 0")
     cfg = replace(engine_config(args, ffn), security=security(args))
     return serve(
         AttentionServerConfig(
@@ -260,6 +285,7 @@ def _run_attention(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             metrics_port=args.metrics_port,
             stragglers=straggler_config(args),
+            drain_timeout_s=args.drain_timeout,
         )
     )
 

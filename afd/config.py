@@ -261,8 +261,10 @@ class EngineConfig:
     dtype: str = "bfloat16"  # compute dtype: bfloat16 | float32
     micro_batches: int = 1
     a2f_dtype: str = "bf16"  # fp8 | bf16 | fp32 on the wire attention -> FFN
+    # The i-th entry serves expert shard i; "a|b" names replicas of one shard (failover).
     ffn_addresses: tuple[str, ...] = ("inproc://ffn0",)
     ffn_timeout_s: float = 30.0
+    ffn_failover_s: float = 0.0  # one replica's time to answer before failover; 0: timeout/replicas
     device: str = "cpu"
     threads: int = 0  # 0: leave torch's default
     security: Security = field(default_factory=Security)  # data-plane CURVE / TLS

@@ -124,6 +124,15 @@ def channel(target: str, options: list, security: Security | None):
     return grpc.insecure_channel(target, options=options)
 
 
+def aio_channel(target: str, options: list, security: Security | None):
+    """An asyncio gRPC channel (the gateway's): TLS when configured, plaintext otherwise."""
+    import grpc
+
+    if security is not None and security.tls:
+        return grpc.aio.secure_channel(target, channel_credentials(security), options=options)
+    return grpc.aio.insecure_channel(target, options=options)
+
+
 def add_port(server, target: str, security: Security | None) -> int:
     if security is not None and security.tls:
         return server.add_secure_port(target, server_credentials(security))

@@ -2,8 +2,10 @@
 
 Starts M FFN servers, N attention servers and the gateway as separate child processes
 (`python -m afd.cli ffn|attention|gateway ...`), waits until the gateway's /ready answers 200,
-prints the URL, and on Ctrl-C or SIGTERM stops every child: SIGTERM, then SIGKILL after a
-grace period. Each child runs in its own process group (so one terminal Ctrl-C reaches only
+prints the URL, and on Ctrl-C or SIGTERM stops the children in stages, each with SIGTERM, then
+SIGKILL after a grace period: the gateway first (it drains: new requests get 503 while those in
+flight finish, up to --drain-timeout), then the attention servers (which drain the same way),
+then the FFN servers, which the requests in flight needed until the end. Each child runs in its own process group (so one terminal Ctrl-C reaches only
 this process, which then stops the children in order) and is asked by the kernel
 (PR_SET_PDEATHSIG) to die with its parent, so even `kill -9` of this process leaves no orphans.
 Every line a child writes comes out prefixed with its name: `[ffn-0]`, `[attention-1]`, ...
@@ -53,7 +55,8 @@ class ClusterConfig:
     kv_cache_gb: float = 0.0  # per attention server; 0: its default
     max_model_len: int = 0
     ready_timeout_s: float = 300.0
-    stop_timeout_s: float = 10.0
+    stop_timeout_s: float = 10.0  # beyond the drain, per stage
+    drain_timeout_s: float = 30.0  # gateway and attention servers: in-flight requests may finish
     sla_ttft_s: float = 0.0  # the gateway's SLA targets (0: none)
     sla_tpot_s: float = 0.05
 
@@ -165,11 +168,13 @@ class Cluster:
             addr = f"127.0.0.1:{free_port()}"
             self.attention_addresses.append(addr)
             argv = [*py, "attention", *model, *threads, *engine, "--listen", addr]
+            argv += ["--drain-timeout", str(c.drain_timeout_s)]
             argv += ["--ffn", ",".join(self.ffn_addresses)]
             children.append(_with_metrics_port(Child(f"attention-{i}", argv)))
         gw = [*py, "gateway", *model, "--attention", ",".join(self.attention_addresses)]
         gw += ["--host", c.host, "--port", str(self.port)]
         gw += ["--sla-ttft", str(c.sla_ttft_s), "--sla-tpot", str(c.sla_tpot_s)]
+        gw += ["--drain-timeout", str(c.drain_timeout_s)]
         # The key travels in the environment: a command line is readable by every local user.
         env = {"AFD_API_KEY": c.api_key} if c.api_key else {}
         host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "") else c.host
@@ -228,20 +233,16 @@ class Cluster:
         raise AfdError(f"the cluster was not ready within {self.cfg.ready_timeout_s:.0f} s")
 
     def stop(self) -> None:
-        """SIGTERM every child (gateway first, FFN last), then SIGKILL whatever is left."""
-        running = [c for c in reversed(self.children) if c.proc and c.proc.poll() is None]
-        for c in running:
-            _signal_group(c.proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.stop_timeout_s
-        for c in running:
-            try:
-                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning(
-                    "%s did not stop within %.0f s; killing it", c.name, self.cfg.stop_timeout_s
-                )
-                _signal_group(c.proc, signal.SIGKILL)
-                c.proc.wait()
+        """Stop the children in stages: the gateway, then the attention servers (both drain
+        first), then the FFN servers; each stage SIGTERM, then SIGKILL past its time."""
+        for role in ("gateway", "attention", "ffn"):
+            stage = [
+                c
+                for c in self.children
+                if c.name.split("-")[0] == role and c.proc and c.proc.poll() is None
+            ]
+            drains = role != "ffn"
+            self._stop_stage(stage, self.cfg.stop_timeout_s + (self.cfg.drain_timeout_s * drains))
         for c in self.children:
             _signal_group(c.proc, signal.SIGKILL)  # stragglers in a child's group
             if c.pump is not None:
@@ -259,6 +260,19 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    @staticmethod
+    def _stop_stage(children: list[Child], timeout: float) -> None:
+        for c in children:
+            _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for c in children:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s; killing it", c.name, timeout)
+                _signal_group(c.proc, signal.SIGKILL)
+                c.proc.wait()
 
 
 def _with_metrics_port(child: Child) -> Child:
@@ -317,6 +331,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         ready_timeout_s=args.ready_timeout,
         sla_ttft_s=args.sla_ttft,
         sla_tpot_s=args.sla_tpot,
+        drain_timeout_s=args.drain_timeout,
     )
 
 
@@ -352,6 +367,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-model-len", type=int, default=0, help="0: the model's context length")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /ready")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on Ctrl-C / SIGTERM: how long the gateway and attention servers let requests in "
+        "flight finish (new ones get 503), s",
+    )
     from services.gateway.app import add_sla_args
 
     add_sla_args(p)

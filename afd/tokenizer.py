@@ -1,15 +1,44 @@
-"""Tokenizer and chat template from a model directory (no transformers needed at run time)."""
+"""Tokenizer and chat template from a model directory (no transformers needed at run time).
+
+The chat template is rendered in jinja's immutable sandbox (a template is data from the model
+directory, not trusted code), with a budget: a time limit checked on the template's own lines
+(every loop iteration of compiled template code is a line, so no loop escapes it), a cap on the
+text it produces, and no string or list repetition past that cap. A template that loops
+forever or blows up is a RequestError, never a hung gateway.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from afd.errors import ConfigError
+from afd.errors import ConfigError, RequestError
+
+MAX_TEMPLATE_CHARS = 8 << 20  # the rendered prompt, at most
+_CHECK_EVERY = 256  # template lines between two looks at the clock
+
+
+class _BudgetedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, refusing `*` and `**` whose result would be huge."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            seq, n = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, str | list | tuple) and isinstance(n, int):
+                if len(seq) * n > MAX_TEMPLATE_CHARS:
+                    raise SecurityError("the chat template builds a value that is too large")
+        elif operator == "**" and isinstance(right, int) and abs(right) > 4096:
+            raise SecurityError("the chat template computes too large a power")
+        return super().call_binop(context, operator, left, right)
 
 
 class ModelTokenizer:
@@ -30,7 +59,8 @@ class ModelTokenizer:
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         # Sandboxed: a chat template is data from the model directory, not trusted code.
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._env = _BudgetedSandbox(trim_blocks=True, lstrip_blocks=True)
+        self._template = None  # compiled on first use
 
     @property
     def vocab_size(self) -> int:
@@ -43,16 +73,70 @@ class ModelTokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        time_limit_s: float | None = None,
     ) -> str:
+        """The rendered prompt; with `time_limit_s`, a render that takes longer raises
+        RequestError (so does one longer than MAX_TEMPLATE_CHARS, always)."""
         if not self.chat_template:
             raise ConfigError("this model has no chat template; use a completion prompt")
-        return self._env.from_string(self.chat_template).render(
+        if self._template is None:
+            self._template = self._env.from_string(self.chat_template)
+        chunks = self._template.generate(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+        if time_limit_s is None:
+            return _join(chunks)
+        return _with_time_limit(lambda: _join(chunks), time_limit_s)
+
+
+class _TimeUp(Exception):
+    pass
+
+
+def _join(chunks) -> str:
+    out, n = [], 0
+    for chunk in chunks:
+        n += len(chunk)
+        if n > MAX_TEMPLATE_CHARS:
+            raise RequestError(
+                f"the chat template's output exceeds {MAX_TEMPLATE_CHARS} characters"
+            )
+        out.append(chunk)
+    return "".join(out)
+
+
+def _with_time_limit(render, limit_s: float) -> str:
+    """Run `render` with a trace on this thread that counts the lines of compiled template
+    code ('<template>') and raises once `limit_s` has passed."""
+    deadline = time.monotonic() + limit_s
+    lines = 0
+
+    def on_line(frame, event, arg):
+        nonlocal lines
+        lines += 1
+        if lines % _CHECK_EVERY == 0 and time.monotonic() > deadline:
+            raise _TimeUp
+        return on_line
+
+    def on_call(frame, event, arg):
+        return on_line if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        return render()
+    except _TimeUp:
+        raise RequestError(
+            f"the chat template did not finish rendering within {limit_s:g} s"
+        ) from None
+    finally:
+        sys.settrace(previous)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

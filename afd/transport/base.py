@@ -7,6 +7,8 @@ Contract, shared by every backend:
 - `send` never blocks on the peer's compute. `wait(seq, timeout)` returns the reply whose seq
   matches, buffering replies that arrive out of order, and raises `TransportError` when the
   deadline passes: a dead peer is an error for the request that needed it, never a hang.
+- `send` may return False when the message certainly did not leave (no connected peer), so a
+  caller with a spare replica need not wait out the deadline; None or True: it was queued.
 - Messages are never pickled; network backends use `afd.wire`.
 """
 
@@ -26,10 +28,16 @@ class FFNClient(ABC):
     def __init__(self, address: str):
         self.address = address
         self._early: dict[int, FFNReply] = {}
+        self._floor = 0  # replies to messages below this seq are stale: dropped on arrival
 
     @abstractmethod
-    def send(self, req: FFNRequest) -> None:
-        """Queue one request to the peer."""
+    def send(self, req: FFNRequest) -> bool | None:
+        """Queue one request to the peer; False if it certainly was not sent (see above)."""
+
+    def try_send(self, req: FFNRequest) -> bool:
+        """Send without waiting for a connection to come up (probes of a peer marked down);
+        False if it could not be handed to a connected peer."""
+        return self.send(req) is not False
 
     @abstractmethod
     def _recv(self, timeout: float) -> FFNReply | None:
@@ -52,7 +60,7 @@ class FFNClient(ABC):
         deadline = time.monotonic() + timeout
         while True:
             reply = self._recv(max(0.0, deadline - time.monotonic()))
-            if reply is not None:
+            if reply is not None and reply.seq >= self._floor:
                 if reply.seq == seq:
                     return reply
                 self._early[reply.seq] = reply
@@ -68,11 +76,14 @@ class FFNClient(ABC):
         """Take every reply that has already arrived, without waiting: each is stamped
         (trace.a_recv) when it is taken, so draining often keeps the stamps close to arrival."""
         while (reply := self._recv(0.0)) is not None:
-            self._early[reply.seq] = reply
+            if reply.seq >= self._floor:
+                self._early[reply.seq] = reply
 
-    def reset(self) -> None:
-        """Forget replies of an abandoned step (after an error)."""
+    def reset(self, below: int = 0) -> None:
+        """Forget replies of an abandoned step (after an error); with `below`, also every
+        reply to a message numbered below it that is still to come (a peer given up on)."""
         self._early.clear()
+        self._floor = max(self._floor, below)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass

@@ -84,12 +84,13 @@ class _InprocClient(FFNClient):
         with _LOCK:
             return _ENDPOINTS.get(self.address)
 
-    def send(self, req: FFNRequest) -> None:
+    def send(self, req: FFNRequest) -> bool:
         listener = self._listener()
         if listener is None:
-            # Same as a network peer that is down: the wait() deadline turns this into an error.
-            return
+            # Same as a network peer that is down: nobody took it.
+            return False
         listener.submit(req, self._replies)
+        return True
 
     def _recv(self, timeout: float) -> FFNReply | None:
         try:

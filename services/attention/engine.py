@@ -25,6 +25,12 @@ log = logging.getLogger("afd.attention")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
 
 
+def ffn_shards(addresses: tuple[str, ...]) -> list[list[str]]:
+    """The FFN pool as shards of replicas: the i-th entry serves expert shard i, and an entry
+    `a|b` names two replicas of it (either one computes the shard's messages)."""
+    return [[a.strip() for a in entry.split("|") if a.strip()] for entry in addresses]
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, model: AttentionModel | None = None, progress=True):
         tune_allocator()
@@ -39,12 +45,15 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.cache.block_size)
         self.max_model_len = min(cfg.scheduler.max_model_len or mc.max_position, mc.max_position)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, self.max_model_len)
-        n = len(cfg.ffn_addresses)
+        shards = ffn_shards(cfg.ffn_addresses)
         peers = [
-            Peer(connect(addr, security=cfg.security), ExpertShard(i, n, mc.num_experts))
-            for i, addr in enumerate(cfg.ffn_addresses)
+            Peer(connect(addr, security=cfg.security), ExpertShard(i, len(shards), mc.num_experts))
+            for i, replicas in enumerate(shards)
+            for addr in replicas
         ]
-        self.pool = FFNPool(mc, peers, cfg.a2f_dtype, dtype, cfg.ffn_timeout_s)
+        self.pool = FFNPool(
+            mc, peers, cfg.a2f_dtype, dtype, cfg.ffn_timeout_s, failover_s=cfg.ffn_failover_s
+        )
         self.runner = ModelRunner(self.model, self.cache, self.pool, cfg.micro_batches)
         self._ids = itertools.count()
         self.last_step_tokens = 0  # tokens computed by the latest step (for the telemetry)

@@ -91,8 +91,16 @@ class EngineLoop:
                     continue
                 if self.telemetry is not None:
                     self.telemetry.after_step(seconds)
-            elif self.telemetry is not None:
-                self.telemetry.idle()
+            else:
+                self._idle()
+
+    def _idle(self) -> None:
+        try:
+            self.engine.pool.maintain()  # take back FFN replicas that were marked down
+        except Exception:
+            log.exception("probing the FFN pool failed")
+        if self.telemetry is not None:
+            self.telemetry.idle()
 
     def _drain(self, block: bool) -> None:
         try:

@@ -1,6 +1,11 @@
 """The attention server process: the engine loop plus the gRPC control plane.
 
-`afd attention --model DIR --ffn ADDR[,ADDR...] --listen HOST:PORT`
+`afd attention --model DIR --ffn ADDR[|REPLICA...][,ADDR...] --listen HOST:PORT`
+
+On SIGTERM the server drains: Generate answers ERROR_UNAVAILABLE ("draining") at once, Health
+and /ready say not ready, Stats says draining (the gateway stops routing here), and the
+requests in flight run to their end, up to the drain timeout; then it exits 0. A second
+SIGTERM stops it at once.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class AttentionServerConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # HTTP /metrics, /health, /ready; 0: off
     stragglers: StragglerConfig = StragglerConfig()
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may still run
 
 
 class ControlServicer(pb_grpc.AttentionServiceServicer):
@@ -42,8 +48,25 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
         self.loop = loop
         self.cfg = cfg
         self._ready: tuple[float, bool, str] = (0.0, False, "not probed yet")
+        self.draining = False
+        self.active = 0  # Generate calls in progress
 
     async def Generate(self, request, context):
+        rid = request.request_id
+        if self.draining:
+            why = f"attention server {self.cfg.listen} is draining (shutting down); retry"
+            yield event_to_pb(
+                Event(rid, [], finish_reason="error", error_code="unavailable", error=why)
+            )
+            return
+        self.active += 1
+        try:
+            async for ev in self._generate(request):
+                yield ev
+        finally:
+            self.active -= 1
+
+    async def _generate(self, request):
         aio = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         rid = request.request_id
@@ -76,6 +99,7 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
             reason=reason,
             model=self.cfg.model_name,
             max_model_len=eng.max_model_len,
+            draining=self.draining,
         )
 
     async def Stats(self, request, context):
@@ -86,13 +110,30 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
             waiting=s.num_waiting,
             kv_usage=eng.blocks.usage,
             preemptions=s.num_preemptions,
+            draining=self.draining,
         )
 
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests and wait (up to `timeout`) for those in flight; returns how
+        many were still running when the time ran out."""
+        self.draining = True
+        log.info("draining: %d requests in flight, up to %.0f s", self.active, timeout)
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active:
+            log.warning("drain timeout: %d requests still running are cut off", self.active)
+        return self.active
+
     async def _readiness(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining"
         return await asyncio.wrap_future(self.readiness_future())
 
     def readiness(self, timeout: float = 5.0) -> tuple[bool, str]:
         """For the HTTP side port's thread."""
+        if self.draining:
+            return False, "draining"
         return self.readiness_future().result(timeout)
 
     def readiness_future(self):
@@ -100,7 +141,9 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
         from concurrent.futures import Future
 
         t, ready, reason = self._ready
-        if time.monotonic() - t < self.cfg.ready_cache_s:
+        # A peer marked down since (a failed step) makes the cached answer stale.
+        fresh = all(p.up for p in self.loop.engine.pool.peers)
+        if fresh and time.monotonic() - t < self.cfg.ready_cache_s:
             fut: Future = Future()
             fut.set_result((ready, reason))
             return fut
@@ -125,17 +168,20 @@ def _start_inproc_ffn(cfg: EngineConfig) -> list:
         return []
     from afd.sharding import ExpertShard
     from afd.transport import listen
-    from services.attention.engine import DTYPES
+    from services.attention.engine import DTYPES, ffn_shards
     from services.ffn.server import FFNServer
 
-    n, model = len(addrs), cfg.model
+    shards, model = ffn_shards(addrs), cfg.model
     return [
         listen(
             addr,
-            FFNServer(model, ExpertShard(i, n, model.num_experts), DTYPES[cfg.dtype]).handle,
+            FFNServer(
+                model, ExpertShard(i, len(shards), model.num_experts), DTYPES[cfg.dtype]
+            ).handle,
             inline=cfg.micro_batches == 1,  # nothing to overlap: compute on the engine thread
         )
-        for i, addr in enumerate(addrs)
+        for i, replicas in enumerate(shards)
+        for addr in replicas
     ]
 
 
@@ -158,13 +204,19 @@ async def _serve(cfg: AttentionServerConfig) -> None:
         cfg.listen,
         ", ".join(cfg.engine.ffn_addresses),
     )
-    stop = asyncio.Event()
+    stop, now = asyncio.Event(), asyncio.Event()
     aio = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (now if stop.is_set() else stop).set()  # the second signal: stop without draining
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        aio.add_signal_handler(sig, stop.set)
+        aio.add_signal_handler(sig, on_signal)
     await stop.wait()
+    drain = asyncio.ensure_future(servicer.drain(cfg.drain_timeout_s))
+    await asyncio.wait([drain, asyncio.ensure_future(now.wait())], return_when="FIRST_COMPLETED")
     log.info("attention server stopping")
-    await server.stop(grace=2.0)
+    await server.stop(grace=1.0)
     loop.close()
     if side:
         side.close()

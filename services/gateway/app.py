@@ -4,6 +4,8 @@
 
 It tokenizes, applies the chat template, validates, routes each choice to the least-loaded
 attention server over the gRPC control plane and streams the tokens back. It holds no weights.
+/ready is 200 while at least one attention server is ready (the body gives each server's
+state); on SIGTERM the gateway drains (services/gateway/lifecycle.py) and exits 0.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import logging
 import os
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -22,6 +24,7 @@ from starlette.exceptions import HTTPException
 from afd import metrics
 from afd.config import ModelConfig
 from afd.errors import AfdError
+from afd.security import Security
 from afd.tokenizer import ModelTokenizer
 from services.gateway import handlers as h
 from services.gateway.auth import APIKeyMiddleware
@@ -29,6 +32,7 @@ from services.gateway.client import AttentionClient
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, error_body
 from services.gateway.latency import SLA, publish_sla
+from services.gateway.lifecycle import DrainingServer, DrainMiddleware
 from services.gateway.middleware import BodyLimitMiddleware, CountingMiddleware, RequestIdMiddleware
 from services.gateway.router import Router
 from services.gateway.schemas import (
@@ -66,11 +70,18 @@ class GatewayConfig:
     rpc_timeout_s: float = 2.0  # deadline of Health / Stats / Abort
     notice: str = ""  # shown on the model card
     sla: SLA = SLA()  # targets of the SLA-attainment (goodput) counters
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may still run
+    template_timeout_s: float = 2.0  # chat-template rendering, at most
+    max_tokens_limit: int = 0  # max_tokens, at most (0: whatever the context leaves)
+    security: Security = field(default_factory=Security)  # TLS to the attention servers
 
 
 def build_state(cfg: GatewayConfig) -> h.GatewayState:
     tokenizer = ModelTokenizer(cfg.model_dir)
-    clients = [AttentionClient(a, cfg.rpc_timeout_s, cfg.generate_timeout_s) for a in cfg.attention]
+    clients = [
+        AttentionClient(a, cfg.rpc_timeout_s, cfg.generate_timeout_s, cfg.security)
+        for a in cfg.attention
+    ]
     return h.GatewayState(
         tokenizer=tokenizer,
         token_bytes=TokenBytes(tokenizer),
@@ -87,7 +98,12 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
 
     metrics.register("gateway")
     publish_sla(cfg.sla)
-    state = replace(state, sla=cfg.sla)
+    state = replace(
+        state,
+        sla=cfg.sla,
+        template_timeout_s=cfg.template_timeout_s,
+        max_tokens_limit=cfg.max_tokens_limit,
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -103,6 +119,7 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
     if cfg.api_key:
         public = ["/health", "/ready"] + (["/metrics"] if cfg.public_metrics else [])
         asgi = APIKeyMiddleware(asgi, cfg.api_key, public)
+    asgi = DrainMiddleware(asgi, state.lifecycle)
     asgi = CountingMiddleware(
         asgi, lambda e, s: metrics.GATEWAY_REQUESTS.labels(e, str(s)).inc(), ENDPOINTS
     )
@@ -130,7 +147,7 @@ def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> None:
     async def chat(request: Request):
         req = await h.parse(request, ChatCompletionRequest)
         h.check_model(state, req.model)
-        prompt = [(h.chat_prompt(state, req), "")]
+        prompt = [(await h.chat_prompt(state, req), "")]
         specs = await h.plan(state, req, prompt, request.state.request_id)
         return await h.respond(state, request, req, specs)
 
@@ -170,8 +187,13 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
 
     @app.get("/ready")
     async def ready():
+        """Ready while at least one attention server is ready and this gateway is not
+        draining; the body gives every server's state (ready, not ready, draining, down)."""
         ok, reasons = await state.router.readiness()
-        body = {"status": "ready" if ok else "not ready", "reasons": reasons}
+        if state.lifecycle.draining:
+            ok, reasons = False, ["this gateway is draining (shutting down)", *reasons]
+        status = "draining" if state.lifecycle.draining else "ready" if ok else "not ready"
+        body = {"status": status, "reasons": reasons, "servers": state.router.servers()}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -187,7 +209,7 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
             chat = ChatCompletionRequest(
                 messages=req.messages, add_generation_prompt=req.add_generation_prompt
             )
-            ids = h.chat_prompt(state, chat)
+            ids = await h.chat_prompt(state, chat)
         else:
             ids = state.tokenizer.encode(req.prompt or "")
         out = {"tokens": ids, "count": len(ids)}
@@ -234,6 +256,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline per request, s")
+    p.add_argument(
+        "--template-timeout",
+        type=float,
+        default=2.0,
+        help="chat-template rendering time limit, s (a slower render is a 400)",
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=0,
+        help="largest max_tokens accepted (0: whatever the context leaves after the prompt)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: answer new requests 503 and let those in flight finish for up to "
+        "this many seconds, then exit 0",
+    )
+    g = p.add_argument_group("TLS to the attention servers (flags fall back to AFD_TLS_* env vars)")
+    g.add_argument(
+        "--tls-ca", default="", help="CA bundle that signed the attention servers' certs"
+    )
+    g.add_argument("--tls-cert", default="", help="client certificate chain, for mutual TLS (PEM)")
+    g.add_argument("--tls-key", default="", help="client private key, for mutual TLS (PEM)")
     add_sla_args(p)
     p.set_defaults(func=run)
     return p
@@ -255,6 +302,10 @@ def add_sla_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if args.sla_ttft < 0 or args.sla_tpot < 0:
         raise AfdError("--sla-ttft and --sla-tpot must be >= 0 (0: no target)")
+    if args.drain_timeout < 0 or args.template_timeout <= 0 or args.max_tokens_limit < 0:
+        raise AfdError(
+            "--drain-timeout and --max-tokens-limit must be >= 0, --template-timeout > 0"
+        )
     notice = ""
     if args.model:
         model_dir, name = args.model, Path(args.model).name
@@ -274,6 +325,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         generate_timeout_s=args.request_timeout,
         notice=notice,
         sla=SLA(ttft_s=args.sla_ttft, tpot_s=args.sla_tpot),
+        drain_timeout_s=args.drain_timeout,
+        template_timeout_s=args.template_timeout,
+        max_tokens_limit=args.max_tokens_limit,
+        security=Security(
+            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca
+        ).with_env(),
     )
 
 
@@ -281,17 +338,20 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     cfg = config_from_args(args)
-    app = create_app(build_state(cfg), cfg)
+    state = build_state(cfg)
+    app = create_app(state, cfg)
     log.info("gateway on http://%s:%d/v1 -> attention %s", cfg.host, cfg.port, cfg.attention)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=cfg.host,
         port=cfg.port,
         log_level=logging.getLevelName(logging.getLogger().level).lower(),
         access_log=False,
-        timeout_graceful_shutdown=10,
+        # The drain has let requests in flight finish already; what is left is cut off.
+        timeout_graceful_shutdown=1,
         # grpc.aio supports the standard loop only; the HTTP parser is httptools when it is
         # installed (uvicorn's "auto"), several times cheaper per request than h11.
         loop="asyncio",
     )
+    DrainingServer(config, state.lifecycle, cfg.drain_timeout_s).run()
     return 0

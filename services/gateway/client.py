@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from afd.protos import ensure_generated
-from services.gateway.errors import APIError, from_attention, unavailable
+from afd.security import Security, aio_channel
+from services.gateway.errors import APIError, PeerUnavailable, from_attention, unavailable
 
 ensure_generated()
 
@@ -69,6 +70,7 @@ class Health:
     reason: str
     model: str
     max_model_len: int
+    draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class Stats:
     running: int
     waiting: int
     kv_usage: float
+    draining: bool = False  # shutting down: send it nothing new
 
 
 def _params_to_pb(p: GenParams) -> pb.SamplingParams:
@@ -111,16 +114,26 @@ def rpc_error(e: grpc.aio.AioRpcError, address: str) -> APIError:
         return APIError(504, f"attention server {address} did not answer in time", "timeout")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return APIError(429, f"attention server {address} is overloaded", "rate_limit_error")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        # Not reachable, or its process went away mid-call (server-side cancel at shutdown).
+        return PeerUnavailable(f"attention server {address} is unavailable ({code.name})")
     return unavailable(f"attention server {address} is unavailable ({code.name})")
 
 
 class AttentionClient:
     """One channel to one attention server. Safe to share between concurrent requests."""
 
-    def __init__(self, address: str, rpc_timeout_s: float = 2.0, generate_timeout_s: float = 600):
+    def __init__(
+        self,
+        address: str,
+        rpc_timeout_s: float = 2.0,
+        generate_timeout_s: float = 600,
+        security: Security | None = None,
+    ):
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
         self.generate_timeout_s = generate_timeout_s
+        self.security = security  # TLS (mTLS with a client certificate) when configured
         self._channel: grpc.aio.Channel | None = None
         self._stub_: pb_grpc.AttentionServiceStub | None = None
 
@@ -129,7 +142,7 @@ class AttentionClient:
         # Made on first use: a grpc.aio channel belongs to the event loop it was created in,
         # and the server's loop does not exist yet when the client is configured.
         if self._stub_ is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            self._channel = aio_channel(self.address, _CHANNEL_OPTIONS, self.security)
             self._stub_ = pb_grpc.AttentionServiceStub(self._channel)
         return self._stub_
 
@@ -174,14 +187,14 @@ class AttentionClient:
             r = await self._stub.Health(pb.HealthRequest(), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, self.address) from None
-        return Health(r.live, r.ready, r.reason, r.model, r.max_model_len)
+        return Health(r.live, r.ready, r.reason, r.model, r.max_model_len, r.draining)
 
     async def stats(self) -> Stats:
         try:
             r = await self._stub.Stats(pb.StatsRequest(), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, self.address) from None
-        return Stats(r.running, r.waiting, r.kv_usage)
+        return Stats(r.running, r.waiting, r.kv_usage, r.draining)
 
     async def close(self) -> None:
         if self._channel is not None:

@@ -39,6 +39,15 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class PeerUnavailable(APIError):
+    """An attention server that could not be reached (its process is gone or the connection
+    broke), as opposed to one that answered with an error of its own: the router marks it
+    down, and a choice that got nothing from it yet may go to another server."""
+
+    def __init__(self, message: str):
+        super().__init__(503, message, "service_unavailable", None, "unavailable")
+
+
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400: the request cannot be served as asked."""
     return APIError(400, message, "invalid_request_error", param, code)

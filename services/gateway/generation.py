@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from services.gateway.client import GenParams
+from services.gateway.client import AttentionClient, GenParams
 from services.gateway.detok import IncrementalDetokenizer, StopMatcher
 from services.gateway.errors import APIError, internal
 from services.gateway.latency import ChoiceTiming
@@ -43,7 +43,12 @@ class Delta:
 
 
 class ChoiceRun:
-    """One choice: a Generate call on the least-loaded attention server, as text deltas."""
+    """One choice: a Generate call on the least-loaded attention server, as text deltas.
+
+    A server that turns out to be down or draining before it sent anything is reported to the
+    router and the call goes to another one; once tokens have flowed, a broken stream is the
+    choice's error (503, or an error event on a stream already started).
+    """
 
     def __init__(
         self, spec: ChoiceSpec, router: Router, decoder, timing: ChoiceTiming | None = None
@@ -55,21 +60,39 @@ class ChoiceRun:
         self.prompt_tokens = len(spec.prompt_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        self._started = False  # the current server has sent something: no retry elsewhere
 
     async def run(self, emit: Callable[[Delta], None]) -> None:
         """Call `emit` with each delta; the last has finish_reason set."""
-        spec = self.spec
+        if self.spec.prefix:
+            emit(Delta(self.spec.index, self.spec.prefix))
+        tried: tuple[AttentionClient, ...] = ()
         client = self._router.pick()
+        while True:
+            tried += (client,)
+            self._started = False
+            try:
+                return await self._run_on(client, emit)
+            except APIError as e:
+                retry = await self._router.failed(client, e)
+                if self._started or not retry:
+                    raise
+                try:
+                    client = self._router.pick(exclude=tried)
+                except APIError:
+                    raise e from None
+
+    async def _run_on(self, client: AttentionClient, emit: Callable[[Delta], None]) -> None:
+        spec = self.spec
         detok = IncrementalDetokenizer(self._decoder, spec.prompt_ids)
         stop = StopMatcher(spec.stop)
-        if spec.prefix:
-            emit(Delta(spec.index, spec.prefix))
         ids: list[int] = []
         lps: list[TokenLogprob] = []
         with self._router.lease(client):
             stream = client.generate(spec.request_id, spec.prompt_ids, spec.params)
             async with aclosing(stream) as events:  # closing early cancels the call
                 async for ev in events:
+                    self._started = True
                     if self._timing is not None:
                         self._timing.event(len(ev.token_ids), ev.queue_seconds)
                     self.completion_tokens = ev.completion_tokens

@@ -3,15 +3,15 @@ context, one Generate call per choice, then a JSON body or an SSE stream."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 
 from afd import metrics
@@ -22,6 +22,7 @@ from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, invalid, validation_message
 from services.gateway.generation import ChoiceRun, ChoiceSpec, ChoiceStreams, Delta
 from services.gateway.latency import SLA, ChoiceTiming
+from services.gateway.lifecycle import Lifecycle
 from services.gateway.responses import (
     SSE_DONE,
     ChatFormatter,
@@ -30,7 +31,7 @@ from services.gateway.responses import (
     usage,
 )
 from services.gateway.router import Router
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 
 _INT64 = 2**63
 
@@ -46,6 +47,9 @@ class GatewayState:
     vocab_size: int  # token ids must be below this (the model's embedding rows)
     notice: str = ""  # shown on the model card (the demo model says its text is meaningless)
     sla: SLA = SLA()  # latency targets the SLA-attainment counters check
+    template_timeout_s: float = 2.0  # chat-template rendering, at most
+    max_tokens_limit: int = 0  # max_tokens, at most (0: whatever the context leaves)
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)  # draining on SIGTERM
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -73,12 +77,25 @@ def check_model(state: GatewayState, name: str | None) -> None:
         )
 
 
-def chat_prompt(state: GatewayState, req: ChatCompletionRequest) -> list[int]:
+async def chat_prompt(state: GatewayState, req: ChatCompletionRequest) -> list[int]:
+    """The chat's prompt tokens. The template renders on a worker thread with a time limit:
+    a slow or runaway template is a 400 and never stalls the event loop."""
     messages = [m.template_dict() for m in req.messages]
     try:
-        text = state.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
-    except (TemplateError, AfdError) as e:  # includes the sandbox's SecurityError
+        text = await asyncio.to_thread(
+            state.tokenizer.apply_chat_template,
+            messages,
+            req.add_generation_prompt,
+            state.template_timeout_s,
+        )
+    except AfdError as e:  # no template, a time or size limit
         raise invalid(f"cannot apply the chat template: {e}", param="messages") from None
+    except Exception as e:  # whatever the template does with these messages (sandbox refusals,
+        # type errors, runaway recursion) is the request's problem, not the server's
+        raise invalid(
+            f"cannot apply the chat template to these messages: {type(e).__name__}: {e}",
+            param="messages",
+        ) from None
     return state.tokenizer.encode(text)
 
 
@@ -114,6 +131,18 @@ async def plan(
     request_id: str,
 ) -> list[ChoiceSpec]:
     """One ChoiceSpec per (prompt, choice), checked against the context length."""
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise invalid(
+            f"{len(prompts)} prompts x n={req.n} asks for {len(prompts) * req.n} choices; "
+            f"at most {MAX_CHOICES} per request",
+            "n",
+        )
+    limit = state.max_tokens_limit
+    if limit and req.max_new_tokens and req.max_new_tokens > limit:
+        raise invalid(
+            f"max_tokens is {req.max_new_tokens}; this server allows at most {limit}",
+            "max_tokens",
+        )
     max_len = await state.router.max_model_len()
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     nonce = secrets.token_hex(3)  # attention-side ids stay unique if a client reuses its id
@@ -128,7 +157,7 @@ async def plan(
                 "context_length_exceeded",
             )
         room = max_len - len(ids)
-        max_tokens = req.max_new_tokens or room
+        max_tokens = req.max_new_tokens or (min(room, limit) if limit else room)
         if max_tokens > room:
             raise invalid(
                 f"max_tokens is {max_tokens}, but the prompt ({len(ids)} tokens) leaves room for "

@@ -1,9 +1,12 @@
 """Load-based routing across M attention servers.
 
-A background task polls every server's Stats (running + waiting requests, KV usage) a few
-times a second; between polls the router also counts the streams it has itself sent to each
-server, so a burst of requests spreads out instead of all landing on whichever server looked
-idlest at the last poll. A server whose last poll failed is skipped until it answers again.
+A background task polls every server's Stats (running + waiting requests, KV usage, draining)
+a few times a second, and its Health (ready: its FFN pool covers every expert) about once a
+second; between polls the router also counts the streams it has itself sent to each server, so
+a burst of requests spreads out instead of all landing on whichever server looked idlest at the
+last poll. A server whose last poll failed, or whose stream broke (`failed`), is marked down and
+skipped until a poll finds it answering again; a draining one is skipped; ready ones are
+preferred. The gateway is ready when at least one server is ready.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from services.gateway.client import AttentionClient, Health
-from services.gateway.errors import APIError, unavailable
+from services.gateway.errors import APIError, PeerUnavailable, unavailable
 
 log = logging.getLogger("afd.gateway")
 
@@ -26,6 +29,9 @@ log = logging.getLogger("afd.gateway")
 class _Server:
     client: AttentionClient
     up: bool = True  # optimistic until a poll says otherwise
+    ready: bool = True  # its Health: the FFN pool covers every expert (optimistic too)
+    draining: bool = False  # shutting down: finishing what it has, taking nothing new
+    reason: str = ""  # why it is down or not ready
     seen: bool = False  # has answered at least once (quiet while the cluster starts)
     reported: int = 0  # running + waiting at the last poll
     kv_usage: float = 0.0
@@ -38,15 +44,31 @@ class _Server:
         # only breaks ties (it is < 1).
         return max(self.reported, self.inflight) + self.kv_usage
 
+    @property
+    def state(self) -> str:
+        if not self.up:
+            return "down"
+        if self.draining:
+            return "draining"
+        return "ready" if self.ready else "not ready"
+
 
 class Router:
     """Chooses the least-loaded attention server and tracks readiness and context length."""
 
-    def __init__(self, clients: list[AttentionClient], poll_s: float = 0.25, ready_cache_s=0.5):
+    def __init__(
+        self,
+        clients: list[AttentionClient],
+        poll_s: float = 0.25,
+        ready_cache_s=0.5,
+        health_s: float = 1.0,
+    ):
         if not clients:
             raise ValueError("at least one attention server is needed")
         self._servers = [_Server(c) for c in clients]
         self._poll_s = poll_s
+        self._health_s = health_s
+        self._last_health = 0.0
         self._ready_cache_s = ready_cache_s
         self._ready: tuple[float, bool, list[str]] = (0.0, False, [])
         self._turn = itertools.count()
@@ -65,19 +87,42 @@ class Router:
             await asyncio.gather(self._task, return_exceptions=True)
         await asyncio.gather(*(s.client.close() for s in self._servers), return_exceptions=True)
 
-    def pick(self) -> AttentionClient:
-        """The server with the least load; ties go round-robin."""
-        up = [s for s in self._servers if s.up]
+    def pick(self, exclude: tuple[AttentionClient, ...] = ()) -> AttentionClient:
+        """The server with the least load among the reachable ones that are not draining,
+        ready ones first; ties go round-robin."""
+        up = [s for s in self._servers if s.up and not s.draining and s.client not in exclude]
         if not up:
             raise unavailable("no attention server is reachable")
+        up = [s for s in up if s.ready] or up  # not ready: its requests would fail
         start = next(self._turn) % len(up)
         rotated = up[start:] + up[:start]
         return min(rotated, key=lambda s: s.load).client
 
+    async def failed(self, client: AttentionClient, error: APIError) -> bool:
+        """A call to `client` failed with `error`: mark the server down if it is unreachable,
+        and say whether another server may serve the request instead (the server is gone or
+        draining, rather than failing the request on its own account)."""
+        server = self._server(client)
+        if isinstance(error, PeerUnavailable):
+            if server.up:
+                log.warning("attention server %s is down: %s", client.address, error.message)
+            server.up, server.reason = False, error.message
+            self._ready = (0.0, False, [])
+            return True
+        if error.status != 503:
+            return False
+        try:  # unavailable: is it the server that is going (draining), or its FFN pool?
+            stats = await client.stats()
+        except APIError as e:
+            server.up, server.reason = False, e.message
+            return True
+        server.draining = stats.draining
+        return stats.draining
+
     @contextmanager
     def lease(self, client: AttentionClient) -> Iterator[None]:
         """Count one open stream against `client` for as long as the block runs."""
-        server = next(s for s in self._servers if s.client is client)
+        server = self._server(client)
         server.inflight += 1
         try:
             yield
@@ -94,34 +139,57 @@ class Router:
             raise unavailable("no attention server has reported its context length yet")
         return min(known)
 
+    def _server(self, client: AttentionClient) -> _Server:
+        return next(s for s in self._servers if s.client is client)
+
     async def readiness(self) -> tuple[bool, list[str]]:
-        """(ready, reasons): ready only when every attention server says it is."""
+        """(ready, reasons): ready when at least one attention server is ready (and not
+        draining); the reasons name every server that is not."""
         t, ready, reasons = self._ready
         if time.monotonic() - t < self._ready_cache_s:
             return ready, reasons
-        healths = await self._refresh_health()
-        reasons = []
-        for s, h in zip(self._servers, healths, strict=True):
-            if isinstance(h, APIError):
-                reasons.append(f"{s.client.address}: {h.message}")
-            elif not h.ready:
-                reasons.append(f"{s.client.address}: {h.reason or 'not ready'}")
-        ready = not reasons
+        await self._refresh_health()
+        reasons = [
+            f"{s.client.address}: {s.reason or s.state}"
+            for s in self._servers
+            if s.state != "ready"
+        ]
+        ready = any(s.state == "ready" for s in self._servers)
         self._ready = (time.monotonic(), ready, reasons)
         return ready, reasons
+
+    def servers(self) -> list[dict]:
+        """Every attention server's state as last seen (ready | not ready | draining | down)."""
+        return [
+            {
+                "address": s.client.address,
+                "state": s.state,
+                "reason": s.reason,
+                "running": s.reported,
+                "inflight": s.inflight,
+                "kv_usage": round(s.kv_usage, 4),
+            }
+            for s in self._servers
+        ]
 
     async def _refresh_health(self) -> list[Health | APIError]:
         results = await asyncio.gather(
             *(s.client.health() for s in self._servers), return_exceptions=True
         )
+        self._last_health = time.monotonic()
         out: list[Health | APIError] = []
         for s, r in zip(self._servers, results, strict=True):
             if isinstance(r, Health):
                 s.max_model_len = r.max_model_len
-                s.up = True
+                if not s.up:
+                    log.info("attention server %s is back", s.client.address)
+                s.up, s.ready, s.draining = True, r.ready, r.draining
+                s.reason = "" if r.ready else (r.reason or "not ready")
                 out.append(r)
             else:
-                out.append(r if isinstance(r, APIError) else unavailable(str(r)))
+                err = r if isinstance(r, APIError) else unavailable(str(r))
+                s.up, s.reason = False, err.message
+                out.append(err)
         return out
 
     async def poll_once(self) -> None:
@@ -133,13 +201,17 @@ class Router:
                 if s.seen and s.up:
                     log.warning("attention server %s stopped answering: %s", s.client.address, r)
                 s.up = False
+                s.reason = r.message if isinstance(r, APIError) else str(r)
                 continue
             if not (s.seen and s.up):
                 log.info("attention server %s is up", s.client.address)
+                s.reason = "" if s.ready else s.reason
             s.up = s.seen = True
             s.reported = r.running + r.waiting
             s.kv_usage = r.kv_usage
-        if any(s.up and not s.max_model_len for s in self._servers):
+            s.draining = r.draining
+        due = time.monotonic() - self._last_health >= self._health_s
+        if due or any(s.up and not s.max_model_len for s in self._servers):
             await self._refresh_health()
 
     async def _poll_forever(self) -> None:

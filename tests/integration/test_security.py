@@ -211,3 +211,49 @@ def test_hostile_pickle_frames_are_rejected_and_never_run(scheme):
     finally:
         client.close()
         srv.close()
+
+
+def test_gateway_reaches_attention_servers_over_tls(tmp_path):
+    """The gateway's control-plane client: TLS (with a client certificate) against an
+    attention server's mTLS port; plaintext, or TLS without a client certificate, is refused."""
+    import asyncio
+
+    import grpc
+
+    from afd.security import add_port
+    from services.attention.control import pb, pb_grpc
+    from services.gateway.client import AttentionClient
+    from services.gateway.errors import APIError
+
+    class Servicer(pb_grpc.AttentionServiceServicer):
+        async def Health(self, request, context):  # noqa: N802 - gRPC's method name
+            return pb.HealthReply(live=True, ready=True, model="m", max_model_len=64)
+
+    pki = _write_pki(tmp_path)
+    server_sec = Security(
+        tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]), tls_ca=str(pki["ca"])
+    )
+    client_sec = Security(
+        tls_cert=str(pki["client_cert"]), tls_key=str(pki["client_key"]), tls_ca=str(pki["ca"])
+    )
+
+    async def go():
+        server = grpc.aio.server()
+        pb_grpc.add_AttentionServiceServicer_to_server(Servicer(), server)
+        addr = f"127.0.0.1:{_port()}"
+        assert add_port(server, addr, server_sec)
+        await server.start()
+        results = []
+        try:
+            for sec in (client_sec, None, Security(tls_ca=str(pki["ca"]))):
+                client = AttentionClient(addr, rpc_timeout_s=2.0, security=sec)
+                try:
+                    results.append((await client.health()).ready)
+                except APIError as e:
+                    results.append(e.status)
+                await client.close()
+        finally:
+            await server.stop(None)
+        return results
+
+    assert asyncio.run(go()) == [True, 503, 503]

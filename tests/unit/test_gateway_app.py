@@ -285,7 +285,9 @@ def test_models_ready_tokenize(tokenizer):
     models, ready, tok, text = run(go())
     card = models["data"][0]
     assert card["id"] == "m" and card["max_model_len"] == 64 and card["description"] == "demo!"
-    assert ready.status_code == 503 and "FFN down" in ready.json()["reasons"][0]
+    # Ready while one attention server is; the other is named with its reason.
+    assert ready.status_code == 200 and "FFN down" in ready.json()["reasons"][0]
+    assert [s["state"] for s in ready.json()["servers"]] == ["ready", "not ready"]
     assert tok["count"] == 3 and text["prompt"] == "hé"
 
 

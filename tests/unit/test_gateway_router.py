@@ -61,11 +61,15 @@ def test_dead_server_is_skipped_until_it_answers():
     assert r.pick() is a
 
 
-def test_context_length_is_the_smallest_and_readiness_needs_all():
+def test_context_length_is_the_smallest_and_readiness_needs_one():
     a, b = Fake("a", max_len=128), Fake("b", max_len=64)
     r = Router([a, b], ready_cache_s=0)
     assert asyncio.run(r.max_model_len()) == 64
     assert asyncio.run(r.readiness()) == (True, [])
     b.alive = False
     ready, reasons = asyncio.run(r.readiness())
-    assert not ready and reasons[0].startswith("b:")
+    assert ready and len(reasons) == 1 and reasons[0].startswith("b:")
+    assert [s["state"] for s in r.servers()] == ["ready", "down"]
+    a.alive = False
+    ready, reasons = asyncio.run(r.readiness())
+    assert not ready and [x[0] for x in reasons] == ["a", "b"]
