@@ -360,10 +360,13 @@ class FFNPool:
         log.debug("FFN peer %s still down (%s); next probe in %.1fs", peer.address, why, backoff)
 
     def ping(self, timeout: float) -> None:
-        """Readiness: an empty message to every live replica (those that do not answer are
-        marked down) and a probe to every replica marked down; raises TransportError naming
-        the shards left without a live replica (their experts are not covered)."""
+        """Readiness: an empty message to every live replica (those that do not answer within
+        `timeout` are marked down), and a look at the probes of those marked down (never
+        waited for: a hung peer must not hold the engine at every readiness check); raises
+        TransportError naming the shards left without a live replica."""
         for peer in self.peers:
+            if not peer.up and peer.probe is not None:
+                self._check_probe(peer, 0.0)
             if not peer.up and peer.probe is None:
                 self._start_probe(peer)
         deadline = time.monotonic() + timeout
@@ -383,11 +386,9 @@ class FFNPool:
                 )
             elif not reply.ok:
                 self._mark_down(peer, f"FFN peer {peer.address}: {reply.error}")
-        # A shard with no live replica cannot serve anything: wait for its probes meanwhile.
-        for replicas in self.shards:
-            for peer in replicas:
-                if not any(p.up for p in replicas) and peer.probe is not None:
-                    self._check_probe(peer, max(0.0, deadline - time.monotonic()))
+        for peer in self.peers:  # probes answered while the pings were out
+            if not peer.up and peer.probe is not None:
+                self._check_probe(peer, 0.0)
         down = [i for i, reps in enumerate(self.shards) if not any(p.up for p in reps)]
         if down:
             raise TransportError(

@@ -108,7 +108,10 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            self._apply(cmd)
+            try:
+                self._apply(cmd)
+            except Exception:  # one bad command must not take the engine thread down
+                log.exception("engine command %r failed", cmd[0])
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
@@ -127,6 +130,8 @@ class EngineLoop:
             self._sent[rid] = 0
         elif cmd[0] == "call":
             _, fn, fut = cmd
+            if not fut.set_running_or_notify_cancel():
+                return  # its caller gave up waiting (a cancelled RPC): nothing to run
             try:
                 fut.set_result(fn())
             except Exception as e:

@@ -48,6 +48,7 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
         self.loop = loop
         self.cfg = cfg
         self._ready: tuple[float, bool, str] = (0.0, False, "not probed yet")
+        self._probing = None  # the readiness probe queued on the engine thread, if any
         self.draining = False
         self.active = 0  # Generate calls in progress
 
@@ -128,7 +129,8 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
     async def _readiness(self) -> tuple[bool, str]:
         if self.draining:
             return False, "draining"
-        return await asyncio.wrap_future(self.readiness_future())
+        # Shielded: a cancelled Health call must not cancel the probe others share.
+        return await asyncio.shield(asyncio.wrap_future(self.readiness_future()))
 
     def readiness(self, timeout: float = 5.0) -> tuple[bool, str]:
         """For the HTTP side port's thread."""
@@ -147,6 +149,8 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
             fut: Future = Future()
             fut.set_result((ready, reason))
             return fut
+        if self._probing is not None and not self._probing.done():
+            return self._probing  # one probe at a time: callers share it, never queue more
 
         def probe() -> tuple[bool, str]:
             try:
@@ -157,7 +161,8 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
             self._ready = (time.monotonic(), *result)
             return result
 
-        return self.loop.call(probe)
+        self._probing = self.loop.call(probe)
+        return self._probing
 
 
 def _start_inproc_ffn(cfg: EngineConfig) -> list:

@@ -34,6 +34,7 @@ from services.gateway.errors import APIError, error_body
 from services.gateway.latency import SLA, publish_sla
 from services.gateway.lifecycle import DrainingServer, DrainMiddleware
 from services.gateway.middleware import BodyLimitMiddleware, CountingMiddleware, RequestIdMiddleware
+from services.gateway.openapi import openapi
 from services.gateway.router import Router
 from services.gateway.schemas import (
     ChatCompletionRequest,
@@ -53,6 +54,7 @@ ENDPOINTS = (
     "/metrics",
     "/tokenize",
     "/detokenize",
+    "/openapi.json",
 )
 
 
@@ -195,6 +197,12 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
         status = "draining" if state.lifecycle.draining else "ready" if ok else "not ready"
         body = {"status": status, "reasons": reasons, "servers": state.router.servers()}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    spec = openapi()
+
+    @app.get("/openapi.json")
+    async def openapi_json():
+        return spec
 
     @app.get("/metrics")
     async def prometheus():

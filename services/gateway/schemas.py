@@ -162,7 +162,7 @@ class CompletionRequest(_SamplingRequest):
 
 class TokenizeRequest(_Model):
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_generation_prompt: Bool = True
 
     @model_validator(mode="after")

@@ -1,0 +1,121 @@
+"""Soak: many concurrent streaming clients for a fixed time against a real local cluster, with
+an FFN server killed and restarted in the middle (the one shard without a replica) and a
+replica killed and restarted too; some clients hang up mid-stream. Nothing may be lost (every
+request ends answered in full, with a typed error, or hung up by its own client), no KV block
+may stay in use, and the long-lived processes' open file descriptors and memory stay within
+stated bounds.
+
+CI runs it for SOAK_SECONDS (20 s); set AFD_SOAK_SECONDS (and AFD_SOAK_CLIENTS) for a longer
+run, e.g. `AFD_SOAK_SECONDS=600 pytest -s tests/faults/test_soak.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.faults.cluster import HANG_BOUND_S, Cluster, stream, tiny_model
+from tests.helpers.procs import Procs
+
+SECONDS = float(os.environ.get("AFD_SOAK_SECONDS", "20"))
+CLIENTS = int(os.environ.get("AFD_SOAK_CLIENTS", "16"))
+FD_GROWTH = 16  # open descriptors per long-lived process, at most
+RSS_GROWTH_MB = 64 + SECONDS / 10  # resident memory per long-lived process, at most
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _hang_up(url: str) -> str:
+    """A client that leaves after the first event."""
+    body = {"prompt": "x", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    return "hung up"
+    except httpx.HTTPError:
+        pass
+    return "hung up"
+
+
+@pytest.mark.timeout(SECONDS * 3 + 120)
+def test_soak_with_ffn_restarts(tmp_path):
+    procs = Procs(tmp_path)
+    try:
+        cluster = Cluster(procs, tiny_model(tmp_path)).start()
+        steady = ["gateway", *cluster.attention]
+        for _ in range(3):  # warm up every path (and the allocator) before measuring
+            assert stream(cluster.url, 30).kind == "ok"
+        pids = {n: procs.procs[n].pid for n in steady}
+        before = {n: (_fds(p), _rss_mb(p)) for n, p in pids.items()}
+
+        stop_at = time.monotonic() + SECONDS
+        outcomes: Counter = Counter()
+        slowest = [0.0]
+        tokens = [0]
+        lock = threading.Lock()
+
+        def client(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < stop_at:
+                if rng.random() < 0.1:
+                    kind = _hang_up(cluster.url)
+                else:
+                    o = stream(cluster.url, rng.randint(8, 64))
+                    kind = o.kind if o.kind != "bad" else f"bad: {o.detail}"
+                    with lock:
+                        slowest[0] = max(slowest[0], o.seconds)
+                        tokens[0] += o.tokens if o.kind == "ok" else 0
+                with lock:
+                    outcomes[kind] += 1
+
+        with ThreadPoolExecutor(CLIENTS) as ex:
+            futs = [ex.submit(client, i) for i in range(CLIENTS)]
+            time.sleep(SECONDS * 0.3)
+            cluster.kill("ffn1")  # the shard without a spare: its requests fail, typed
+            time.sleep(1.0)
+            cluster.restart("ffn1")
+            time.sleep(SECONDS * 0.2)
+            cluster.kill("ffn0a")  # a replica: failover
+            time.sleep(1.0)
+            cluster.restart("ffn0a")
+            for f in futs:
+                f.result()
+
+        cluster.wait_ready(30, servers=2)
+        cluster.wait_idle()
+        time.sleep(1.0)  # let closed connections settle before counting descriptors
+        after = {n: (_fds(p), _rss_mb(p)) for n, p in pids.items()}
+        total = sum(outcomes.values())
+        print(
+            f"\nsoak: {SECONDS:.0f} s, {CLIENTS} clients, {total} requests "
+            f"({total / SECONDS:.1f}/s, {tokens[0] / SECONDS:.0f} tokens/s): {dict(outcomes)}; "
+            f"slowest {slowest[0]:.1f} s; fds/RSS MB before {before} after {after}"
+        )
+        bad = {k: v for k, v in outcomes.items() if k.startswith("bad")}
+        assert not bad, bad
+        assert outcomes["ok"] > total / 2, outcomes  # most of the time the cluster is whole
+        assert slowest[0] < HANG_BOUND_S + 64 / 10
+        for n in steady:
+            fds, rss = after[n][0] - before[n][0], after[n][1] - before[n][1]
+            assert fds <= FD_GROWTH, (n, before[n], after[n])
+            assert rss <= RSS_GROWTH_MB, (n, before[n], after[n])
+    finally:
+        procs.stop_all()
