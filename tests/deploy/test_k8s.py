@@ -256,10 +256,15 @@ def test_probes_hit_the_right_endpoints(docs):
             assert (get["path"], named_port(c, get["port"])) == (path, side), (role, probe)
     c = container(docs, "gateway")
     port = int(flag(c, "--port"))
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+    # /ready is true while at least one attention server is (the ordinals the autoscaler has
+    # not started are merely down) and false while the gateway drains: deploy/README.md.
+    for probe, path in (
+        ("startupProbe", "/health"),
+        ("livenessProbe", "/health"),
+        ("readinessProbe", "/ready"),
+    ):
         get = c[probe]["httpGet"]
-        # /health for readiness too: deploy/README.md says why (the autoscaled ordinal list).
-        assert (get["path"], named_port(c, get["port"])) == ("/health", port), probe
+        assert (get["path"], named_port(c, get["port"])) == (path, port), probe
 
 
 def _drain_timeout(role: str, c: dict) -> float:
