@@ -50,11 +50,25 @@ def _check(outcomes: list[Outcome]) -> None:
     assert not bad, bad
 
 
-def _after_recovery(cluster: Cluster) -> None:
+def _report(fault: str, outcomes: list[Outcome], **more) -> None:
+    """One line of figures per fault (shown with `pytest -s`)."""
+    ok = [o for o in outcomes if o.kind == "ok"]
+    err = [o for o in outcomes if o.kind == "error"]
+    line = f"\nfault {fault}: {len(ok)}/{len(outcomes)} answered in full, {len(err)} typed errors"
+    if err:
+        line += f" (the last after {max(o.seconds for o in err):.2f} s)"
+    line += "".join(f", {k.replace('_', ' ')} {v:.2f} s" for k, v in more.items())
+    print(line)
+
+
+def _after_recovery(cluster: Cluster, since: float | None = None) -> float:
+    """Ready again (both attention servers), serving, idle; seconds since `since`."""
     cluster.wait_ready(30, servers=2)
     outcomes = [stream(cluster.url, 20) for _ in range(3)]
     assert all(o.kind == "ok" for o in outcomes), outcomes
+    took = time.monotonic() - since if since is not None else 0.0
     cluster.wait_idle()
+    return took
 
 
 def _clamp(body: bytes) -> bytes:
@@ -98,6 +112,7 @@ def test_fuzzed_requests_on_the_real_cluster_never_5xx(cluster, path):
         check(r, body[:200])
 
     one()
+    print(f"\nfuzz {path} on the real cluster: statuses {dict(seen)}")
     assert seen[200] and seen[400], seen
     cluster.wait_idle()  # nothing left allocated by any of them
 
@@ -107,6 +122,7 @@ def test_a_replica_killed_mid_stream_loses_no_request_and_is_taken_back(cluster)
     outcomes = _under_fault(cluster, lambda: cluster.kill("ffn0a"))
     assert all(o.kind == "ok" for o in outcomes), outcomes  # failover: nothing lost
     assert cluster.ready()[0] == 200  # shard 0 kept a live replica throughout
+    t0 = time.monotonic()
     cluster.restart("ffn0a")
     # Taken back: the first replica is preferred again once a probe finds it answering.
     deadline = time.monotonic() + 30
@@ -114,7 +130,10 @@ def test_a_replica_killed_mid_stream_loses_no_request_and_is_taken_back(cluster)
         assert time.monotonic() < deadline, "the restarted replica was never used again"
         assert stream(cluster.url, 5).kind == "ok"
         time.sleep(0.2)
+    back = time.monotonic() - t0
     _after_recovery(cluster)
+    slowest = max(o.seconds for o in outcomes)
+    _report("kill -9 of a replica", outcomes, slowest_answer=slowest, replica_used_again_after=back)
 
 
 @pytest.mark.timeout(90)
@@ -128,8 +147,15 @@ def test_an_ffn_killed_mid_generation_is_a_typed_error_then_recovers(cluster):
     code, body = cluster.ready()
     assert code == 503 and all(s["state"] == "not ready" for s in body["servers"]), body
     cluster.wait_idle()  # failed requests hold no KV blocks
+    t0 = time.monotonic()
     cluster.restart("ffn1")
-    _after_recovery(cluster)
+    back = _after_recovery(cluster, t0)
+    _report(
+        "kill -9 of an FFN",
+        outcomes,
+        refused_during_outage_in=refused.seconds,
+        ready_after_restart=back,
+    )
 
 
 @pytest.mark.timeout(90)
@@ -142,8 +168,15 @@ def test_a_hung_ffn_is_a_typed_error_within_the_deadline_then_recovers(cluster):
         assert during.kind == "error" and during.seconds < HANG_BOUND_S, during
         cluster.wait_idle()
     finally:
+        t0 = time.monotonic()
         cluster.resume("ffn1")
-    _after_recovery(cluster)
+    back = _after_recovery(cluster, t0)
+    _report(
+        "SIGSTOP of an FFN",
+        outcomes,
+        refused_while_hung_in=during.seconds,
+        ready_after_SIGCONT=back,
+    )
 
 
 @pytest.mark.timeout(90)
@@ -156,8 +189,10 @@ def test_an_attention_server_killed_mid_stream_fails_only_its_requests(cluster):
     assert all(stream(cluster.url, 20).kind == "ok" for _ in range(4))
     code, body = cluster.ready()
     assert code == 200 and sorted(s["state"] for s in body["servers"]) == ["down", "ready"]
+    t0 = time.monotonic()
     cluster.restart("att0")
-    _after_recovery(cluster)
+    back = _after_recovery(cluster, t0)
+    _report("kill -9 of an attention server", outcomes, ready_after_restart=back)
     with ThreadPoolExecutor(4) as ex:  # traffic reaches the restarted server again
         futs = [ex.submit(stream, cluster.url, 100) for _ in range(4)]
         time.sleep(0.5)
@@ -179,6 +214,7 @@ def test_sigterm_drains_attention_then_gateway_and_both_exit_0(cluster):
         outcomes = [f.result() for f in futs + later]
     assert all(o.kind == "ok" for o in outcomes), outcomes  # in-flight ones finished in full
     assert att1.wait(timeout=30) == 0
+    _report("SIGTERM of an attention server (drain)", outcomes)
 
     gateway = cluster.procs.procs["gateway"]
     with ThreadPoolExecutor(4) as ex:
@@ -193,4 +229,5 @@ def test_sigterm_drains_attention_then_gateway_and_both_exit_0(cluster):
     assert refused.kind == "error" and "draining" in refused.detail, refused
     assert code == 503 and body["status"] == "draining"
     assert gateway.wait(timeout=30) == 0
+    _report("SIGTERM of the gateway (drain)", outcomes)
     cluster.wait_idle()
