@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -78,7 +78,6 @@ class _Part:
     seq: int = -1
     sent: float = 0.0  # time.time() when the send call returned
     started: float = 0.0  # monotonic: when the current attempt began
-    tried: list[Peer] = field(default_factory=list)
     reply: FFNReply | None = None
 
 
@@ -260,12 +259,13 @@ class FFNPool:
         self._assign(part, why)
 
     def _assign(self, part: _Part, why: str) -> None:
-        """Send the part to a live replica of its shard it has not tried yet."""
+        """Send the part to the first live replica of its shard. Every failure marks its
+        replica down, so this never returns to one that just failed (until a probe has
+        found it answering again)."""
         replicas = self.shards[part.shard]
         for peer in replicas:
-            if not peer.up or peer in part.tried:
+            if not peer.up:
                 continue
-            part.tried.append(peer)
             seq = peer.next_seq
             peer.next_seq += 1
             now = time.time()
@@ -284,7 +284,7 @@ class FFNPool:
             raise TransportError(
                 why or f"FFN peer {replicas[0].address} is down: {replicas[0].reason}"
             )
-        reasons = "; ".join(f"{p.address}: {p.reason or 'already tried'}" for p in replicas)
+        reasons = "; ".join(f"{p.address}: {p.reason}" for p in replicas)
         raise TransportError(
             f"{why + '; ' if why else ''}no live replica of FFN shard {part.shard} left ({reasons})"
         )
