@@ -1,0 +1,45 @@
+"""A live FFN listener (a separate process) fed hundreds of randomly mutated and random frames
+interleaved with valid requests keeps answering every valid one correctly (tcp and grpc)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from afd.wire import encode_request
+from tests.integration.test_transports import TIMEOUT, Server, _address, _check, _request
+from tests.unit.test_wire import _mutate
+
+FRAMES = 600  # hostile messages per backend
+VALID_SEQ = 10**9  # far from any seq a mutation can produce from the templates (< 100)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scheme", ["tcp", "grpc"])
+def test_mutated_frames_beside_valid_traffic_keep_it_served(scheme, tmp_path):
+    from afd.transport import connect
+
+    srv = Server(_address(scheme, tmp_path))
+    client = connect(srv.address)
+    rng = random.Random(6)
+    templates = [
+        [bytes(f) for f in encode_request(_request(s, s % 3, fp8=s % 2 == 0))] for s in range(8)
+    ]
+    try:
+        served = 0
+        for i in range(FRAMES):
+            if rng.random() < 0.2:
+                frames = [rng.randbytes(rng.randint(0, 48)) for _ in range(rng.randint(1, 6))]
+            else:
+                frames = _mutate(templates[i % len(templates)], rng)
+            client.send_frames(frames)
+            if i % 50 == 49:  # valid traffic in between
+                req = _request(VALID_SEQ + i, i % 3)
+                client.send(req)
+                _check(client.wait(req.seq, TIMEOUT), req)
+                served += 1
+        assert served == FRAMES // 50
+    finally:
+        client.close()
+        srv.stop()
