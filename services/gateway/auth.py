@@ -8,10 +8,10 @@ about how much of a guess was right.
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Iterable
 
 from services.gateway.errors import error_body
+from services.gateway.middleware import send_json
 
 DEFAULT_PUBLIC = ("/health", "/ready", "/metrics")
 
@@ -30,26 +30,13 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self._public or self._allowed(scope):
             await self.app(scope, receive, send)
             return
-        body = json.dumps(
-            error_body(
-                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                "invalid_request_error",
-                None,
-                "invalid_api_key",
-            )
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
+        body = error_body(
+            "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+            "invalid_request_error",
+            None,
+            "invalid_api_key",
         )
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 401, body, [(b"www-authenticate", b"Bearer")])
 
     def _allowed(self, scope) -> bool:
         given = b""

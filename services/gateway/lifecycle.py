@@ -11,13 +11,13 @@ uvicorn's own shutdown runs (a second signal skips the wait).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
 import uvicorn
 
 from services.gateway.errors import error_body
+from services.gateway.middleware import send_json
 
 log = logging.getLogger("afd.gateway")
 
@@ -54,27 +54,14 @@ class DrainMiddleware:
         if scope["type"] != "http" or scope.get("path") in _ALWAYS:
             return await self.app(scope, receive, send)
         if self.lifecycle.draining:
-            body = json.dumps(
-                error_body(
-                    "the server is shutting down (draining); retry on another instance",
-                    "service_unavailable",
-                    None,
-                    "draining",
-                )
-            ).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 503,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        (b"retry-after", b"1"),
-                        (b"connection", b"close"),
-                    ],
-                }
+            body = error_body(
+                "the server is shutting down (draining); retry on another instance",
+                "service_unavailable",
+                None,
+                "draining",
             )
-            await send({"type": "http.response.body", "body": body})
+            headers = [(b"retry-after", b"1"), (b"connection", b"close")]
+            await send_json(send, 503, body, headers)
             return
         self.lifecycle.inflight += 1
         try:
