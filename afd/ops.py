@@ -14,11 +14,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _can_pack() -> bool:
+    """Whether oneDNN can pack a bf16 weight here. It needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT:
+    on an AVX2-only CPU (e.g. some AMD EPYC VMs) the reorder raises, so try it once, tiny."""
     try:
-        return torch.backends.mkldnn.is_available() and hasattr(
-            torch.ops.mkldnn, "_linear_pointwise"
+        if not (
+            torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        ):
+            return False
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 16, dtype=torch.bfloat16), 1)
+        y = torch.ops.mkldnn._linear_pointwise(
+            torch.ones(2, 16, dtype=torch.bfloat16), w, None, "none", [], ""
         )
-    except Exception:  # pragma: no cover - builds without oneDNN
+        return bool((y == 16).all())
+    except Exception:  # builds without oneDNN, or a CPU it has no bf16 path for
         return False
 
 
