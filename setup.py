@@ -2,11 +2,16 @@
 
 build_py also compiles protos/**/*.proto into the build tree, so a wheel ships the generated
 afd.v1 *_pb2 modules (a source checkout builds them on first use: afd/protos.py).
+
+On x86-64 it compiles afd/kernels/bf16_gemm.c, a plain C library loaded with ctypes (no Python
+API, no torch headers, so no torch in the build environment). It is optional: without a C
+compiler the build still succeeds and afd uses torch's matmul (afd/kernels/gemm.py).
 """
 
+import platform
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -36,4 +41,19 @@ class BuildPyWithProtos(build_py):
             raise SystemExit("protoc failed on " + ", ".join(protos))
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+def _kernels() -> list[Extension]:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    return [
+        Extension(
+            "afd.kernels._bf16_gemm",
+            sources=["afd/kernels/bf16_gemm.c"],
+            # -mavx2/-mfma: the library runs only after gemm.py has seen both in /proc/cpuinfo.
+            extra_compile_args=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        )
+    ]
+
+
+setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=_kernels())

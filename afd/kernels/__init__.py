@@ -1,0 +1,1 @@
+"""Native CPU kernels, loaded with ctypes; each has a torch fallback and is optional."""

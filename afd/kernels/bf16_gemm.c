@@ -1,0 +1,164 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T for bf16 x, W and y, accumulated in fp32: the decode matmul of
+ * every projection and expert, for x86-64 CPUs with AVX2 and FMA but no bf16 arithmetic (e.g.
+ * AMD Zen 2/3, Intel before Cooper Lake), where PyTorch's bf16 matmul falls back to a scalar path
+ * that is 3-20x slower than fp32.
+ *
+ * Decode is weight-streaming bound: each weight row is read once and used against up to
+ * M_BLOCK rows of x held in fp32, 4 weight rows at a time, so the inner loop is 4 converts
+ * (bf16 -> fp32 is a 16-bit shift) and 4 * M_BLOCK FMAs per 8 columns. Rows of W are split
+ * between threads. Products of two bf16 values are exact in fp32, so the result differs from
+ * other fp32-accumulating kernels only by summation order (< 1 bf16 ulp, rarely).
+ *
+ * Loaded with ctypes (afd/kernels/gemm.py): no Python API, no torch headers. K must be a
+ * multiple of 8 (every model dimension afd serves is); the caller checks.
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define M_BLOCK 2 /* rows of x per pass: 4 x 2 accumulators + 4 weights + 2 x fit in 16 ymm */
+
+static inline __m256 load_bf16(const uint16_t *p) {
+  __m128i v = _mm_loadu_si128((const __m128i *)p);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+static inline float hsum(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+/* fp32 -> bf16 bits, round to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16). */
+static inline uint16_t to_bf16(float f) {
+  union { float f; uint32_t u; } v = {f};
+  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+  return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* Rows m0.. of x (fp32) against 4 weight rows already in fp32 (wt [4, K]), 3 rows of x at a
+ * time: 12 accumulators + 4 weights in the 16 ymm registers, x read as FMA memory operands.
+ * Returns the first row it did not do (fewer than 3 were left). */
+static int wide(const float *xf, const float *wt, uint16_t *y, int M, int N, int K, int n) {
+  const float *w0 = wt, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+  int m = 0;
+  for (; m + 3 <= M; m += 3) {
+    const float *x0 = xf + (size_t)m * K, *x1 = x0 + K, *x2 = x1 + K;
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    for (int k = 0; k < K; k += 8) {
+      __m256 b0 = _mm256_loadu_ps(w0 + k), b1 = _mm256_loadu_ps(w1 + k);
+      __m256 b2 = _mm256_loadu_ps(w2 + k), b3 = _mm256_loadu_ps(w3 + k);
+      __m256 c = _mm256_loadu_ps(x0 + k);
+      a00 = _mm256_fmadd_ps(c, b0, a00), a01 = _mm256_fmadd_ps(c, b1, a01);
+      a02 = _mm256_fmadd_ps(c, b2, a02), a03 = _mm256_fmadd_ps(c, b3, a03);
+      c = _mm256_loadu_ps(x1 + k);
+      a10 = _mm256_fmadd_ps(c, b0, a10), a11 = _mm256_fmadd_ps(c, b1, a11);
+      a12 = _mm256_fmadd_ps(c, b2, a12), a13 = _mm256_fmadd_ps(c, b3, a13);
+      c = _mm256_loadu_ps(x2 + k);
+      a20 = _mm256_fmadd_ps(c, b0, a20), a21 = _mm256_fmadd_ps(c, b1, a21);
+      a22 = _mm256_fmadd_ps(c, b2, a22), a23 = _mm256_fmadd_ps(c, b3, a23);
+    }
+    uint16_t *y0 = y + (size_t)m * N + n, *y1 = y0 + N, *y2 = y1 + N;
+    y0[0] = to_bf16(hsum(a00)), y0[1] = to_bf16(hsum(a01));
+    y0[2] = to_bf16(hsum(a02)), y0[3] = to_bf16(hsum(a03));
+    y1[0] = to_bf16(hsum(a10)), y1[1] = to_bf16(hsum(a11));
+    y1[2] = to_bf16(hsum(a12)), y1[3] = to_bf16(hsum(a13));
+    y2[0] = to_bf16(hsum(a20)), y2[1] = to_bf16(hsum(a21));
+    y2[2] = to_bf16(hsum(a22)), y2[3] = to_bf16(hsum(a23));
+  }
+  return m;
+}
+
+/* Rows n0..n1 of W against all M rows of xf (fp32 [M, K]); y is bf16 [M, N]. wt is scratch
+ * for 4 weight rows in fp32 (only used when M >= WIDE_M). */
+#define WIDE_M 6 /* from here converting the rows once beats converting them per pair of x rows */
+static void rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,
+                 int n1, float *wt) {
+  int n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const uint16_t *w0 = w + (size_t)n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    int m = 0;
+    if (M >= WIDE_M) {
+      for (int k = 0; k < 4 * K; k += 8) _mm256_storeu_ps(wt + k, load_bf16(w0 + k));
+      m = wide(xf, wt, y, M, N, K, n);
+    }
+    for (; m + 2 <= M; m += 2) {
+      const float *x0 = xf + (size_t)m * K, *x1 = x0 + K;
+      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+      __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+      for (int k = 0; k < K; k += 8) {
+        __m256 b0 = load_bf16(w0 + k), b1 = load_bf16(w1 + k);
+        __m256 b2 = load_bf16(w2 + k), b3 = load_bf16(w3 + k);
+        __m256 c0 = _mm256_loadu_ps(x0 + k), c1 = _mm256_loadu_ps(x1 + k);
+        a00 = _mm256_fmadd_ps(c0, b0, a00);
+        a01 = _mm256_fmadd_ps(c0, b1, a01);
+        a02 = _mm256_fmadd_ps(c0, b2, a02);
+        a03 = _mm256_fmadd_ps(c0, b3, a03);
+        a10 = _mm256_fmadd_ps(c1, b0, a10);
+        a11 = _mm256_fmadd_ps(c1, b1, a11);
+        a12 = _mm256_fmadd_ps(c1, b2, a12);
+        a13 = _mm256_fmadd_ps(c1, b3, a13);
+      }
+      uint16_t *y0 = y + (size_t)m * N + n, *y1 = y0 + N;
+      y0[0] = to_bf16(hsum(a00)), y0[1] = to_bf16(hsum(a01));
+      y0[2] = to_bf16(hsum(a02)), y0[3] = to_bf16(hsum(a03));
+      y1[0] = to_bf16(hsum(a10)), y1[1] = to_bf16(hsum(a11));
+      y1[2] = to_bf16(hsum(a12)), y1[3] = to_bf16(hsum(a13));
+    }
+    for (; m < M; m++) {
+      const float *x0 = xf + (size_t)m * K;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int k = 0; k < K; k += 8) {
+        __m256 c0 = _mm256_loadu_ps(x0 + k);
+        a0 = _mm256_fmadd_ps(c0, load_bf16(w0 + k), a0);
+        a1 = _mm256_fmadd_ps(c0, load_bf16(w1 + k), a1);
+        a2 = _mm256_fmadd_ps(c0, load_bf16(w2 + k), a2);
+        a3 = _mm256_fmadd_ps(c0, load_bf16(w3 + k), a3);
+      }
+      uint16_t *y0 = y + (size_t)m * N + n;
+      y0[0] = to_bf16(hsum(a0)), y0[1] = to_bf16(hsum(a1));
+      y0[2] = to_bf16(hsum(a2)), y0[3] = to_bf16(hsum(a3));
+    }
+  }
+  for (; n < n1; n++) {
+    const uint16_t *w0 = w + (size_t)n * K;
+    for (int m = 0; m < M; m++) {
+      const float *x0 = xf + (size_t)m * K;
+      __m256 a0 = _mm256_setzero_ps();
+      for (int k = 0; k < K; k += 8)
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), load_bf16(w0 + k), a0);
+      y[(size_t)m * N + n] = to_bf16(hsum(a0));
+    }
+  }
+}
+
+/* Returns 0, or -1 when K is not a multiple of 8 or scratch memory is short. */
+int afd_bf16_gemm(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
+                  int threads) {
+  if (K % 8 != 0 || M <= 0 || N <= 0) return -1;
+  float *xf = (float *)aligned_alloc(64, ((size_t)M * K * sizeof(float) + 63) / 64 * 64);
+  if (!xf) return -1;
+  for (size_t i = 0; i < (size_t)M * K; i += 8) /* x to fp32 once: it is reused N times */
+    _mm256_storeu_ps(xf + i, load_bf16(x + i));
+  /* Below ~256 KiB of weight a second thread costs more to wake than it saves. */
+  int t = (size_t)N * K < (1u << 17) ? 1 : threads;
+  int chunk = (N + 4 * t - 1) / (4 * t) * 4; /* whole 4-row groups per thread */
+  size_t tile = M >= WIDE_M ? (size_t)4 * K * sizeof(float) : 64;
+  float *wt = (float *)aligned_alloc(64, (tile + 63) / 64 * 64 * t);
+  if (!wt) {
+    free(xf);
+    return -1;
+  }
+#pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
+  for (int i = 0; i < t; i++) {
+    int n0 = i * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+    if (n0 < n1) rows(xf, w, y, M, N, K, n0, n1, wt + (tile + 63) / 64 * 16 * i);
+  }
+  free(wt);
+  free(xf);
+  return 0;
+}

@@ -1,0 +1,62 @@
+"""The AVX2 bf16 matmul (bf16_gemm.c), found next to this file when the build compiled it.
+
+`available()` is false where the library was not built (no compiler, not x86-64) or does not
+load, the CPU lacks AVX2/FMA, or AFD_NATIVE_KERNELS=0; callers then use torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+@cache
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("AFD_NATIVE_KERNELS", "1") == "0" or not _cpu_has_avx2_fma():
+        return None
+    found = sorted(_HERE.glob("_bf16_gemm*.so"))
+    if not found:
+        return None
+    # torch is imported first, so the library's libgomp.so.1 resolves to torch's own OpenMP
+    # runtime: one thread pool for both, not two fighting over the cores.
+    try:
+        lib = ctypes.CDLL(str(found[0]))
+    except OSError:  # e.g. no libgomp.so.1 to be found: torch's matmul it is
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.afd_bf16_gemm.argtypes = [p, p, p, i, i, i, i]
+    lib.afd_bf16_gemm.restype = i
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16 @ w [N, K] bf16 (contiguous, K % 8 == 0) -> [..., N] bf16."""
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(x.shape[:-1] + (n,), dtype=torch.bfloat16)
+    if m and _lib().afd_bf16_gemm(
+        x2.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads()
+    ):
+        raise RuntimeError(f"afd_bf16_gemm failed for x {tuple(x.shape)} @ w {tuple(w.shape)}")
+    return y

@@ -1,0 +1,52 @@
+"""afd's AVX2 bf16 matmul (afd/kernels/bf16_gemm.c) against an fp32 matmul of the same bf16
+values: every path of the kernel (1 and 2 rows of x, the fp32-tile path from 6 rows, 3-row
+blocks and their remainders, weight rows not a multiple of 4, one and two threads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from afd.kernels import gemm
+from afd.ops import Linear
+
+pytestmark = pytest.mark.skipif(
+    not gemm.available(), reason="kernel not built or the CPU lacks AVX2/FMA"
+)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 33])
+@pytest.mark.parametrize("n,k", [(13, 24), (256, 512), (1030, 1024)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_fp32_matmul_to_bf16_rounding(m, n, k, threads):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = gemm.bf16_linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    ref = F.linear(x.float(), w.float())  # exact products, fp32 sums
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # one bf16 rounding of the result, plus fp32 summation-order noise
+    torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-4 * k**0.5)
+    # and it is the bf16 rounding of (almost) the same fp32 value almost everywhere
+    assert (y == ref.to(torch.bfloat16)).float().mean() > 0.99
+
+
+def test_leading_dims_and_non_contiguous_input():
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    x = torch.randn(32, 3, 5).to(torch.bfloat16).permute(1, 2, 0)  # [3, 5, 32], strided
+    y = gemm.bf16_linear(x, w)
+    assert y.shape == (3, 5, 64)
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2**-8, atol=1e-3)
+
+
+def test_linear_uses_it_only_where_onednn_cannot_pack():
+    lin = Linear(torch.randn(16, 32).to(torch.bfloat16))
+    assert not (lin.packed and lin.native)
+    assert Linear(torch.randn(16, 12).to(torch.bfloat16)).native is False  # K % 8 != 0
+    assert Linear(torch.randn(16, 32)).native is False  # fp32 weights: torch's matmul
