@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.ops import bmm
+
 
 @dataclass(frozen=True)
 class PrefillSeq:
@@ -68,7 +70,7 @@ def _attend(
     k = k_cache.index_select(1, blocks.reshape(-1)).view(kvh * B, L, D)
     v = v_cache.index_select(1, blocks.reshape(-1)).view(kvh * B, L, D)
     qg = q.view(B, n, kvh, g, D).permute(2, 0, 3, 1, 4).reshape(kvh * B, g * n, D)
-    scores = torch.bmm(qg, k.transpose(1, 2)).float().view(kvh, B, g, n, L) * scale
+    scores = bmm(qg, k.transpose(1, 2)).float().view(kvh, B, g, n, L) * scale
     probs = torch.softmax(scores + bias.view(1, B, 1, -1, L), dim=-1)
-    o = torch.bmm(probs.to(q.dtype).view(kvh * B, g * n, L), v)  # [kvh*B, g*n, D]
+    o = bmm(probs.to(q.dtype).view(kvh * B, g * n, L), v)  # [kvh*B, g*n, D]
     return o.view(kvh, B, g, n, D).permute(1, 3, 0, 2, 4).reshape(B, n, nh, D)
