@@ -51,6 +51,7 @@ def _kernels() -> list[Extension]:
             # -mavx2/-mfma: the library runs only after gemm.py has seen both in /proc/cpuinfo.
             extra_compile_args=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_link_args=["-fopenmp"],
+            libraries=["m"],
             optional=True,
         )
     ]

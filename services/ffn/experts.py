@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.kernels.moe import NativeExperts
 from afd.ops import Linear, swiglu
 
 
@@ -22,6 +23,15 @@ class ExpertGroup:
     first: int
     w13: list[Linear]  # n x [2I, H]
     w2: list[Linear]  # n x [H, I]
+    native: NativeExperts | None = None  # the fused native call, where the kernels run
+
+    @staticmethod
+    def build(first: int, w13: list[Linear], w2: list[Linear]) -> ExpertGroup:
+        weights13, weights2 = [lin.w for lin in w13], [lin.w for lin in w2]
+        native = all(lin.native for lin in (*w13, *w2)) and NativeExperts.usable(
+            weights13, weights2
+        )
+        return ExpertGroup(first, w13, w2, NativeExperts(weights13, weights2) if native else None)
 
     @property
     def count(self) -> int:
@@ -51,6 +61,11 @@ def routed_experts(
     order = torch.argsort(local, stable=True)
     pair, local = pair[order], local[order]
     tokens = pair // k  # [P]
+    if group.native is not None and x.dtype == out.dtype == torch.bfloat16 and out.is_contiguous():
+        w = expert_weights.reshape(-1)[pair].to(torch.bfloat16)  # [P]
+        counts = torch.bincount(local, minlength=group.count)
+        group.native(x.contiguous(), tokens, w, counts, out)
+        return out
     counts = torch.bincount(local, minlength=group.count).tolist()
     xs = x.index_select(0, tokens)  # [P, H]
     ys = torch.empty_like(xs)

@@ -46,7 +46,7 @@ class FFNServer:
         for i in range(cfg.num_layers):
             if cfg.is_moe(i):
                 ids = range(shard.start, shard.end)
-                self.experts[i] = ExpertGroup(
+                self.experts[i] = ExpertGroup.build(
                     first=shard.start,
                     w13=[Linear(_cat_gate_up(w, f"layers.{i}.experts.{e}")) for e in ids],
                     w2=[Linear(w[f"layers.{i}.experts.{e}.down"]) for e in ids],

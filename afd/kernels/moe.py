@@ -1,0 +1,68 @@
+"""The fused routed-experts call (afd_bf16_moe in bf16_gemm.c): one native call per layer for
+all the experts a shard holds, where the torch path issues ~6 ops per expert."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from afd.kernels import gemm
+
+
+class NativeExperts:
+    """The weight pointers of one layer's experts, kept beside the tensors that own them."""
+
+    def __init__(self, w13: list[torch.Tensor], w2: list[torch.Tensor]):
+        # w13: E x [2I, H], w2: E x [H, I], all bf16, contiguous (the tensors stay referenced)
+        self.w13, self.w2 = w13, w2
+        self.count = len(w13)
+        self.inter, self.hidden = w2[0].shape[1], w2[0].shape[0]
+        ptrs = ctypes.c_void_p * self.count
+        self._p13 = ptrs(*(w.data_ptr() for w in w13))
+        self._p2 = ptrs(*(w.data_ptr() for w in w2))
+
+    @staticmethod
+    def usable(w13: list[torch.Tensor], w2: list[torch.Tensor]) -> bool:
+        if not (w13 and gemm.available()):
+            return False
+        hidden, inter = w2[0].shape
+        return (
+            hidden % 8 == 0
+            and inter % 8 == 0
+            and all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in (*w13, *w2))
+            and all(w.shape == (2 * inter, hidden) for w in w13)
+            and all(w.shape == (hidden, inter) for w in w2)
+            and all(w.device.type == "cpu" for w in (*w13, *w2))
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, H] bf16, contiguous
+        tokens: torch.Tensor,  # [P] int64: each pair's token, pairs sorted by local expert
+        weights: torch.Tensor,  # [P] bf16: each pair's routing weight
+        counts: torch.Tensor,  # [E] int64: pairs per local expert
+        out: torch.Tensor,  # [T, H] bf16, accumulated into
+    ) -> None:
+        starts = torch.zeros(self.count + 1, dtype=torch.int32)
+        torch.cumsum(counts, 0, out=starts[1:])
+        tokens = tokens.contiguous()
+        w = weights.float().contiguous()  # bf16 values, exactly
+        ys = torch.empty(tokens.shape[0], self.hidden, dtype=torch.bfloat16)
+        rc = gemm._lib().afd_bf16_moe(
+            x.data_ptr(),
+            tokens.data_ptr(),
+            w.data_ptr(),
+            starts.data_ptr(),
+            self._p13,
+            self._p2,
+            ys.data_ptr(),
+            out.data_ptr(),
+            out.shape[0],
+            self.count,
+            self.hidden,
+            self.inter,
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise RuntimeError("afd_bf16_moe failed (out of memory?)")
