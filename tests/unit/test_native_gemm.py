@@ -67,6 +67,8 @@ def test_fused_experts_match_the_torch_path_bit_for_bit(tokens, threads):
 
     w13 = [lin(2 * inter, hidden) for _ in range(experts)]
     w2 = [lin(hidden, inter) for _ in range(experts)]
+    if not w13[0].native:
+        pytest.skip("oneDNN packs bf16 on this CPU: the fused call is for AVX2-only CPUs")
     fused, plain = ExpertGroup.build(4, w13, w2), ExpertGroup(4, w13, w2)
     assert fused.native is not None and plain.native is None
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
