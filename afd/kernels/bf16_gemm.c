@@ -86,6 +86,27 @@ static void rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, 
       for (int k = 0; k < 4 * K; k += 8) _mm256_storeu_ps(wt + k, load_bf16(w0 + k));
       m = wide(xf, wt, y, M, N, K, n);
     }
+    /* 4 rows of x against 2 weight rows at a time: each weight row converted once per 4 rows
+     * of x (8 accumulators), where the 2-row loop below converts it once per 2. */
+    for (; m + 4 <= M && M < WIDE_M; m += 4) {
+      const float *x0 = xf + (size_t)m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+      for (int h = 0; h < 4; h += 2) {
+        const uint16_t *wa = w0 + (size_t)h * K, *wb = wa + K;
+        __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+        for (int k = 0; k < K; k += 8) {
+          __m256 va = load_bf16(wa + k), vb = load_bf16(wb + k), c;
+          c = _mm256_loadu_ps(x0 + k), a0 = _mm256_fmadd_ps(c, va, a0), b0 = _mm256_fmadd_ps(c, vb, b0);
+          c = _mm256_loadu_ps(x1 + k), a1 = _mm256_fmadd_ps(c, va, a1), b1 = _mm256_fmadd_ps(c, vb, b1);
+          c = _mm256_loadu_ps(x2 + k), a2 = _mm256_fmadd_ps(c, va, a2), b2 = _mm256_fmadd_ps(c, vb, b2);
+          c = _mm256_loadu_ps(x3 + k), a3 = _mm256_fmadd_ps(c, va, a3), b3 = _mm256_fmadd_ps(c, vb, b3);
+        }
+        uint16_t *y0 = y + (size_t)m * N + n + h;
+        y0[0] = to_bf16(hsum(a0)), y0[1] = to_bf16(hsum(b0));
+        y0[N] = to_bf16(hsum(a1)), y0[N + 1] = to_bf16(hsum(b1));
+        y0[2 * N] = to_bf16(hsum(a2)), y0[2 * N + 1] = to_bf16(hsum(b2));
+        y0[3 * N] = to_bf16(hsum(a3)), y0[3 * N + 1] = to_bf16(hsum(b3));
+      }
+    }
     for (; m + 2 <= M; m += 2) {
       const float *x0 = xf + (size_t)m * K, *x1 = x0 + K;
       __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
