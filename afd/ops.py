@@ -35,6 +35,11 @@ def _can_pack() -> bool:
 _PACK = _can_pack()
 
 
+def native_bf16() -> bool:
+    """afd's own AVX2 kernels carry bf16 compute here: no oneDNN bf16 path, kernels built."""
+    return not _PACK and gemm.available()
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.bmm with bf16's result (fp32 accumulation, rounded to bf16), computed in fp32 on
     CPUs without a bf16 matmul path (where oneDNN cannot pack bf16, torch's bf16 bmm is ~10x

@@ -42,6 +42,9 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_gemm.restype = i
     lib.afd_bf16_moe.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i]
     lib.afd_bf16_moe.restype = i
+    f = ctypes.c_float
+    lib.afd_bf16_decode_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
+    lib.afd_bf16_decode_attention.restype = i
     return lib
 
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from afd.ops import bmm
+from afd.kernels.attention import decode_attention
+from afd.ops import bmm, native_bf16
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,12 @@ def paged_attention(
     T, nh, D = q.shape
     out = torch.empty(T, nh * D, dtype=q.dtype)
     nd = meta.num_decode
-    if nd:
+    native = native_bf16() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
+    if nd and native and k_cache.device.type == "cpu" and k_cache.is_contiguous():
+        # the new token is already in the cache: it attends to positions 0..position
+        lens = meta.positions[:nd] + 1
+        out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale)
+    elif nd:
         o = _attend(
             q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_blocks, meta.decode_bias, scale
         )

@@ -85,3 +85,45 @@ def test_fused_experts_match_the_torch_path_bit_for_bit(tokens, threads):
     routed_experts(x, ids, weights, plain, b)
     assert not torch.equal(a, out)  # it did add something
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kvh,g,d", [(4, 4, 64), (1, 8, 256), (2, 1, 128)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_matches_the_torch_path(kvh, g, d, threads):
+    """The native paged decode attention against services/attention's torch path (gathered
+    blocks, bmm with bf16 rounding, fp32 softmax) on a shuffled block table: the same to
+    bf16 rounding, and the same bits almost everywhere."""
+    from afd.kernels.attention import decode_attention
+    from services.attention.attention import _attend
+
+    gen = torch.Generator().manual_seed(kvh * 100 + g)
+    num_blocks, bs, nb = 40, 16, 6
+    lens = torch.tensor([1, 17, 96, 50, 33])
+    k_cache = torch.randn(kvh, num_blocks, bs, d, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(kvh, num_blocks, bs, d, generator=gen).to(torch.bfloat16)
+    blocks = torch.randperm(num_blocks, generator=gen)[: len(lens) * nb].view(len(lens), nb)
+    q = torch.randn(len(lens), kvh * g, d, generator=gen).to(torch.bfloat16)
+    bias = torch.full((len(lens), 1, nb * bs), float("-inf"))
+    for i, n in enumerate(lens.tolist()):
+        bias[i, :, :n] = 0.0
+    scale = d**-0.5
+    ref = _attend(q.unsqueeze(1), k_cache, v_cache, blocks, bias, scale).reshape(len(lens), -1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = decode_attention(q, k_cache, v_cache, blocks, lens, scale)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2**-9)
+    assert (out == ref).float().mean() > 0.98
+
+
+def test_decode_attention_rejects_a_length_past_the_block_table():
+    from afd.kernels.attention import decode_attention
+
+    cache = torch.zeros(1, 4, 16, 8, dtype=torch.bfloat16)
+    q = torch.zeros(1, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="lengths"):
+        decode_attention(
+            q, cache, cache, torch.zeros(1, 2, dtype=torch.long), torch.tensor([33]), 1.0
+        )

@@ -1,0 +1,44 @@
+"""Paged decode attention in one native call (afd_bf16_decode_attention in bf16_gemm.c): reads
+K/V blocks in place where the torch path gathers them into a copy and converts it to fp32."""
+
+from __future__ import annotations
+
+import torch
+
+from afd.kernels import gemm
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, nh, D] bf16: one query token per sequence, after RoPE
+    k_cache: torch.Tensor,  # [kvh, NB, bs, D] bf16, holding this step's keys
+    v_cache: torch.Tensor,  # [kvh, NB, bs, D] bf16
+    blocks: torch.Tensor,  # [B, nb] long: block table per sequence, padded
+    lens: torch.Tensor,  # [B] long: positions 0..len-1 of each sequence are attended
+    scale: float,
+) -> torch.Tensor:  # [B, nh * D] bf16
+    B, nh, D = q.shape
+    kvh, NB, bs, _ = k_cache.shape
+    q = q.contiguous()
+    blocks = blocks.contiguous()
+    lens = lens.contiguous()
+    out = torch.empty(B, nh * D, dtype=torch.bfloat16)
+    rc = gemm._lib().afd_bf16_decode_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        blocks.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        B,
+        kvh,
+        nh // kvh,
+        D,
+        NB,
+        bs,
+        blocks.shape[1],
+        scale,
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise RuntimeError(f"afd_bf16_decode_attention failed (lengths {lens.tolist()})")
+    return out
