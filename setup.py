@@ -3,7 +3,7 @@
 build_py also compiles protos/**/*.proto into the build tree, so a wheel ships the generated
 afd.v1 *_pb2 modules (a source checkout builds them on first use: afd/protos.py).
 
-On x86-64 it compiles afd/kernels/bf16_gemm.c, a plain C library loaded with ctypes (no Python
+On x86-64 it compiles afd/kernels/*.c into one plain C library loaded with ctypes (no Python
 API, no torch headers, so no torch in the build environment). It is optional: without a C
 compiler the build still succeeds and afd uses torch's matmul (afd/kernels/gemm.py).
 """
@@ -46,8 +46,9 @@ def _kernels() -> list[Extension]:
         return []
     return [
         Extension(
-            "afd.kernels._bf16_gemm",
-            sources=["afd/kernels/bf16_gemm.c"],
+            "afd.kernels._native",
+            sources=[f"afd/kernels/{name}.c" for name in ("gemm", "moe", "attention")],
+            depends=["afd/kernels/bf16.h"],
             # -mavx2/-mfma: the library runs only after gemm.py has seen both in /proc/cpuinfo.
             extra_compile_args=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_link_args=["-fopenmp"],

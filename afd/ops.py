@@ -55,7 +55,7 @@ class Linear:
     - AVX-512 CPUs: the weight is re-laid out once for oneDNN's matmul: bit-identical to
       F.linear, and skinny decode matmuls stream the weight ~1.4x faster than row-major;
     - AVX2-only CPUs, where oneDNN cannot pack bf16 and torch's bf16 matmul is 3-20x slower
-      than fp32: afd's own kernel (afd/kernels/bf16_gemm.c), fp32 accumulation;
+      than fp32: afd's own kernel (afd/kernels/gemm.c), fp32 accumulation;
     - anything else: F.linear.
     """
 

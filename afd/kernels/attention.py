@@ -1,4 +1,4 @@
-"""Paged decode attention in one native call (afd_bf16_decode_attention in bf16_gemm.c): reads
+"""Paged decode attention in one native call (afd_bf16_decode_attention in attention.c): reads
 K/V blocks in place where the torch path gathers them into a copy and converts it to fp32."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The AVX2 bf16 matmul (bf16_gemm.c), found next to this file when the build compiled it.
+"""The AVX2 kernels library (gemm.c, moe.c, attention.c), found next to this file when the build
+compiled it, and its bf16 matmul.
 
 `available()` is false where the library was not built (no compiler, not x86-64) or does not
 load, the CPU lacks AVX2/FMA, or AFD_NATIVE_KERNELS=0; callers then use torch.
@@ -28,7 +29,7 @@ def _cpu_has_avx2_fma() -> bool:
 def _lib() -> ctypes.CDLL | None:
     if os.environ.get("AFD_NATIVE_KERNELS", "1") == "0" or not _cpu_has_avx2_fma():
         return None
-    found = sorted(_HERE.glob("_bf16_gemm*.so"))
+    found = sorted(_HERE.glob("_native*.so"))
     if not found:
         return None
     # torch is imported first, so the library's libgomp.so.1 resolves to torch's own OpenMP

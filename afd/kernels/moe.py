@@ -1,4 +1,4 @@
-"""The fused routed-experts call (afd_bf16_moe in bf16_gemm.c): one native call per layer for
+"""The fused routed-experts call (afd_bf16_moe in moe.c): one native call per layer for
 all the experts a shard holds, where the torch path issues ~6 ops per expert."""
 
 from __future__ import annotations

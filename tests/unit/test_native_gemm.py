@@ -1,4 +1,4 @@
-"""afd's AVX2 bf16 matmul (afd/kernels/bf16_gemm.c) against an fp32 matmul of the same bf16
+"""afd's AVX2 bf16 matmul (afd/kernels/gemm.c) against an fp32 matmul of the same bf16
 values: every path of the kernel (1 and 2 rows of x, the fp32-tile path from 6 rows, 3-row
 blocks and their remainders, weight rows not a multiple of 4, one and two threads)."""
 

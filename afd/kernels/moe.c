@@ -1,0 +1,77 @@
+/* Routed experts, fused (loaded with ctypes by afd/kernels/moe.py).
+ *
+ * One call per layer for every routed expert a shard holds, instead of ~6 torch ops per expert:
+ * for each expert e with n tokens (pairs sorted by expert),
+ *   gate|up = x[tokens] @ w13[e]^T      (bf16, as F.linear)
+ *   a       = bf16(bf16(silu(gate)) * up) (as F.silu then *, each rounded to bf16)
+ *   y       = a @ w2[e]^T                 (bf16)
+ *   ys      = bf16(y * weight)            (the pair's routing weight, a bf16 value)
+ * then out[token] += ys in pair order, summed in fp32 and rounded once, as index_add_ does: every
+ * rounding step of the torch path in services/ffn/experts.py, so the two agree (bar a rare last-bit
+ * difference of expf inside silu). Experts are spread over threads; the sum is serial. */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+/* x [T, H], tokens [P] (int64), weights [P] (fp32 holding bf16 values), starts [E + 1] (pair
+ * offsets per local expert), w13 [E] -> [2I, H], w2 [E] -> [H, I], ys scratch [P, H],
+ * out [T, H] accumulated into. All bf16 except as noted. Returns 0, or -1 when H or I is not a
+ * multiple of 8 or memory is short. */
+int afd_bf16_moe(const uint16_t *x, const int64_t *tokens, const float *weights,
+                 const int32_t *starts, const uint16_t *const *w13, const uint16_t *const *w2,
+                 uint16_t *ys, uint16_t *out, int T, int E, int H, int I, int threads) {
+  if (H % 8 != 0 || I % 8 != 0 || E <= 0) return -1;
+  int failed = 0;
+  int t = threads > 1 ? threads : 1;
+#pragma omp parallel for num_threads(t) schedule(dynamic, 1) if (t > 1)
+  for (int e = 0; e < E; e++) {
+    int p0 = starts[e], n = starts[e + 1] - p0;
+    if (n <= 0) continue;
+    float *xs = (float *)malloc((size_t)n * H * sizeof(float));
+    uint16_t *gu = (uint16_t *)malloc((size_t)n * 2 * I * sizeof(uint16_t));
+    float *act = (float *)malloc((size_t)n * I * sizeof(float));
+    float *wt = (float *)malloc((size_t)4 * (H > I ? H : I) * sizeof(float));
+    if (!xs || !gu || !act || !wt) {
+      failed = 1;
+    } else {
+      for (int i = 0; i < n; i++) {
+        const uint16_t *src = x + (size_t)tokens[p0 + i] * H;
+        for (int k = 0; k < H; k += 8) _mm256_storeu_ps(xs + (size_t)i * H + k, load_bf16(src + k));
+      }
+      afd_rows(xs, w13[e], gu, n, 2 * I, H, 0, 2 * I, wt);
+      for (int i = 0; i < n; i++)
+        for (int j = 0; j < I; j++) {
+          float g = bf16_value(gu[(size_t)i * 2 * I + j]);
+          float u = bf16_value(gu[(size_t)i * 2 * I + I + j]);
+          float s = bf16_round(g / (1.0f + expf(-g)));
+          act[(size_t)i * I + j] = bf16_round(s * u);
+        }
+      uint16_t *y = ys + (size_t)p0 * H;
+      afd_rows(act, w2[e], y, n, H, I, 0, H, wt);
+      for (int i = 0; i < n; i++) {
+        float wgt = weights[p0 + i];
+        for (int k = 0; k < H; k++) y[(size_t)i * H + k] = to_bf16(bf16_value(y[(size_t)i * H + k]) * wgt);
+      }
+    }
+    free(xs);
+    free(gu);
+    free(act);
+    free(wt);
+  }
+  if (failed) return -1;
+  /* index_add_ on bf16 sums in fp32 and rounds once: the same, pair by pair in order. */
+  int P = starts[E];
+  float *acc = (float *)malloc((size_t)T * H * sizeof(float));
+  if (!acc) return -1;
+  for (size_t i = 0; i < (size_t)T * H; i++) acc[i] = bf16_value(out[i]);
+  for (int p = 0; p < P; p++) {
+    float *o = acc + (size_t)tokens[p] * H;
+    const uint16_t *src = ys + (size_t)p * H;
+    for (int k = 0; k < H; k++) o[k] += bf16_value(src[k]);
+  }
+  for (size_t i = 0; i < (size_t)T * H; i++) out[i] = to_bf16(acc[i]);
+  free(acc);
+  return 0;
+}
