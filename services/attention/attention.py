@@ -29,6 +29,7 @@ class AttnMeta:
     decode_blocks: torch.Tensor | None  # [nd, nb] long: block table per decode row, padded
     decode_bias: torch.Tensor | None  # [nd, 1, nb * block_size] float32: 0 valid, -inf padding
     prefills: tuple[PrefillSeq, ...]
+    decode_lens: torch.Tensor | None = None  # [nd] long: keys each decode row attends to
 
 
 def paged_attention(
@@ -43,8 +44,7 @@ def paged_attention(
     nd = meta.num_decode
     native = native_bf16() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
     if nd and native and k_cache.device.type == "cpu" and k_cache.is_contiguous():
-        # the new token is already in the cache: it attends to positions 0..position
-        lens = meta.positions[:nd] + 1
+        lens = meta.decode_lens
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale)
     elif nd:
         o = _attend(

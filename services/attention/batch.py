@@ -56,8 +56,8 @@ def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
         prefills=(),
     )
     if decodes:
-        table, bias = _decode_blocks(decodes, block_size)
-        meta = replace(meta, decode_blocks=table, decode_bias=bias)
+        table, bias, lens = _decode_blocks(decodes, block_size)
+        meta = replace(meta, decode_blocks=table, decode_bias=bias, decode_lens=lens)
     if prefills:
         meta = replace(meta, prefills=_prefill_seqs(prefills, len(decodes), block_size))
     rows, sample_seqs, row = [], [], 0
@@ -79,7 +79,9 @@ def _slots(blocks: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Te
     return blocks[pos // block_size] * block_size + pos % block_size
 
 
-def _decode_blocks(decodes: list[ScheduledSeq], bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_blocks(
+    decodes: list[ScheduledSeq], bs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lens = torch.tensor([s.start_pos + 1 for s in decodes])  # keys each row attends to
     nblk = (int(lens.max()) + bs - 1) // bs
     table = torch.zeros(len(decodes), nblk, dtype=torch.long)  # padded with block 0 (masked)
@@ -89,7 +91,7 @@ def _decode_blocks(decodes: list[ScheduledSeq], bs: int) -> tuple[torch.Tensor, 
     pos = torch.arange(nblk * bs)
     bias = torch.zeros(len(decodes), 1, nblk * bs)
     bias.masked_fill_(pos.view(1, 1, -1) >= lens.view(-1, 1, 1), float("-inf"))
-    return table, bias
+    return table, bias, lens
 
 
 def _prefill_seqs(prefills: list[ScheduledSeq], first_row: int, bs: int) -> tuple[PrefillSeq, ...]:
