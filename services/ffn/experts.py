@@ -61,12 +61,12 @@ def routed_experts(
     order = torch.argsort(local, stable=True)
     pair, local = pair[order], local[order]
     tokens = pair // k  # [P]
+    counts = torch.bincount(local, minlength=group.count)  # [E] pairs per local expert
     if group.native is not None and x.dtype == out.dtype == torch.bfloat16 and out.is_contiguous():
         w = expert_weights.reshape(-1)[pair].to(torch.bfloat16)  # [P]
-        counts = torch.bincount(local, minlength=group.count)
         group.native(x.contiguous(), tokens, w, counts, out)
         return out
-    counts = torch.bincount(local, minlength=group.count).tolist()
+    counts = counts.tolist()
     xs = x.index_select(0, tokens)  # [P, H]
     ys = torch.empty_like(xs)
     start = 0
