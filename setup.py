@@ -49,7 +49,7 @@ def _kernels() -> list[Extension]:
             "afd.kernels._native",
             sources=[f"afd/kernels/{name}.c" for name in ("gemm", "moe", "attention")],
             depends=["afd/kernels/bf16.h"],
-            # -mavx2/-mfma: the library runs only after gemm.py has seen both in /proc/cpuinfo.
+            # -mavx2/-mfma: gemm.py loads the library only where ATen dispatches AVX2 or above.
             extra_compile_args=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             libraries=["m"],
