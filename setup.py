@@ -47,10 +47,11 @@ def _kernels() -> list[Extension]:
     return [
         Extension(
             "afd.kernels._native",
-            sources=[f"afd/kernels/{name}.c" for name in ("gemm", "moe", "attention")],
+            sources=[f"afd/kernels/{name}.c" for name in ("gemm", "moe", "attention", "norm_rope")],
             depends=["afd/kernels/bf16.h"],
             # -mavx2/-mfma: gemm.py loads the library only where ATen dispatches AVX2 or above.
-            extra_compile_args=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            # fp-contract=off: a*b + c in scalar code stays two roundings, as torch computes it.
+            extra_compile_args=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],
             libraries=["m"],
             optional=True,

@@ -5,11 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from afd.kernels import gemm
+from afd.kernels import gemm, norm_rope
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim; statistics in float32, the scale applied in x's dtype."""
+    """RMSNorm over the last dim; statistics in float32, the scale applied in x's dtype.
+    One native call where the kernels are built (the torch ops below cost ~30 us at decode
+    sizes, the call ~3 us); the result is contiguous either way."""
+    if weight.dtype == torch.bfloat16 and norm_rope.usable(x, 8):
+        return norm_rope.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

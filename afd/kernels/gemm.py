@@ -1,5 +1,5 @@
-"""The AVX2 kernels library (gemm.c, moe.c, attention.c), found next to this file when the build
-compiled it, and its bf16 matmul.
+"""The AVX2 kernels library (gemm.c, moe.c, attention.c, norm_rope.c), found next to this file
+when the build compiled it, and its bf16 matmul.
 
 `available()` is false where the library was not built (no compiler, not x86-64) or does not
 load, the CPU lacks AVX2/FMA, or AFD_NATIVE_KERNELS=0; callers then use torch.
@@ -38,11 +38,16 @@ def _lib() -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.afd_bf16_gemm.argtypes = [p, p, p, i, i, i, i]
     lib.afd_bf16_gemm.restype = i
-    lib.afd_bf16_moe.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i]
+    lib.afd_bf16_moe.argtypes = [p, p, p, i, i, p, p, p, i, i, i, i, i]
     lib.afd_bf16_moe.restype = i
     f = ctypes.c_float
     lib.afd_bf16_decode_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
     lib.afd_bf16_decode_attention.restype = i
+    L = ctypes.c_long
+    lib.afd_bf16_rms_norm.argtypes = [p, L, L, p, p, i, i, i, f]
+    lib.afd_bf16_rms_norm.restype = i
+    lib.afd_bf16_rope.argtypes = [p, L, p, i, i, i, p, p, p]
+    lib.afd_bf16_rope.restype = i
     return lib
 
 

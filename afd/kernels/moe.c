@@ -1,7 +1,8 @@
 /* Routed experts, fused (loaded with ctypes by afd/kernels/moe.py).
  *
  * One call per layer for every routed expert a shard holds, instead of ~6 torch ops per expert:
- * for each expert e with n tokens (pairs sorted by expert),
+ * the (token, expert) pairs this shard holds are sorted by expert, then for each expert e with
+ * n tokens,
  *   gate|up = x[tokens] @ w13[e]^T      (bf16, as F.linear)
  *   a       = bf16(bf16(silu(gate)) * up) (as F.silu then *, each rounded to bf16)
  *   y       = a @ w2[e]^T                 (bf16)
@@ -15,14 +16,46 @@
 
 #include "bf16.h"
 
-/* x [T, H], tokens [P] (int64), weights [P] (fp32 holding bf16 values), starts [E + 1] (pair
- * offsets per local expert), w13 [E] -> [2I, H], w2 [E] -> [H, I], ys scratch [P, H],
+/* x [T, H]; ids [T, topk] (int32, global expert ids) and gate weights [T, topk] (fp32) as routed;
+ * this shard holds experts first .. first + E - 1: w13 [E] -> [2I, H], w2 [E] -> [H, I];
  * out [T, H] accumulated into. All bf16 except as noted. Returns 0, or -1 when H or I is not a
  * multiple of 8 or memory is short. */
-int afd_bf16_moe(const uint16_t *x, const int64_t *tokens, const float *weights,
-                 const int32_t *starts, const uint16_t *const *w13, const uint16_t *const *w2,
-                 uint16_t *ys, uint16_t *out, int T, int E, int H, int I, int threads) {
-  if (H % 8 != 0 || I % 8 != 0 || E <= 0) return -1;
+int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int topk, int first,
+                 const uint16_t *const *w13, const uint16_t *const *w2, uint16_t *out, int T,
+                 int E, int H, int I, int threads) {
+  if (H % 8 != 0 || I % 8 != 0 || E <= 0 || topk < 0) return -1;
+  /* The (token, expert) pairs held here, sorted by expert, stable in t * topk + j order (the torch
+   * path's argsort): a counting sort. Each pair's weight rounded to bf16 as the torch path. */
+  int32_t *starts = (int32_t *)calloc((size_t)E + 1, sizeof(int32_t));
+  int P = 0;
+  if (!starts) return -1;
+  for (int p = 0; p < T * topk; p++) {
+    int e = ids[p] - first;
+    if (e >= 0 && e < E) starts[e + 1]++, P++;
+  }
+  if (P == 0) {
+    free(starts);
+    return 0;
+  }
+  for (int e = 0; e < E; e++) starts[e + 1] += starts[e];
+  int64_t *tokens = (int64_t *)malloc((size_t)P * sizeof(int64_t));
+  float *weights = (float *)malloc((size_t)P * sizeof(float));
+  uint16_t *ys = (uint16_t *)malloc((size_t)P * H * sizeof(uint16_t));
+  int32_t *fill = (int32_t *)malloc((size_t)E * sizeof(int32_t));
+  if (!tokens || !weights || !ys || !fill) {
+    free(starts), free(tokens), free(weights), free(ys), free(fill);
+    return -1;
+  }
+  for (int e = 0; e < E; e++) fill[e] = starts[e];
+  for (int p = 0; p < T * topk; p++) {
+    int e = ids[p] - first;
+    if (e >= 0 && e < E) {
+      int q = fill[e]++;
+      tokens[q] = p / topk;
+      weights[q] = bf16_round(gate[p]);
+    }
+  }
+  free(fill);
   int failed = 0;
   int t = threads > 1 ? threads : 1;
 #pragma omp parallel for num_threads(t) schedule(dynamic, 1) if (t > 1)
@@ -60,11 +93,12 @@ int afd_bf16_moe(const uint16_t *x, const int64_t *tokens, const float *weights,
     free(act);
     free(wt);
   }
-  if (failed) return -1;
+  float *acc = failed ? NULL : (float *)malloc((size_t)T * H * sizeof(float));
+  if (!acc) {
+    free(starts), free(tokens), free(weights), free(ys);
+    return -1;
+  }
   /* index_add_ on bf16 sums in fp32 and rounds once: the same, pair by pair in order. */
-  int P = starts[E];
-  float *acc = (float *)malloc((size_t)T * H * sizeof(float));
-  if (!acc) return -1;
   for (size_t i = 0; i < (size_t)T * H; i++) acc[i] = bf16_value(out[i]);
   for (int p = 0; p < P; p++) {
     float *o = acc + (size_t)tokens[p] * H;
@@ -72,6 +106,6 @@ int afd_bf16_moe(const uint16_t *x, const int64_t *tokens, const float *weights,
     for (int k = 0; k < H; k++) o[k] += bf16_value(src[k]);
   }
   for (size_t i = 0; i < (size_t)T * H; i++) out[i] = to_bf16(acc[i]);
-  free(acc);
+  free(acc), free(starts), free(tokens), free(weights), free(ys);
   return 0;
 }

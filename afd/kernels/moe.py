@@ -38,25 +38,23 @@ class NativeExperts:
 
     def __call__(
         self,
-        x: torch.Tensor,  # [T, H] bf16, contiguous
-        tokens: torch.Tensor,  # [P] int64: each pair's token, pairs sorted by local expert
-        weights: torch.Tensor,  # [P] bf16: each pair's routing weight
-        counts: torch.Tensor,  # [E] int64: pairs per local expert
-        out: torch.Tensor,  # [T, H] bf16, accumulated into
+        x: torch.Tensor,  # [T, H] bf16
+        expert_ids: torch.Tensor,  # [T, k] int: global ids as routed (other shards' skipped)
+        expert_weights: torch.Tensor,  # [T, k] float: routing weights
+        first: int,  # global id of this group's first expert
+        out: torch.Tensor,  # [T, H] bf16, contiguous, accumulated into
     ) -> None:
-        starts = torch.zeros(self.count + 1, dtype=torch.int32)
-        torch.cumsum(counts, 0, out=starts[1:])
-        tokens = tokens.contiguous()
-        w = weights.float().contiguous()  # bf16 values, exactly
-        ys = torch.empty(tokens.shape[0], self.hidden, dtype=torch.bfloat16)
+        x = x.contiguous()
+        ids = expert_ids.to(torch.int32).contiguous()
+        w = expert_weights.float().contiguous()
         rc = gemm._lib().afd_bf16_moe(
             x.data_ptr(),
-            tokens.data_ptr(),
+            ids.data_ptr(),
             w.data_ptr(),
-            starts.data_ptr(),
+            ids.shape[1],
+            first,
             self._p13,
             self._p2,
-            ys.data_ptr(),
             out.data_ptr(),
             out.shape[0],
             self.count,

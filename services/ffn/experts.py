@@ -51,6 +51,10 @@ def routed_experts(
     experts held by other shards are skipped. The sum is accumulated in expert order (as the
     Hugging Face reference does) with one index_add_.
     """
+    if group.native is not None and x.dtype == out.dtype == torch.bfloat16 and out.is_contiguous():
+        # one call: the pair sorting below, the experts and the sum, with the same roundings
+        group.native(x, expert_ids, expert_weights, group.first, out)
+        return out
     T, k = expert_ids.shape
     local = expert_ids.reshape(-1).long() - group.first  # [T*k]
     held = (local >= 0) & (local < group.count)
@@ -61,12 +65,7 @@ def routed_experts(
     order = torch.argsort(local, stable=True)
     pair, local = pair[order], local[order]
     tokens = pair // k  # [P]
-    counts = torch.bincount(local, minlength=group.count)  # [E] pairs per local expert
-    if group.native is not None and x.dtype == out.dtype == torch.bfloat16 and out.is_contiguous():
-        w = expert_weights.reshape(-1)[pair].to(torch.bfloat16)  # [P]
-        group.native(x.contiguous(), tokens, w, counts, out)
-        return out
-    counts = counts.tolist()
+    counts = torch.bincount(local, minlength=group.count).tolist()  # [E] pairs per local expert
     xs = x.index_select(0, tokens)  # [P, H]
     ys = torch.empty_like(xs)
     start = 0

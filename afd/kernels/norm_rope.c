@@ -1,0 +1,90 @@
+/* The small per-layer ops of the attention side, one native call each where torch issues 6-12
+ * tiny ops (each ~4 us of dispatch at decode sizes: ~2 ms of a 17 ms batch-1 step):
+ *
+ *   afd_bf16_rms_norm   y = w * bf16(x * rsqrt(mean(x^2) + eps)), stats in fp32 (afd/ops.py)
+ *   afd_bf16_rope       neox RoPE over heads: bf16(bf16(x * cos) + bf16(rotate_half(x) * sin))
+ *
+ * Every step rounds where the torch code does, so RoPE is bit-identical to it; RMSNorm differs
+ * only by the fp32 summation order of the squares (a last-bit difference of the statistic,
+ * rarely visible after the bf16 rounding). Loaded with ctypes (afd/kernels/norm_rope.py). */
+#include <math.h>
+
+#include "bf16.h"
+
+/* fp32 -> bf16 -> fp32 on 8 lanes, round to nearest even, NaN kept quiet (as to_bf16). */
+static inline __m256 round8(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+  r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+  __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
+  __m256i q = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)),
+                               _mm256_set1_epi32((int)0xffff0000u));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan));
+}
+
+/* 8 fp32 lanes that already hold bf16 values -> 8 bf16 at p. */
+static inline void store8(uint16_t *p, __m256 v) {
+  __m256i s = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
+  _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+
+/* x viewed as [A, B, D] with strides (sa, sb, 1) in elements (a [T, heads, D] slice of a fused
+ * projection, or plain rows with B = 1); y is contiguous [A, B, D]. D % 8 == 0. */
+int afd_bf16_rms_norm(const uint16_t *x, long sa, long sb, const uint16_t *w, uint16_t *y, int A,
+                      int B, int D, float eps) {
+  if (D % 8 != 0 || D <= 0) return -1;
+  const float inv_d = 1.0f / (float)D; /* ATen's mean multiplies by 1/N */
+  for (int a = 0; a < A; a++)
+    for (int b = 0; b < B; b++) {
+      const uint16_t *row = x + a * sa + b * sb;
+      uint16_t *out = y + ((size_t)a * B + b) * D;
+      __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+      int k = 0;
+      for (; k + 16 <= D; k += 16) {
+        __m256 v0 = load_bf16(row + k), v1 = load_bf16(row + k + 8);
+        s0 = _mm256_fmadd_ps(v0, v0, s0), s1 = _mm256_fmadd_ps(v1, v1, s1);
+      }
+      for (; k < D; k += 8) {
+        __m256 v = load_bf16(row + k);
+        s0 = _mm256_fmadd_ps(v, v, s0);
+      }
+      /* squares of bf16 values are exact in fp32, so the FMA adds no rounding of its own */
+      float r = 1.0f / sqrtf(hsum(_mm256_add_ps(s0, s1)) * inv_d + eps);
+      __m256 vr = _mm256_set1_ps(r);
+      for (k = 0; k < D; k += 8) {
+        __m256 n = round8(_mm256_mul_ps(load_bf16(row + k), vr));
+        store8(out + k, round8(_mm256_mul_ps(load_bf16(w + k), n)));
+      }
+    }
+  return 0;
+}
+
+/* x viewed as [T, H, D] with strides (st, D, 1); y contiguous [T, H, D] (may be x itself when
+ * st == H * D). cos, sin: bf16 tables [P, D] (the two halves of a row equal); pos [T]. */
+int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, const uint16_t *cos,
+                  const uint16_t *sin, const int64_t *pos) {
+  if (D % 16 != 0 || D <= 0) return -1;
+  const int half = D / 2;
+  const __m256 neg = _mm256_set1_ps(-0.0f);
+  for (int t = 0; t < T; t++) {
+    const uint16_t *c = cos + pos[t] * D, *s = sin + pos[t] * D;
+    for (int h = 0; h < H; h++) {
+      const uint16_t *row = x + t * st + (long)h * D;
+      uint16_t *out = y + ((size_t)t * H + h) * D;
+      for (int k = 0; k < half; k += 8) {
+        __m256 lo = load_bf16(row + k), hi = load_bf16(row + half + k);
+        /* first half: x*cos - x[half:]*sin; second: x*cos + x[:half]*sin */
+        __m256 a = round8(_mm256_mul_ps(lo, load_bf16(c + k)));
+        __m256 b = round8(_mm256_mul_ps(_mm256_xor_ps(hi, neg), load_bf16(s + k)));
+        __m256 a2 = round8(_mm256_mul_ps(hi, load_bf16(c + half + k)));
+        __m256 b2 = round8(_mm256_mul_ps(lo, load_bf16(s + half + k)));
+        store8(out + k, round8(_mm256_add_ps(a, b)));
+        store8(out + half + k, round8(_mm256_add_ps(a2, b2)));
+      }
+    }
+  }
+  return 0;
+}

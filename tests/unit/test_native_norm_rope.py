@@ -1,0 +1,80 @@
+"""afd's native RMSNorm and RoPE (afd/kernels/norm_rope.c) against the torch code they replace:
+RoPE bit for bit; RMSNorm up to the fp32 summation order of its statistic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd.kernels import gemm, norm_rope
+from services.attention.rope import Rope
+
+pytestmark = pytest.mark.skipif(
+    not gemm.available(), reason="kernel not built or the CPU lacks AVX2/FMA"
+)
+
+
+def _torch_rms_norm(x, w, eps):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 1024), (33, 1024), (5, 7, 64), (3, 256), (2, 3, 4, 8)])
+def test_rms_norm_matches_torch(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(torch.bfloat16)
+    w = (torch.randn(shape[-1], generator=g)).to(torch.bfloat16)
+    y = norm_rope.rms_norm(x, w, 1e-6)
+    ref = _torch_rms_norm(x, w, 1e-6)
+    assert y.shape == ref.shape and y.dtype == torch.bfloat16 and y.is_contiguous()
+    # at most one bf16 ulp apart, and identical almost everywhere
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7, atol=0)
+    assert (y == ref).float().mean() > 0.99
+
+
+def test_rms_norm_reads_strided_heads_in_place():
+    """q and k are views into the fused qkv projection: [T, heads, D] with a token stride."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(6, (16 + 2 * 4) * 64, generator=g).to(torch.bfloat16)
+    q = qkv[:, : 16 * 64].view(6, 16, 64)
+    k = qkv[:, 16 * 64 : 20 * 64].view(6, 4, 64)
+    w = torch.randn(64, generator=g).to(torch.bfloat16)
+    for view in (q, k):
+        assert not view.is_contiguous()
+        y = norm_rope.rms_norm(view, w, 1e-6)
+        ref = _torch_rms_norm(view.contiguous(), w, 1e-6)
+        torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7, atol=0)
+
+
+def test_rms_norm_keeps_nan():
+    x = torch.ones(2, 16, dtype=torch.bfloat16)
+    x[1, 3] = float("nan")
+    y = norm_rope.rms_norm(x, torch.ones(16, dtype=torch.bfloat16), 1e-6)
+    assert torch.isnan(y[1]).all() and not torch.isnan(y[0]).any()
+
+
+@pytest.mark.parametrize("heads,d", [(16, 64), (1, 256), (4, 128), (2, 16)])
+def test_rope_is_bit_identical_to_torch(heads, d):
+    g = torch.Generator().manual_seed(heads * d)
+    rope = Rope(d, 10000.0, 512)
+    q = (torch.randn(9, heads, d, generator=g) * 2).to(torch.bfloat16)
+    pos = torch.randint(0, 512, (9,), generator=g)
+    cos, sin = rope._tables(torch.bfloat16)
+    got = norm_rope.rope(q, cos, sin, pos)
+    c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+    half = d // 2
+    ref = q * c + torch.cat([-q[..., half:], q[..., :half]], dim=-1) * s
+    assert torch.equal(got, ref)
+
+
+def test_rope_reads_a_strided_view():
+    g = torch.Generator().manual_seed(2)
+    rope = Rope(64, 10000.0, 64)
+    base = torch.randn(5, 3 * 64 + 64, generator=g).to(torch.bfloat16)
+    k = base[:, :192].view(5, 3, 64)  # token stride 256, not 192
+    pos = torch.arange(5)
+    cos, sin = rope._tables(torch.bfloat16)
+    assert torch.equal(
+        norm_rope.rope(k, cos, sin, pos), norm_rope.rope(k.contiguous(), cos, sin, pos)
+    )
