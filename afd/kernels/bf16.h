@@ -36,6 +36,19 @@ static inline float bf16_value(uint16_t b) {
   return v.f;
 }
 
+/* Weight rows stream from DRAM once per step. On 2-4 interleaved rows the hardware prefetcher
+ * alone keeps only about half of the read bandwidth busy (measured on AMD Zen 3: 4 rows of x
+ * against 1024x1024 weights, 14 GB/s -> 24 GB/s), so the streaming loops ask for the cache
+ * line AHEAD elements (8 KiB) further on, once per 32 elements. Past the end it is a no-op:
+ * a prefetch never faults. */
+#define AHEAD 4096
+/* A macro: as an inline function, GCC 12 left every prefetch out of gemm.c (seen in the asm). */
+#define ahead(p, k)                                                        \
+  do {                                                                     \
+    if (((k) & 31) == 0)                                                   \
+      _mm_prefetch((const char *)((p) + (k) + AHEAD), _MM_HINT_T0);        \
+  } while (0)
+
 /* y[M, N] (bf16) = xf[M, K] (fp32) @ W[n0..n1, K]^T (bf16), 4 weight rows at a time; wt is
  * scratch for 4 rows of W in fp32, used when M >= WIDE_M (gemm.c). */
 #define WIDE_M 6

@@ -65,7 +65,10 @@ void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int
     const uint16_t *w0 = w + (size_t)n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
     int m = 0;
     if (M >= WIDE_M) {
-      for (int k = 0; k < 4 * K; k += 8) _mm256_storeu_ps(wt + k, load_bf16(w0 + k));
+      for (int k = 0; k < 4 * K; k += 8) {
+        ahead(w0, k);
+        _mm256_storeu_ps(wt + k, load_bf16(w0 + k));
+      }
       m = wide(xf, wt, y, M, N, K, n);
     }
     /* 4 rows of x against 2 weight rows at a time: each weight row converted once per 4 rows
@@ -77,6 +80,8 @@ void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int
         __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
         for (int k = 0; k < K; k += 8) {
           __m256 va = load_bf16(wa + k), vb = load_bf16(wb + k), c;
+          ahead(wa, k);
+          ahead(wb, k);
           c = _mm256_loadu_ps(x0 + k), a0 = _mm256_fmadd_ps(c, va, a0), b0 = _mm256_fmadd_ps(c, vb, b0);
           c = _mm256_loadu_ps(x1 + k), a1 = _mm256_fmadd_ps(c, va, a1), b1 = _mm256_fmadd_ps(c, vb, b1);
           c = _mm256_loadu_ps(x2 + k), a2 = _mm256_fmadd_ps(c, va, a2), b2 = _mm256_fmadd_ps(c, vb, b2);
@@ -96,6 +101,10 @@ void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int
       for (int k = 0; k < K; k += 8) {
         __m256 b0 = load_bf16(w0 + k), b1 = load_bf16(w1 + k);
         __m256 b2 = load_bf16(w2 + k), b3 = load_bf16(w3 + k);
+        ahead(w0, k);
+        ahead(w1, k);
+        ahead(w2, k);
+        ahead(w3, k);
         __m256 c0 = _mm256_loadu_ps(x0 + k), c1 = _mm256_loadu_ps(x1 + k);
         a00 = _mm256_fmadd_ps(c0, b0, a00);
         a01 = _mm256_fmadd_ps(c0, b1, a01);
@@ -117,6 +126,10 @@ void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int k = 0; k < K; k += 8) {
         __m256 c0 = _mm256_loadu_ps(x0 + k);
+        ahead(w0, k);
+        ahead(w1, k);
+        ahead(w2, k);
+        ahead(w3, k);
         a0 = _mm256_fmadd_ps(c0, load_bf16(w0 + k), a0);
         a1 = _mm256_fmadd_ps(c0, load_bf16(w1 + k), a1);
         a2 = _mm256_fmadd_ps(c0, load_bf16(w2 + k), a2);
