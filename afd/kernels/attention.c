@@ -7,13 +7,149 @@
  *   p_l = bf16(softmax(s)_l)              (fp32 softmax over the sequence's len_b positions)
  *   o   = bf16(sum_l p_l v_l)
  * the steps of services/attention/attention.py's torch path; results differ from it only by
- * fp32 summation order and expf's last bit (< 1 bf16 ulp, rarely). (b, h) pairs are spread
- * over threads. */
+ * fp32 summation order and exp's last bits (< 1 bf16 ulp, rarely). (b, h) pairs are spread
+ * over threads.
+ *
+ * Each K row is converted to fp32 once for all g query heads (8 positions at a time, their 8
+ * dot products reduced together), the exponentials are vectorised, and each V row is read
+ * once per 16 output columns for 4 query heads at a time. Batch 32 at a 2048-token context
+ * (4 K/V heads of 4 query heads, D = 64), one Zen 3 core: 52.7 ms per layer with one
+ * scalar-reduced dot product per (position, head), 13.5 ms this way. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 
 #include "bf16.h"
+
+/* The sums of 8 vectors, one lane each: [sum(a0), ..., sum(a7)]. */
+static inline __m256 sum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                            __m256 a6, __m256 a7) {
+  __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+  __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Rows sit in 16-position blocks scattered over the pool, so the hardware prefetcher sees
+ * only short runs: ask for K rows two 8-position groups ahead, and for the V rows of this group
+ * (into L2, for weighted_sum after the softmax): 1.3x faster on one core, 1.8x on two. */
+static inline void prefetch_rows(const uint16_t *k_cache, const uint16_t *v_cache,
+                                 const int64_t *row, int l0, int len, int D) {
+  for (int i = 0; i < 8; i++) {
+    for (int d = 0; d < D; d += 32) {
+      if (l0 + 16 + i < len) _mm_prefetch((const char *)(k_cache + row[l0 + 16 + i] + d), _MM_HINT_T0);
+      if (l0 + i < len) _mm_prefetch((const char *)(v_cache + row[l0 + i] + d), _MM_HINT_T1);
+    }
+  }
+}
+
+/* s[j, l] = bf16(q_j . k_l) * scale for l in 0..len-1; kt is scratch for 8 rows [8, D]. */
+static void scores(const float *qf, const uint16_t *cache, const uint16_t *v_cache,
+                   const int64_t *row, int len, int g, int D, float scale, float *s, float *kt) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int l0 = 0; l0 < len; l0 += 8) {
+    int n = len - l0 < 8 ? len - l0 : 8;
+    prefetch_rows(cache, v_cache, row, l0, len, D);
+    for (int i = 0; i < 8; i++) {
+      float *dst = kt + (size_t)i * D;
+      if (i < n) {
+        const uint16_t *src = cache + row[l0 + i];
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, load_bf16(src + d));
+      } else {
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_setzero_ps());
+      }
+    }
+    for (int j = 0; j < g; j++) {
+      const float *qj = qf + (size_t)j * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int d = 0; d < D; d += 8) {
+        __m256 c = _mm256_loadu_ps(qj + d);
+        a0 = _mm256_fmadd_ps(c, _mm256_loadu_ps(kt + d), a0);
+        a1 = _mm256_fmadd_ps(c, _mm256_loadu_ps(kt + D + d), a1);
+        a2 = _mm256_fmadd_ps(c, _mm256_loadu_ps(kt + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(c, _mm256_loadu_ps(kt + 3 * D + d), a3);
+        a4 = _mm256_fmadd_ps(c, _mm256_loadu_ps(kt + 4 * D + d), a4);
+        a5 = _mm256_fmadd_ps(c, _mm256_loadu_ps(kt + 5 * D + d), a5);
+        a6 = _mm256_fmadd_ps(c, _mm256_loadu_ps(kt + 6 * D + d), a6);
+        a7 = _mm256_fmadd_ps(c, _mm256_loadu_ps(kt + 7 * D + d), a7);
+      }
+      __m256 v = _mm256_mul_ps(round8(sum8x8(a0, a1, a2, a3, a4, a5, a6, a7)), vscale);
+      float *sj = s + (size_t)j * len + l0;
+      if (n == 8) {
+        _mm256_storeu_ps(sj, v);
+      } else {
+        float tmp[8];
+        _mm256_storeu_ps(tmp, v);
+        for (int i = 0; i < n; i++) sj[i] = tmp[i];
+      }
+    }
+  }
+}
+
+/* s[j, :len] <- bf16(softmax(s[j, :len])), in place; s rows are padded to a multiple of 8. */
+static void softmax_rows(float *s, int len, int g) {
+  for (int j = 0; j < g; j++) {
+    float *sj = s + (size_t)j * len, m = sj[0], sum = 0.0f;
+    for (int l = 1; l < len; l++) m = sj[l] > m ? sj[l] : m;
+    const __m256 vm = _mm256_set1_ps(m);
+    int l = 0;
+    __m256 acc = _mm256_setzero_ps();
+    for (; l + 8 <= len; l += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + l), vm));
+      _mm256_storeu_ps(sj + l, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    if (l < len) { /* the tail through a padded copy: the same exp as the full vectors */
+      float tmp[8] = {0};
+      for (int i = l; i < len; i++) tmp[i - l] = sj[i] - m;
+      _mm256_storeu_ps(tmp, exp8(_mm256_loadu_ps(tmp)));
+      for (int i = l; i < len; i++) sj[i] = tmp[i - l];
+    }
+    sum = hsum(acc);
+    for (int i = l; i < len; i++) sum += sj[i];
+    const __m256 vs = _mm256_set1_ps(sum);
+    for (l = 0; l + 8 <= len; l += 8) _mm256_storeu_ps(sj + l, round8(_mm256_div_ps(_mm256_loadu_ps(sj + l), vs)));
+    for (; l < len; l++) sj[l] = bf16_round(sj[l] / sum);
+  }
+}
+
+/* out[j] = bf16(sum_l p[j, l] v_l) for 4 query heads j0..j0+3 (rows of p past g read zeros),
+ * 16 output columns at a time, then 8 when D % 16 == 8. */
+static void weighted_sum(const float *p, const float *zeros, const uint16_t *cache,
+                         const int64_t *row, int len, int g, int j0, int D, uint16_t *out) {
+  const float *p0 = p + (size_t)j0 * len;
+  const float *p1 = j0 + 1 < g ? p0 + len : zeros, *p2 = j0 + 2 < g ? p0 + 2 * (size_t)len : zeros;
+  const float *p3 = j0 + 3 < g ? p0 + 3 * (size_t)len : zeros;
+  int d = 0;
+  for (; d + 16 <= D; d += 16) {
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+    for (int l = 0; l < len; l++) {
+      const uint16_t *vp = cache + row[l] + d;
+      __m256 v0 = load_bf16(vp), v1 = load_bf16(vp + 8), w;
+      w = _mm256_broadcast_ss(p0 + l), a0 = _mm256_fmadd_ps(w, v0, a0), b0 = _mm256_fmadd_ps(w, v1, b0);
+      w = _mm256_broadcast_ss(p1 + l), a1 = _mm256_fmadd_ps(w, v0, a1), b1 = _mm256_fmadd_ps(w, v1, b1);
+      w = _mm256_broadcast_ss(p2 + l), a2 = _mm256_fmadd_ps(w, v0, a2), b2 = _mm256_fmadd_ps(w, v1, b2);
+      w = _mm256_broadcast_ss(p3 + l), a3 = _mm256_fmadd_ps(w, v0, a3), b3 = _mm256_fmadd_ps(w, v1, b3);
+    }
+    __m256 acc[8] = {a0, b0, a1, b1, a2, b2, a3, b3};
+    for (int j = 0; j < 4 && j0 + j < g; j++) {
+      store8(out + (size_t)j * D + d, round8(acc[2 * j]));
+      store8(out + (size_t)j * D + d + 8, round8(acc[2 * j + 1]));
+    }
+  }
+  if (d < D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int l = 0; l < len; l++) {
+      __m256 v0 = load_bf16(cache + row[l] + d);
+      a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + l), v0, a0);
+      a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p1 + l), v0, a1);
+      a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p2 + l), v0, a2);
+      a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p3 + l), v0, a3);
+    }
+    __m256 acc[4] = {a0, a1, a2, a3};
+    for (int j = 0; j < 4 && j0 + j < g; j++) store8(out + (size_t)j * D + d, round8(acc[j]));
+  }
+}
 
 /* q [B, kvh * g, D], k/v cache [kvh, NB, bs, D], blocks [B, nb] int64, lens [B] int64,
  * out [B, kvh * g, D]; all bf16 but the indices. Returns 0, or -1 when D is not a multiple of
@@ -22,7 +158,7 @@ int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const 
                               const int64_t *blocks, const int64_t *lens, uint16_t *out, int B,
                               int kvh, int g, int D, int NB, int bs, int nb, float scale,
                               int threads) {
-  if (D % 8 != 0 || B <= 0) return -1;
+  if (D % 8 != 0 || B <= 0 || g <= 0) return -1;
   for (int b = 0; b < B; b++)
     if (lens[b] < 1 || lens[b] > (int64_t)nb * bs) return -1;
   int failed = 0, t = threads > 1 ? threads : 1;
@@ -30,43 +166,26 @@ int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const 
   for (int task = 0; task < B * kvh; task++) {
     int b = task / kvh, h = task % kvh, len = (int)lens[b];
     float *qf = (float *)malloc((size_t)g * D * sizeof(float));
-    float *s = (float *)malloc((size_t)g * len * sizeof(float));
-    float *acc = (float *)malloc((size_t)D * sizeof(float));
-    if (!qf || !s || !acc) {
+    float *s = (float *)malloc(((size_t)g * len + 8) * sizeof(float));
+    float *zeros = (float *)calloc((size_t)len, sizeof(float));
+    float *kt = (float *)malloc((size_t)8 * D * sizeof(float));
+    int64_t *row = (int64_t *)malloc((size_t)len * sizeof(int64_t));
+    if (!qf || !s || !zeros || !kt || !row) {
       failed = 1;
     } else {
       const uint16_t *qb = q + ((size_t)b * kvh * g + (size_t)h * g) * D;
       for (int i = 0; i < g * D; i += 8) _mm256_storeu_ps(qf + i, load_bf16(qb + i));
-      for (int l = 0; l < len; l++) {
-        int64_t blk = blocks[(size_t)b * nb + l / bs];
-        const uint16_t *kp = k_cache + (((size_t)h * NB + blk) * bs + l % bs) * D;
-        for (int j = 0; j < g; j++) {
-          __m256 a = _mm256_setzero_ps();
-          for (int d = 0; d < D; d += 8)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (size_t)j * D + d), load_bf16(kp + d), a);
-          s[(size_t)j * len + l] = bf16_round(hsum(a)) * scale;
-        }
-      }
-      for (int j = 0; j < g; j++) {
-        float *sj = s + (size_t)j * len, m = sj[0], sum = 0.0f;
-        for (int l = 1; l < len; l++) m = sj[l] > m ? sj[l] : m;
-        for (int l = 0; l < len; l++) sum += (sj[l] = expf(sj[l] - m));
-        for (int l = 0; l < len; l++) sj[l] = bf16_round(sj[l] / sum);
-        for (int d = 0; d < D; d++) acc[d] = 0.0f;
-        for (int l = 0; l < len; l++) {
-          int64_t blk = blocks[(size_t)b * nb + l / bs];
-          const uint16_t *vp = v_cache + (((size_t)h * NB + blk) * bs + l % bs) * D;
-          __m256 p = _mm256_set1_ps(sj[l]);
-          for (int d = 0; d < D; d += 8)
-            _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load_bf16(vp + d), _mm256_loadu_ps(acc + d)));
-        }
-        uint16_t *ob = out + ((size_t)b * kvh * g + (size_t)h * g + j) * D;
-        for (int d = 0; d < D; d++) ob[d] = to_bf16(acc[d]);
-      }
+      /* element offset of position l's row for this head, the same in the K and V caches */
+      for (int l = 0; l < len; l++)
+        row[l] = (((int64_t)h * NB + blocks[(size_t)b * nb + l / bs]) * bs + l % bs) * D;
+      for (int l = 0; l < 16 && l < len; l++) _mm_prefetch((const char *)(k_cache + row[l]), _MM_HINT_T0);
+      scores(qf, k_cache, v_cache, row, len, g, D, scale, s, kt);
+      softmax_rows(s, len, g);
+      uint16_t *ob = out + ((size_t)b * kvh * g + (size_t)h * g) * D;
+      for (int j0 = 0; j0 < g; j0 += 4)
+        weighted_sum(s, zeros, v_cache, row, len, g, j0, D, ob + (size_t)j0 * D);
     }
-    free(qf);
-    free(s);
-    free(acc);
+    free(qf), free(s), free(zeros), free(kt), free(row);
   }
   return failed ? -1 : 0;
 }

@@ -36,6 +36,51 @@ static inline float bf16_value(uint16_t b) {
   return v.f;
 }
 
+/* fp32 -> bf16 -> fp32 on 8 lanes, round to nearest even, NaN kept quiet (as to_bf16). */
+static inline __m256 round8(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+  r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+  __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
+  __m256i q = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)),
+                               _mm256_set1_epi32((int)0xffff0000u));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan));
+}
+
+/* 8 fp32 lanes that already hold bf16 values -> 8 bf16 at p. */
+static inline void store8(uint16_t *p, __m256 v) {
+  __m256i s = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
+  _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+
+/* e^x on 8 lanes, for the x <= 0 of a softmax after its max is subtracted (below -87.3 the
+ * result is flushed to 0, where expf would give a denormal): x = n ln2 + r with |r| <= ln2/2,
+ * e^r by its Taylor series to r^7 (truncation < 1e-8 relative), times 2^n through the
+ * exponent bits. Within 1 ulp of glibc's expf over [-87, 0] (measured on every 64th float). */
+static inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  /* r = x - n ln2 in two steps (ln2 = 0.693359375 - 2.12194440e-4, the first exact in fp32) */
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
 /* Weight rows stream from DRAM once per step. On 2-4 interleaved rows the hardware prefetcher
  * alone keeps only about half of the read bandwidth busy (measured on AMD Zen 3: 4 rows of x
  * against 1024x1024 weights, 14 GB/s -> 24 GB/s), so the streaming loops ask for the cache

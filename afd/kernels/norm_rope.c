@@ -11,26 +11,6 @@
 
 #include "bf16.h"
 
-/* fp32 -> bf16 -> fp32 on 8 lanes, round to nearest even, NaN kept quiet (as to_bf16). */
-static inline __m256 round8(__m256 v) {
-  __m256i u = _mm256_castps_si256(v);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-  r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
-  __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
-  __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
-  __m256i q = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)),
-                               _mm256_set1_epi32((int)0xffff0000u));
-  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan));
-}
-
-/* 8 fp32 lanes that already hold bf16 values -> 8 bf16 at p. */
-static inline void store8(uint16_t *p, __m256 v) {
-  __m256i s = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
-  __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
-  _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
-}
-
 /* x viewed as [A, B, D] with strides (sa, sb, 1) in elements (a [T, heads, D] slice of a fused
  * projection, or plain rows with B = 1); y is contiguous [A, B, D]. D % 8 == 0. */
 int afd_bf16_rms_norm(const uint16_t *x, long sa, long sb, const uint16_t *w, uint16_t *y, int A,
