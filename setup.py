@@ -47,7 +47,10 @@ def _kernels() -> list[Extension]:
     return [
         Extension(
             "afd.kernels._native",
-            sources=[f"afd/kernels/{name}.c" for name in ("gemm", "moe", "attention", "norm_rope")],
+            sources=[
+                f"afd/kernels/{name}.c"
+                for name in ("gemm", "moe", "attention", "norm_rope", "decode_layer")
+            ],
             depends=["afd/kernels/bf16.h"],
             # -mavx2/-mfma: gemm.py loads the library only where ATen dispatches AVX2 or above.
             # fp-contract=off: a*b + c in scalar code stays two roundings, as torch computes it.

@@ -1,5 +1,5 @@
-"""The AVX2 kernels library (gemm.c, moe.c, attention.c, norm_rope.c), found next to this file
-when the build compiled it, and its bf16 matmul.
+"""The AVX2 kernels library (gemm.c, moe.c, attention.c, norm_rope.c, decode_layer.c), found
+next to this file when the build compiled it, and its bf16 matmul.
 
 `available()` is false where the library was not built (no compiler, not x86-64) or does not
 load, the CPU lacks AVX2/FMA, or AFD_NATIVE_KERNELS=0; callers then use torch.
@@ -48,6 +48,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_rms_norm.restype = i
     lib.afd_bf16_rope.argtypes = [p, L, p, i, i, i, p, p, p]
     lib.afd_bf16_rope.restype = i
+    lib.afd_bf16_gqa_decode_layer.argtypes = [p] * 17 + [i] * 8 + [f, f, i]
+    lib.afd_bf16_gqa_decode_layer.restype = i
     return lib
 
 

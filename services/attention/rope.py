@@ -16,7 +16,7 @@ class Rope:
         self.sin = emb.sin()
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed in float32, applied in the activations' dtype, as the HF reference does.
         if dtype not in self._cast:
             self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
@@ -28,7 +28,7 @@ class Rope:
         k: torch.Tensor,  # [T, kvh, D]
         positions: torch.Tensor,  # [T] long
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_t, sin_t = self._tables(q.dtype)
+        cos_t, sin_t = self.tables(q.dtype)
         if norm_rope.usable(q, 16) and norm_rope.usable(k, 16):  # bit-identical, one call each
             return (
                 norm_rope.rope(q, cos_t, sin_t, positions),

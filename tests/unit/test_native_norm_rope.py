@@ -60,7 +60,7 @@ def test_rope_is_bit_identical_to_torch(heads, d):
     rope = Rope(d, 10000.0, 512)
     q = (torch.randn(9, heads, d, generator=g) * 2).to(torch.bfloat16)
     pos = torch.randint(0, 512, (9,), generator=g)
-    cos, sin = rope._tables(torch.bfloat16)
+    cos, sin = rope.tables(torch.bfloat16)
     got = norm_rope.rope(q, cos, sin, pos)
     c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
     half = d // 2
@@ -74,7 +74,7 @@ def test_rope_reads_a_strided_view():
     base = torch.randn(5, 3 * 64 + 64, generator=g).to(torch.bfloat16)
     k = base[:, :192].view(5, 3, 64)  # token stride 256, not 192
     pos = torch.arange(5)
-    cos, sin = rope._tables(torch.bfloat16)
+    cos, sin = rope.tables(torch.bfloat16)
     assert torch.equal(
         norm_rope.rope(k, cos, sin, pos), norm_rope.rope(k.contiguous(), cos, sin, pos)
     )

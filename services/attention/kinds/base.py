@@ -18,3 +18,9 @@ class AttentionKind(ABC):
     @abstractmethod
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, nh, D], k [T, kvh, D], v [T, kvh, D] (before RoPE)."""
+
+    def decode_weights(self):
+        """(w_qkv [(nh + 2 kvh) D, H], q_norm [D] | None, k_norm [D] | None) where this kind is
+        a fused q|k|v projection, optionally with q/k RMSNorm, then RoPE: the shape the fused
+        native decode layer computes (afd/kernels/decode_layer.c). None otherwise."""
+        return None

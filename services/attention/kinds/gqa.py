@@ -28,3 +28,8 @@ class GQA(AttentionKind):
             q = rms_norm(q, self.q_norm, c.rms_norm_eps)
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
         return q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)
+
+    def decode_weights(self):
+        if not self.w_qkv.native:
+            return None
+        return self.w_qkv.w, self.q_norm, self.k_norm
