@@ -15,8 +15,10 @@ def sample(
     """One token per row; with logprobs asked, the sampled token's and the top-n alternatives'
     log-probabilities under the model's own (unscaled) distribution, as vLLM reports them."""
     B = logits.shape[0]
-    tokens = torch.empty(B, dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.greedy]
+    if len(greedy) == B and all(p.logprobs is None for p in params):  # the common decode case
+        return logits.argmax(dim=-1).tolist(), [None] * B
+    tokens = torch.empty(B, dtype=torch.long)
     if greedy:
         idx = torch.tensor(greedy)
         tokens[idx] = logits[idx].argmax(dim=-1)

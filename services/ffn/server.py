@@ -105,8 +105,8 @@ class FFNServer:
         if tuple(r.expert_ids.shape) != (T, k) or tuple(r.expert_weights.shape) != (T, k):
             return f"expert ids/weights must be [{T}, {k}] on layer {r.layer}"
         if k and r.expert_ids.numel():
-            lo, hi = int(r.expert_ids.min()), int(r.expert_ids.max())
-            if lo < 0 or hi >= cfg.num_experts:
+            lo, hi = torch.aminmax(r.expert_ids)
+            if int(lo) < 0 or int(hi) >= cfg.num_experts:
                 return f"expert id out of range 0..{cfg.num_experts - 1}"
         if r.hidden.dtype == torch.float8_e4m3fn and (r.scales is None or r.scales.shape != (T,)):
             return "fp8 hidden states need per-token scales [T]"
@@ -120,8 +120,9 @@ class FFNServer:
         )
         out = torch.zeros_like(x)  # [T, H]
         if layer in self.experts:
-            ids = torch.cat([r.expert_ids for r in group])  # [T, k]
-            wts = torch.cat([r.expert_weights for r in group])  # [T, k]
+            one = len(group) == 1
+            ids = group[0].expert_ids if one else torch.cat([r.expert_ids for r in group])  # [T, k]
+            wts = group[0].expert_weights if one else torch.cat([r.expert_weights for r in group])
             routed_experts(x, ids, wts, self.experts[layer], out)
         if layer in self.shared:
             out += _swiglu(x, self.shared[layer])
@@ -129,7 +130,7 @@ class FFNServer:
             out += _swiglu(x, self.dense[layer])
         reply_dtype = torch.float32 if group[0].hidden.dtype == torch.float32 else torch.bfloat16
         out = out.to(reply_dtype)
-        return list(out.split([r.num_tokens for r in group]))
+        return [out] if len(group) == 1 else list(out.split([r.num_tokens for r in group]))
 
     def _dequant(self, r: FFNRequest) -> torch.Tensor:
         if r.hidden.dtype == torch.float8_e4m3fn:
