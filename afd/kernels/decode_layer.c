@@ -1,13 +1,15 @@
-/* One grouped-query attention layer of a decode-only micro-batch in a single native call
- * (loaded with ctypes by afd/kernels/decode_layer.py):
+/* One attention layer of a decode-only micro-batch in a single native call (loaded with ctypes
+ * by afd/kernels/decode_layer.py), for GQA and for Step-3's MFA:
  *
  *   xn  = rms_norm(h, attn_norm)
- *   q, k, v = split(xn @ w_qkv^T); q, k = rope(rms_norm(q, q_norm)), rope(rms_norm(k, k_norm))
+ *   q, k, v = split(xn @ w_qkv^T)
+ *   MFA only: q = rms_norm(q, inter_norm) @ w_q^T    (the low-rank query)
+ *   q, k = rope(rms_norm(q, q_norm)), rope(rms_norm(k, k_norm))  (GQA's norms are optional)
  *   k, v -> the paged cache at each token's slot
  *   a   = paged decode attention of q over the cache
  *   h'  = bf16(h + a @ w_o^T);  x = rms_norm(h', ffn_norm)
  *
- * It is services/attention/model.py's attention() for GQA, composed of the same kernels the
+ * It is services/attention/model.py's attention() with the kind's qkv(), composed of the same kernels the
  * per-op path calls one by one (gemm.c, norm_rope.c, attention.c), so its results are the same
  * bits; what it saves is ~15 Python-level calls per layer (~1.5 ms of a ~14 ms batch-1 step on
  * the reference model). */
@@ -28,22 +30,26 @@ int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const 
                               int threads);
 
 /* h [T, H] in; h_out [T, H] and x_out [T, H] out. Weights: attn_norm, ffn_norm [H];
- * w_qkv [(nh + 2 kvh) D, H]; q_norm, k_norm [D] or NULL (no q/k norm); w_o [H, nh D].
+ * w_qkv [(qin + 2 kvh D), H] with qin = nh D, or for MFA the query rank with inter_norm [qin]
+ * and w_q [nh D, qin]; q_norm, k_norm [D] or NULL (no q/k norm); w_o [H, nh D].
  * cos, sin [P, D]; pos, slots [T]; k/v cache [kvh, NB, bs, D]; blocks [T, nb]; lens [T].
  * Returns 0, or -1 (bad sizes, memory short, a length past the block table). */
-int afd_bf16_gqa_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
-                              const uint16_t *attn_norm, const uint16_t *ffn_norm,
-                              const uint16_t *w_qkv, const uint16_t *q_norm,
-                              const uint16_t *k_norm, const uint16_t *w_o, const uint16_t *cos,
-                              const uint16_t *sin, const int64_t *pos, const int64_t *slots,
-                              uint16_t *k_cache, uint16_t *v_cache, const int64_t *blocks,
-                              const int64_t *lens, int T, int H, int nh, int kvh, int D, int NB,
-                              int bs, int nb, float eps, float scale, int threads) {
-  if (T <= 0 || H % 8 != 0 || D % 16 != 0 || kvh <= 0 || nh % kvh != 0) return -1;
-  const int Q = nh * D, KV = kvh * D, W = Q + 2 * KV;
+int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
+                          const uint16_t *attn_norm, const uint16_t *ffn_norm,
+                          const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
+                          const uint16_t *inter_norm, const uint16_t *w_q, const uint16_t *w_o,
+                          const uint16_t *cos, const uint16_t *sin, const int64_t *pos,
+                          const int64_t *slots, uint16_t *k_cache, uint16_t *v_cache,
+                          const int64_t *blocks, const int64_t *lens, int T, int H, int qin,
+                          int nh, int kvh, int D, int NB, int bs, int nb, float eps, float scale,
+                          int threads) {
+  if (T <= 0 || H % 8 != 0 || D % 16 != 0 || kvh <= 0 || nh % kvh != 0 || qin % 8 != 0) return -1;
+  if (!w_q && qin != nh * D) return -1;
+  const int Q = nh * D, KV = kvh * D, W = qin + 2 * KV;
   uint16_t *xn = (uint16_t *)malloc((size_t)T * H * 2);
   uint16_t *qkv = (uint16_t *)malloc((size_t)T * W * 2);
-  uint16_t *tmp = (uint16_t *)malloc((size_t)T * Q * 2);  /* q (or k) after its norm */
+  size_t wide = (size_t)(Q > qin ? Q : qin);
+  uint16_t *tmp = (uint16_t *)malloc((size_t)T * wide * 2); /* q (or k) after its norm */
   uint16_t *q = (uint16_t *)malloc((size_t)T * Q * 2);    /* q after RoPE, then k */
   uint16_t *att = (uint16_t *)malloc((size_t)T * Q * 2);
   int rc = -1;
@@ -51,7 +57,7 @@ int afd_bf16_gqa_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
   if (afd_bf16_rms_norm(h, H, 0, attn_norm, xn, T, 1, H, eps)) goto done;
   if (afd_bf16_gemm(xn, w_qkv, qkv, T, W, H, threads)) goto done;
   /* k first (rope'd into q's buffer, then scattered to the cache), then q */
-  const uint16_t *k_src = qkv + Q;
+  const uint16_t *k_src = qkv + qin;
   if (k_norm) {
     if (afd_bf16_rms_norm(k_src, W, D, k_norm, tmp, T, kvh, D, eps)) goto done;
     if (afd_bf16_rope(tmp, KV, q, T, kvh, D, cos, sin, pos)) goto done;
@@ -63,9 +69,13 @@ int afd_bf16_gqa_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
     for (int j = 0; j < kvh; j++) {
       size_t dst = ((size_t)j * slots_per_head + (size_t)slots[t]) * D;
       memcpy(k_cache + dst, q + ((size_t)t * kvh + j) * D, (size_t)D * 2);
-      memcpy(v_cache + dst, qkv + (size_t)t * W + Q + KV + (size_t)j * D, (size_t)D * 2);
+      memcpy(v_cache + dst, qkv + (size_t)t * W + qin + KV + (size_t)j * D, (size_t)D * 2);
     }
-  if (q_norm) {
+  if (w_q) { /* MFA: the low-rank query, normed, up-projected (into att, free until attention) */
+    if (afd_bf16_rms_norm(qkv, W, 0, inter_norm, tmp, T, 1, qin, eps)) goto done;
+    if (afd_bf16_gemm(tmp, w_q, att, T, Q, qin, threads)) goto done;
+    if (afd_bf16_rope(att, Q, q, T, nh, D, cos, sin, pos)) goto done;
+  } else if (q_norm) {
     if (afd_bf16_rms_norm(qkv, W, D, q_norm, tmp, T, nh, D, eps)) goto done;
     if (afd_bf16_rope(tmp, Q, q, T, nh, D, cos, sin, pos)) goto done;
   } else if (afd_bf16_rope(qkv, W, q, T, nh, D, cos, sin, pos)) {

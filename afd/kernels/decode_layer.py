@@ -1,11 +1,25 @@
-"""A GQA attention layer of a decode-only micro-batch in one native call (decode_layer.c): the
-same kernels as the per-op path, minus ~15 Python-level calls per layer."""
+"""An attention layer (GQA or MFA) of a decode-only micro-batch in one native call
+(decode_layer.c): the same kernels as the per-op path, minus ~15 Python-level calls per layer."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from afd.kernels import gemm
+
+
+@dataclass(frozen=True)
+class DecodeWeights:
+    """What an attention kind contributes to the fused layer (AttentionKind.decode_weights)."""
+
+    w_qkv: torch.Tensor  # [q_in + 2 kvh D, H]: query part, then k, then v
+    q_in: int  # width of the query part: nh D, or MFA's query rank
+    q_norm: torch.Tensor | None = None  # [D], per query head (Qwen3)
+    k_norm: torch.Tensor | None = None  # [D]
+    inter_norm: torch.Tensor | None = None  # [q_in], MFA: norm of the low-rank query
+    w_q: torch.Tensor | None = None  # [nh D, q_in], MFA: its up-projection
 
 
 class NativeDecodeLayer:
@@ -15,31 +29,34 @@ class NativeDecodeLayer:
         self,
         attn_norm: torch.Tensor,  # [H]
         ffn_norm: torch.Tensor,  # [H]
-        w_qkv: torch.Tensor,  # [(nh + 2 kvh) D, H]
-        q_norm: torch.Tensor | None,  # [D]
-        k_norm: torch.Tensor | None,  # [D]
+        dw: DecodeWeights,
         w_o: torch.Tensor,  # [H, nh D]
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
         eps: float,
     ):
-        self.tensors = [
-            t.contiguous() if t is not None else None
-            for t in (attn_norm, ffn_norm, w_qkv, q_norm, k_norm, w_o)
-        ]
+        ws = (attn_norm, ffn_norm, dw.w_qkv, dw.q_norm, dw.k_norm, dw.inter_norm, dw.w_q, w_o)
+        self.tensors = [t.contiguous() if t is not None else None for t in ws]
         self._ptrs = [t.data_ptr() if t is not None else None for t in self.tensors]
-        self.hidden = attn_norm.shape[0]
+        self.hidden, self.q_in = attn_norm.shape[0], dw.q_in
         self.nh, self.kvh, self.d, self.eps = num_heads, num_kv_heads, head_dim, eps
 
     @staticmethod
-    def usable(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *ws) -> bool:
+    def usable(
+        hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dw: DecodeWeights, *ws
+    ) -> bool:
+        tensors = (dw.w_qkv, dw.q_norm, dw.k_norm, dw.inter_norm, dw.w_q, *ws)
         return (
             gemm.available()
             and hidden % 8 == 0
             and head_dim % 16 == 0
+            and dw.q_in % 8 == 0
             and num_heads % num_kv_heads == 0
-            and all(w is None or (w.dtype == torch.bfloat16 and w.device.type == "cpu") for w in ws)
+            and (dw.w_q is not None or dw.q_in == num_heads * head_dim)
+            and all(
+                t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu") for t in tensors
+            )
         )
 
     def __call__(
@@ -61,14 +78,14 @@ class NativeDecodeLayer:
         x_out = torch.empty_like(h)
         _, NB, bs, _ = k_cache.shape
         blocks = blocks.contiguous()
-        an, fn, wqkv, qn, kn, wo = self._ptrs
-        rc = gemm._lib().afd_bf16_gqa_decode_layer(
-            h.data_ptr(), h_out.data_ptr(), x_out.data_ptr(), an, fn, wqkv, qn, kn, wo,
+        an, fn, wqkv, qn, kn, inn, wq, wo = self._ptrs
+        rc = gemm._lib().afd_bf16_decode_layer(
+            h.data_ptr(), h_out.data_ptr(), x_out.data_ptr(), an, fn, wqkv, qn, kn, inn, wq, wo,
             cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
-            T, self.hidden, self.nh, self.kvh, self.d, NB, bs, blocks.shape[1], self.eps,
-            scale, torch.get_num_threads(),
+            T, self.hidden, self.q_in, self.nh, self.kvh, self.d, NB, bs, blocks.shape[1],
+            self.eps, scale, torch.get_num_threads(),
         )  # fmt: skip
         if rc:
-            raise RuntimeError(f"afd_bf16_gqa_decode_layer failed (lengths {lens.tolist()})")
+            raise RuntimeError(f"afd_bf16_decode_layer failed (lengths {lens.tolist()})")
         return h_out, x_out

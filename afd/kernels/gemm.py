@@ -48,8 +48,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_rms_norm.restype = i
     lib.afd_bf16_rope.argtypes = [p, L, p, i, i, i, p, p, p]
     lib.afd_bf16_rope.restype = i
-    lib.afd_bf16_gqa_decode_layer.argtypes = [p] * 17 + [i] * 8 + [f, f, i]
-    lib.afd_bf16_gqa_decode_layer.restype = i
+    lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i]
+    lib.afd_bf16_decode_layer.restype = i
     return lib
 
 

@@ -67,18 +67,16 @@ class AttentionModel:
         self.scale = cfg.head_dim**-0.5
 
     def _fused(self, lw: AttentionLayer) -> NativeDecodeLayer | None:
-        """Where afd's own kernels carry the bf16 compute (native_bf16), a GQA layer's decode
-        runs as one native call: the same kernels, the same bits, ~15 fewer Python calls."""
-        c, found = self.cfg, lw.kind.decode_weights()
-        if found is None or not (native_bf16() and lw.o_proj.native):
+        """Where afd's own kernels carry the bf16 compute (native_bf16), a layer's decode runs
+        as one native call: the same kernels, the same bits, ~15 fewer Python calls."""
+        c, dw = self.cfg, lw.kind.decode_weights()
+        if dw is None or not (native_bf16() and lw.o_proj.native):
             return None
-        w_qkv, q_norm, k_norm = found
-        ws = (lw.attn_norm, lw.ffn_norm, w_qkv, q_norm, k_norm, lw.o_proj.w)
-        if not NativeDecodeLayer.usable(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, *ws
-        ):
+        dims = (c.num_heads, c.num_kv_heads, c.head_dim)
+        norms = (lw.attn_norm, lw.ffn_norm)
+        if not NativeDecodeLayer.usable(c.hidden_size, *dims, dw, *norms, lw.o_proj.w):
             return None
-        return NativeDecodeLayer(*ws, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        return NativeDecodeLayer(*norms, dw, lw.o_proj.w, *dims, c.rms_norm_eps)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         return F.embedding(token_ids, self.embed_w)

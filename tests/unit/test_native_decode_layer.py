@@ -1,6 +1,7 @@
 """The fused native decode layer (afd/kernels/decode_layer.c) against the per-op path it
 replaces in AttentionModel.attention: the same kernels in the same order, so the same bits,
-in the hidden states, the FFN input and the KV cache."""
+in the hidden states, the FFN input and the KV cache; for GQA with and without q/k norm
+(Qwen3-MoE, Mixtral) and for Step-3's MFA."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from afd.config import ModelConfig
+from afd.demo import TINY_CONFIG, write_step3_checkpoint
 from afd.ops import native_bf16
 from services.attention.attention import AttnMeta
 from services.attention.kv_cache import KVCache
@@ -20,7 +22,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir"])  # with and without q/k norm
+@pytest.fixture(scope="module")
+def step3_dir(tmp_path_factory):
+    return write_step3_checkpoint(
+        tmp_path_factory.mktemp("s3") / "ckpt", TINY_CONFIG, seed=5, init_std=0.2
+    )
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir", "step3_dir"])
 def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(ckpt, request):
     cfg = ModelConfig.from_hf(request.getfixturevalue(ckpt))
     model = AttentionModel(cfg, torch.bfloat16, progress=False)

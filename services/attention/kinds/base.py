@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from afd.config import ModelConfig
+from afd.kernels.decode_layer import DecodeWeights
 
 
 class AttentionKind(ABC):
@@ -19,8 +20,7 @@ class AttentionKind(ABC):
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, nh, D], k [T, kvh, D], v [T, kvh, D] (before RoPE)."""
 
-    def decode_weights(self):
-        """(w_qkv [(nh + 2 kvh) D, H], q_norm [D] | None, k_norm [D] | None) where this kind is
-        a fused q|k|v projection, optionally with q/k RMSNorm, then RoPE: the shape the fused
-        native decode layer computes (afd/kernels/decode_layer.c). None otherwise."""
+    def decode_weights(self) -> DecodeWeights | None:
+        """This kind's weights for the fused native decode layer (afd/kernels/decode_layer.c),
+        where its projections run on afd's own kernels; None keeps the per-op path."""
         return None

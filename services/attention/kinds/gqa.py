@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from afd.config import ModelConfig
+from afd.kernels.decode_layer import DecodeWeights
 from afd.ops import Linear, rms_norm
 from services.attention.kinds.base import AttentionKind
 
@@ -29,7 +30,7 @@ class GQA(AttentionKind):
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
         return q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)
 
-    def decode_weights(self):
+    def decode_weights(self) -> DecodeWeights | None:
         if not self.w_qkv.native:
             return None
-        return self.w_qkv.w, self.q_norm, self.k_norm
+        return DecodeWeights(self.w_qkv.w, self.cfg.q_size, self.q_norm, self.k_norm)

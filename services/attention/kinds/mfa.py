@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from afd.config import ModelConfig
+from afd.kernels.decode_layer import DecodeWeights
 from afd.ops import Linear, rms_norm
 from services.attention.kinds.base import AttentionKind
 
@@ -28,3 +29,9 @@ class MFA(AttentionKind):
             k.reshape(-1, c.num_kv_heads, c.head_dim),
             v.reshape(-1, c.num_kv_heads, c.head_dim),
         )
+
+    def decode_weights(self) -> DecodeWeights | None:
+        if not (self.w_qkv.native and self.wq.native):
+            return None
+        c = self.cfg
+        return DecodeWeights(self.w_qkv.w, c.q_lora_dim, inter_norm=self.inter_norm, w_q=self.wq.w)
