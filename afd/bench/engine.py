@@ -2,13 +2,16 @@
 measured in the same run (the ratio is the figure; absolute numbers depend on the machine).
 
 Decode throughput = batch * (new - 1) / (time to generate `new` tokens - time to generate 1),
-so the prefill of the 128-token prompts is excluded on both sides.
+so the prefill of the 128-token prompts is excluded on both sides. With `--repeat N` the two
+sides are measured N times, alternating, and each reports its median: on a noisy machine the
+ratio of medians moves much less than a single pair does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -74,7 +77,6 @@ def _afd_time(engine, prompts: list[list[int]], new: int) -> float:
 
 
 def _decode_tps(time_fn, prompts, new: int) -> float:
-    time_fn(prompts[:1], 2)  # warm-up
     t1 = time_fn(prompts, 1)
     tn = time_fn(prompts, new)
     return len(prompts) * (new - 1) / max(tn - t1, 1e-9)
@@ -102,14 +104,22 @@ def run(args: argparse.Namespace) -> dict:
     with local_engine(cfg, 1, progress=False) as eng:
         for batch in args.batch:
             prompts = _prompts(batch, args.prompt_len, REFERENCE_CONFIG["vocab_size"], batch)
-            hf_tps = _decode_tps(lambda p, n: _hf_time(hf, p, n), prompts, args.new_tokens)
-            afd_tps = _decode_tps(lambda p, n: _afd_time(eng, p, n), prompts, args.new_tokens)
+            hf_fn, afd_fn = (lambda p, n: _hf_time(hf, p, n)), (lambda p, n: _afd_time(eng, p, n))
+            hf_fn(prompts[:1], 2), afd_fn(prompts[:1], 2)  # warm-up
+            hf_runs, afd_runs = [], []
+            for _ in range(args.repeat):  # alternating, so slow spells hit both sides
+                hf_runs.append(_decode_tps(hf_fn, prompts, args.new_tokens))
+                afd_runs.append(_decode_tps(afd_fn, prompts, args.new_tokens))
+            hf_tps, afd_tps = statistics.median(hf_runs), statistics.median(afd_runs)
             row = {
                 "batch": batch,
                 "transformers_tok_s": round(hf_tps, 1),
                 "afd_tok_s": round(afd_tps, 1),
                 "ratio": round(afd_tps / hf_tps, 2),
             }
+            if args.repeat > 1:
+                row["transformers_runs"] = [round(v, 1) for v in hf_runs]
+                row["afd_runs"] = [round(v, 1) for v in afd_runs]
             results.append(row)
             print(json.dumps(row), flush=True)
     return {
@@ -120,6 +130,7 @@ def run(args: argparse.Namespace) -> dict:
         "new_tokens": args.new_tokens,
         "micro_batches": args.micro_batches,
         "a2f_dtype": args.a2f_dtype,
+        "repeat": args.repeat,
         "results": results,
     }
 
@@ -131,6 +142,12 @@ def add_parser(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure each side N times (alternating), report medians",
+    )
     p.add_argument("--a2f-dtype", default="bf16", choices=["fp8", "bf16"])
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
     p.set_defaults(func=lambda a: print(json.dumps(run(a), indent=2)) or 0)
