@@ -95,8 +95,11 @@ static inline __m256 exp8(__m256 x) {
   } while (0)
 
 /* y[M, N] (bf16) = xf[M, K] (fp32) @ W[n0..n1, K]^T (bf16), 4 weight rows at a time; wt is
- * scratch for 4 rows of W in fp32, used when M >= WIDE_M (gemm.c). */
-#define WIDE_M 6
+ * scratch for 4 rows of W in fp32, used when M >= WIDE_M (gemm.c). The thresholds come from
+ * one Zen 3 core, 1024x1024 weights in cache: the pair path beats the old 2- and 4-row loops
+ * at 3, 5 and 7 rows (25 -> 31, 29 -> 35, 24 -> 30 G FMA/s) and ties the fp32 tile from 12. */
+#define PAIR_M 3  /* from 3 rows of x: pair_rows, weights converted once per chunk of rows */
+#define WIDE_M 13 /* from 13: 4 weight rows converted once into wt, 3 rows of x at a time */
 void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,
               int n1, float *wt);
 

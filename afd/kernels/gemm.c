@@ -3,15 +3,16 @@
  * AMD Zen 2/3, Intel before Cooper Lake), where PyTorch's bf16 matmul falls back to a scalar path
  * that is 3-20x slower than fp32.
  *
- * Two paths. With few rows of x (decode at small batch, most experts' tokens) the matmul is
- * weight-streaming bound: each weight row is read once, 4 rows at a time converted in registers
- * (bf16 -> fp32 is a 16-bit shift) and used against 2 or 4 rows of x. From WIDE_M rows on it is
- * compute-bound: 4 weight rows are converted once into fp32 and used against 3 rows of x at a
- * time. Rows of W are split between threads. Products of two bf16 values are exact in fp32, so
+ * Three paths. With 1-2 rows of x (decode at small batch) the matmul is weight-streaming
+ * bound: each weight row is read once, 4 rows at a time converted in registers (bf16 -> fp32 is
+ * a 16-bit shift) and used against every row of x. From PAIR_M rows (most experts' token
+ * counts) 2 weight rows are converted at a time and used against chunks of up to 6 rows of x.
+ * From WIDE_M rows on it is compute-bound: 4 weight rows are converted once into fp32 and used
+ * against 3 rows of x at a time. Rows of W are split between threads. Products of two bf16 values are exact in fp32, so
  * the result differs from other fp32-accumulating kernels only by summation order (< 1 bf16
  * ulp, rarely).
  *
- * moe.c and attention.c build on it; all three are one library, loaded with ctypes
+ * moe.c builds on it; all the kernels of afd/kernels are one library, loaded with ctypes
  * (afd/kernels/gemm.py): no Python API, no torch headers. K must be a
  * multiple of 8 (every model dimension afd serves is); the caller checks.
  */
@@ -55,6 +56,49 @@ static int wide(const float *xf, const float *wt, uint16_t *y, int M, int N, int
   return m;
 }
 
+/* R rows of x from row m (R <= 6, a constant where inlined: the accumulators stay in
+ * registers) against 2 weight rows from row n: each weight vector converted once and used R
+ * times. 2 x 6 accumulators + 2 weights + 1 x: 15 of the 16 ymm registers. */
+static inline __attribute__((always_inline)) void pair_rows(const float *xf, const uint16_t *wa,
+                                                            uint16_t *y, int R, int m, int N,
+                                                            int K, int n) {
+  const uint16_t *wb = wa + K;
+  __m256 a[6], b[6];
+  for (int i = 0; i < R; i++) a[i] = b[i] = _mm256_setzero_ps();
+  for (int k = 0; k < K; k += 8) {
+    __m256 va = load_bf16(wa + k), vb = load_bf16(wb + k);
+    ahead(wa, k);
+    ahead(wb, k);
+    for (int i = 0; i < R; i++) {
+      __m256 c = _mm256_loadu_ps(xf + (size_t)(m + i) * K + k);
+      a[i] = _mm256_fmadd_ps(c, va, a[i]);
+      b[i] = _mm256_fmadd_ps(c, vb, b[i]);
+    }
+  }
+  for (int i = 0; i < R; i++) {
+    uint16_t *yi = y + (size_t)(m + i) * N + n;
+    yi[0] = to_bf16(hsum(a[i])), yi[1] = to_bf16(hsum(b[i]));
+  }
+}
+
+/* All M rows of x against weight rows n, n+1, in chunks of at most 6 rows of about equal size
+ * (7 -> 4 + 3): the small-M path of expert matmuls, whose token counts vary from 1 to ~10. */
+static void pair_chunks(const float *xf, const uint16_t *wa, uint16_t *y, int M, int N, int K,
+                        int n) {
+  for (int m = 0; m < M;) {
+    int left = M - m, chunks = (left + 5) / 6, r = (left + chunks - 1) / chunks;
+    switch (r) {
+      case 1: pair_rows(xf, wa, y, 1, m, N, K, n); break;
+      case 2: pair_rows(xf, wa, y, 2, m, N, K, n); break;
+      case 3: pair_rows(xf, wa, y, 3, m, N, K, n); break;
+      case 4: pair_rows(xf, wa, y, 4, m, N, K, n); break;
+      case 5: pair_rows(xf, wa, y, 5, m, N, K, n); break;
+      default: pair_rows(xf, wa, y, 6, m, N, K, n); break;
+    }
+    m += r;
+  }
+}
+
 /* Rows n0..n1 of W against all M rows of xf (fp32 [M, K]); y is bf16 [M, N]. wt is scratch
  * for 4 weight rows in fp32 (only used from WIDE_M rows of x on, where converting the rows once
  * beats converting them per pair of x rows). */
@@ -71,28 +115,10 @@ void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int
       }
       m = wide(xf, wt, y, M, N, K, n);
     }
-    /* 4 rows of x against 2 weight rows at a time: each weight row converted once per 4 rows
-     * of x (8 accumulators), where the 2-row loop below converts it once per 2. */
-    for (; m + 4 <= M && M < WIDE_M; m += 4) {
-      const float *x0 = xf + (size_t)m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
-      for (int h = 0; h < 4; h += 2) {
-        const uint16_t *wa = w0 + (size_t)h * K, *wb = wa + K;
-        __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
-        for (int k = 0; k < K; k += 8) {
-          __m256 va = load_bf16(wa + k), vb = load_bf16(wb + k), c;
-          ahead(wa, k);
-          ahead(wb, k);
-          c = _mm256_loadu_ps(x0 + k), a0 = _mm256_fmadd_ps(c, va, a0), b0 = _mm256_fmadd_ps(c, vb, b0);
-          c = _mm256_loadu_ps(x1 + k), a1 = _mm256_fmadd_ps(c, va, a1), b1 = _mm256_fmadd_ps(c, vb, b1);
-          c = _mm256_loadu_ps(x2 + k), a2 = _mm256_fmadd_ps(c, va, a2), b2 = _mm256_fmadd_ps(c, vb, b2);
-          c = _mm256_loadu_ps(x3 + k), a3 = _mm256_fmadd_ps(c, va, a3), b3 = _mm256_fmadd_ps(c, vb, b3);
-        }
-        uint16_t *y0 = y + (size_t)m * N + n + h;
-        y0[0] = to_bf16(hsum(a0)), y0[1] = to_bf16(hsum(b0));
-        y0[N] = to_bf16(hsum(a1)), y0[N + 1] = to_bf16(hsum(b1));
-        y0[2 * N] = to_bf16(hsum(a2)), y0[2 * N + 1] = to_bf16(hsum(b2));
-        y0[3 * N] = to_bf16(hsum(a3)), y0[3 * N + 1] = to_bf16(hsum(b3));
-      }
+    if (M >= PAIR_M && M < WIDE_M) { /* converted once per chunk of up to 6 rows of x */
+      pair_chunks(xf, w0, y, M, N, K, n);
+      pair_chunks(xf, w2, y, M, N, K, n + 2);
+      m = M;
     }
     for (; m + 2 <= M; m += 2) {
       const float *x0 = xf + (size_t)m * K, *x1 = x0 + K;

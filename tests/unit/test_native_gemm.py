@@ -1,6 +1,7 @@
 """afd's AVX2 bf16 matmul (afd/kernels/gemm.c) against an fp32 matmul of the same bf16
-values: every path of the kernel (1 and 2 rows of x, the fp32-tile path from 6 rows, 3-row
-blocks and their remainders, weight rows not a multiple of 4, one and two threads)."""
+values: every path of the kernel (1 and 2 rows of x, chunks of up to 6 rows against weight
+pairs from 3 rows, the fp32-tile path from 13 rows with its 3-row blocks and remainders,
+weight rows not a multiple of 4, one and two threads)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 33])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 12, 13, 14, 33])
 @pytest.mark.parametrize("n,k", [(13, 24), (256, 512), (1030, 1024)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_fp32_matmul_to_bf16_rounding(m, n, k, threads):
