@@ -86,7 +86,8 @@ class AttentionModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] -> (h + attn(norm(h)) [T, H], FFN input x = ffn_norm(h') [T, H])."""
         lw = self.layers[layer]
-        if lw.fused is not None and meta.num_decode == h.shape[0] and h.dtype == torch.bfloat16:
+        decode_only = meta.num_decode == h.shape[0] and meta.decode_blocks is not None
+        if lw.fused is not None and decode_only and h.dtype == torch.bfloat16:
             cos, sin = self.rope.tables(torch.bfloat16)
             return lw.fused(
                 h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens,
