@@ -15,7 +15,6 @@
  * once per 16 output columns for 4 query heads at a time. Batch 32 at a 2048-token context
  * (4 K/V heads of 4 query heads, D = 64), one Zen 3 core: 52.7 ms per layer with one
  * scalar-reduced dot product per (position, head), 13.5 ms this way. */
-#include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 

@@ -9,25 +9,14 @@
  *   a   = paged decode attention of q over the cache
  *   h'  = bf16(h + a @ w_o^T);  x = rms_norm(h', ffn_norm)
  *
- * It is services/attention/model.py's attention() with the kind's qkv(), composed of the same kernels the
- * per-op path calls one by one (gemm.c, norm_rope.c, attention.c), so its results are the same
- * bits; what it saves is ~15 Python-level calls per layer (~1.5 ms of a ~14 ms batch-1 step on
- * the reference model). */
+ * It is services/attention/model.py's attention() with the kind's qkv(), composed of the same
+ * kernels the per-op path calls one by one (gemm.c, norm_rope.c, attention.c), so its results
+ * are the same bits; what it saves is ~15 Python-level calls per layer (~1.5 ms of a ~14 ms
+ * batch-1 step on the reference model). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
-
-int afd_bf16_gemm(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
-                  int threads);
-int afd_bf16_rms_norm(const uint16_t *x, long sa, long sb, const uint16_t *w, uint16_t *y, int A,
-                      int B, int D, float eps);
-int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, const uint16_t *cos,
-                  const uint16_t *sin, const int64_t *pos);
-int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                              const int64_t *blocks, const int64_t *lens, uint16_t *out, int B,
-                              int kvh, int g, int D, int NB, int bs, int nb, float scale,
-                              int threads);
 
 /* h [T, H] in; h_out [T, H] and x_out [T, H] out. Weights: attn_norm, ffn_norm [H];
  * w_qkv [(qin + 2 kvh D), H] with qin = nh D, or for MFA the query rank with inter_norm [qin]

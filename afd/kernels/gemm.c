@@ -8,13 +8,13 @@
  * a 16-bit shift) and used against every row of x. From PAIR_M rows (most experts' token
  * counts) 2 weight rows are converted at a time and used against chunks of up to 6 rows of x.
  * From WIDE_M rows on it is compute-bound: 4 weight rows are converted once into fp32 and used
- * against 3 rows of x at a time. Rows of W are split between threads. Products of two bf16 values are exact in fp32, so
- * the result differs from other fp32-accumulating kernels only by summation order (< 1 bf16
- * ulp, rarely).
+ * against 3 rows of x at a time. Rows of W are split between threads. Products of two bf16
+ * values are exact in fp32, so the result differs from other fp32-accumulating kernels only by
+ * summation order (< 1 bf16 ulp, rarely).
  *
- * moe.c builds on it; all the kernels of afd/kernels are one library, loaded with ctypes
- * (afd/kernels/gemm.py): no Python API, no torch headers. K must be a
- * multiple of 8 (every model dimension afd serves is); the caller checks.
+ * moe.c and decode_layer.c build on it; all the kernels of afd/kernels are one library, loaded
+ * with ctypes (afd/kernels/gemm.py): no Python API, no torch headers. K must be a multiple of 8
+ * (every model dimension afd serves is); the caller checks.
  */
 #include <omp.h>
 #include <stdlib.h>
