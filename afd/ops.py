@@ -59,7 +59,8 @@ class Linear:
     - AVX-512 CPUs: the weight is re-laid out once for oneDNN's matmul: bit-identical to
       F.linear, and skinny decode matmuls stream the weight ~1.4x faster than row-major;
     - AVX2-only CPUs, where oneDNN cannot pack bf16 and torch's bf16 matmul is 3-20x slower
-      than fp32: afd's own kernel (afd/kernels/gemm.c), fp32 accumulation;
+      than fp32: afd's own kernel (afd/kernels/gemm.c), fp32 accumulation, on the weight
+      re-laid out once as it reads it (gemm.pack: 4 rows as one sequential run);
     - anything else: F.linear.
     """
 
@@ -71,7 +72,7 @@ class Linear:
         if self.packed:
             self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
         else:
-            self.w = w.contiguous() if self.native else w
+            self.w = gemm.pack(w) if self.native else w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if self.packed:

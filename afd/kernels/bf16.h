@@ -81,20 +81,15 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-/* Weight rows stream from DRAM once per step. On 2-4 interleaved rows the hardware prefetcher
- * alone keeps only about half of the read bandwidth busy (measured on AMD Zen 3: 4 rows of x
- * against 1024x1024 weights, 14 GB/s -> 24 GB/s), so the streaming loops ask for the cache
- * line AHEAD elements (8 KiB) further on, once per 32 elements. Past the end it is a no-op:
- * a prefetch never faults. */
-#define AHEAD 4096
-/* A macro: as an inline function, GCC 12 left every prefetch out of gemm.c (seen in the asm). */
-#define ahead(p, k)                                                        \
-  do {                                                                     \
-    if (((k) & 31) == 0)                                                   \
-      _mm_prefetch((const char *)((p) + (k) + AHEAD), _MM_HINT_T0);        \
-  } while (0)
+/* The weight layout of every matmul here ("packed"): rows in groups of 4, a group [4, K]
+ * stored as K/8 runs of 4 x 8 values (row r's values 8s..8s+7 at 32 s + 8 r from the group's
+ * start, which is row 4i's row-major offset); the N % 4 rows after the last group stay
+ * row-major. A decode matmul reads each group as one sequential run instead of 4 interleaved
+ * rows: on one Zen 3 core a weight-streaming loop went from ~15 to ~18 GB/s from DRAM (two
+ * cores ~26 -> ~29), where a plain read loop gets ~20. Each row's values still meet x in the
+ * same order, so results are the same bits as row-major. gemm.py's pack() lays a weight out. */
 
-/* y[M, N] (bf16) = xf[M, K] (fp32) @ W[n0..n1, K]^T (bf16), 4 weight rows at a time; wt is
+/* y[M, N] (bf16) = xf[M, K] (fp32) @ W[n0..n1, K]^T (bf16, packed; n0 a multiple of 4); wt is
  * scratch for 4 rows of W in fp32, used when M >= WIDE_M (gemm.c). The thresholds come from
  * one Zen 3 core, 1024x1024 weights in cache: the pair path beats the old 2- and 4-row loops
  * at 3, 5 and 7 rows (25 -> 31, 29 -> 35, 24 -> 30 G FMA/s) and ties the fp32 tile from 12. */

@@ -57,18 +57,16 @@ static int wide(const float *xf, const float *wt, uint16_t *y, int M, int N, int
 }
 
 /* R rows of x from row m (R <= 6, a constant where inlined: the accumulators stay in
- * registers) against 2 weight rows from row n: each weight vector converted once and used R
- * times. 2 x 6 accumulators + 2 weights + 1 x: 15 of the 16 ymm registers. */
+ * registers) against 2 rows of a packed group, the first at wa (group + 8 r): each weight
+ * vector converted once and used R times. 2 x 6 accumulators + 2 weights + 1 x: 15 of the 16
+ * ymm registers. */
 static inline __attribute__((always_inline)) void pair_rows(const float *xf, const uint16_t *wa,
                                                             uint16_t *y, int R, int m, int N,
                                                             int K, int n) {
-  const uint16_t *wb = wa + K;
   __m256 a[6], b[6];
   for (int i = 0; i < R; i++) a[i] = b[i] = _mm256_setzero_ps();
   for (int k = 0; k < K; k += 8) {
-    __m256 va = load_bf16(wa + k), vb = load_bf16(wb + k);
-    ahead(wa, k);
-    ahead(wb, k);
+    __m256 va = load_bf16(wa + 4 * k), vb = load_bf16(wa + 4 * k + 8);
     for (int i = 0; i < R; i++) {
       __m256 c = _mm256_loadu_ps(xf + (size_t)(m + i) * K + k);
       a[i] = _mm256_fmadd_ps(c, va, a[i]);
@@ -99,38 +97,47 @@ static void pair_chunks(const float *xf, const uint16_t *wa, uint16_t *y, int M,
   }
 }
 
-/* Rows n0..n1 of W against all M rows of xf (fp32 [M, K]); y is bf16 [M, N]. wt is scratch
- * for 4 weight rows in fp32 (only used from WIDE_M rows of x on, where converting the rows once
- * beats converting them per pair of x rows). */
+/* Weight row n (its 8-value runs `step` apart: 32 inside a packed group, 8 row-major) against
+ * every row of x. */
+static void one_row(const float *xf, const uint16_t *w, int step, uint16_t *y, int M, int N,
+                    int K, int n) {
+  for (int m = 0; m < M; m++) {
+    const float *x0 = xf + (size_t)m * K;
+    const uint16_t *p = w;
+    __m256 a0 = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 8, p += step)
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), load_bf16(p), a0);
+    y[(size_t)m * N + n] = to_bf16(hsum(a0));
+  }
+}
+
+/* Rows n0..n1 of packed W (n0 a multiple of 4) against all M rows of xf (fp32 [M, K]); y is
+ * bf16 [M, N]. wt is scratch for 4 weight rows in fp32 (only used from WIDE_M rows of x on,
+ * where converting the rows once beats converting them per pair of x rows). */
 void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,
               int n1, float *wt) {
   int n = n0;
   for (; n + 4 <= n1; n += 4) {
-    const uint16_t *w0 = w + (size_t)n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    const uint16_t *g = w + (size_t)n * K; /* the group: row r's values 8s.. at 32 s + 8 r */
     int m = 0;
     if (M >= WIDE_M) {
-      for (int k = 0; k < 4 * K; k += 8) {
-        ahead(w0, k);
-        _mm256_storeu_ps(wt + k, load_bf16(w0 + k));
-      }
+      for (int k = 0; k < K; k += 8)
+        for (int r = 0; r < 4; r++) _mm256_storeu_ps(wt + (size_t)r * K + k, load_bf16(g + 4 * k + 8 * r));
       m = wide(xf, wt, y, M, N, K, n);
     }
     if (M >= PAIR_M && M < WIDE_M) { /* converted once per chunk of up to 6 rows of x */
-      pair_chunks(xf, w0, y, M, N, K, n);
-      pair_chunks(xf, w2, y, M, N, K, n + 2);
+      pair_chunks(xf, g, y, M, N, K, n);
+      pair_chunks(xf, g + 16, y, M, N, K, n + 2);
       m = M;
     }
     for (; m + 2 <= M; m += 2) {
       const float *x0 = xf + (size_t)m * K, *x1 = x0 + K;
       __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
       __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-      for (int k = 0; k < K; k += 8) {
-        __m256 b0 = load_bf16(w0 + k), b1 = load_bf16(w1 + k);
-        __m256 b2 = load_bf16(w2 + k), b3 = load_bf16(w3 + k);
-        ahead(w0, k);
-        ahead(w1, k);
-        ahead(w2, k);
-        ahead(w3, k);
+      const uint16_t *p = g;
+      for (int k = 0; k < K; k += 8, p += 32) {
+        __m256 b0 = load_bf16(p), b1 = load_bf16(p + 8);
+        __m256 b2 = load_bf16(p + 16), b3 = load_bf16(p + 24);
         __m256 c0 = _mm256_loadu_ps(x0 + k), c1 = _mm256_loadu_ps(x1 + k);
         a00 = _mm256_fmadd_ps(c0, b0, a00);
         a01 = _mm256_fmadd_ps(c0, b1, a01);
@@ -150,31 +157,25 @@ void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int
     for (; m < M; m++) {
       const float *x0 = xf + (size_t)m * K;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int k = 0; k < K; k += 8) {
+      const uint16_t *p = g;
+      for (int k = 0; k < K; k += 8, p += 32) {
         __m256 c0 = _mm256_loadu_ps(x0 + k);
-        ahead(w0, k);
-        ahead(w1, k);
-        ahead(w2, k);
-        ahead(w3, k);
-        a0 = _mm256_fmadd_ps(c0, load_bf16(w0 + k), a0);
-        a1 = _mm256_fmadd_ps(c0, load_bf16(w1 + k), a1);
-        a2 = _mm256_fmadd_ps(c0, load_bf16(w2 + k), a2);
-        a3 = _mm256_fmadd_ps(c0, load_bf16(w3 + k), a3);
+        a0 = _mm256_fmadd_ps(c0, load_bf16(p), a0);
+        a1 = _mm256_fmadd_ps(c0, load_bf16(p + 8), a1);
+        a2 = _mm256_fmadd_ps(c0, load_bf16(p + 16), a2);
+        a3 = _mm256_fmadd_ps(c0, load_bf16(p + 24), a3);
       }
       uint16_t *y0 = y + (size_t)m * N + n;
       y0[0] = to_bf16(hsum(a0)), y0[1] = to_bf16(hsum(a1));
       y0[2] = to_bf16(hsum(a2)), y0[3] = to_bf16(hsum(a3));
     }
   }
+  const int packed_end = N / 4 * 4; /* rows from here on are row-major */
   for (; n < n1; n++) {
-    const uint16_t *w0 = w + (size_t)n * K;
-    for (int m = 0; m < M; m++) {
-      const float *x0 = xf + (size_t)m * K;
-      __m256 a0 = _mm256_setzero_ps();
-      for (int k = 0; k < K; k += 8)
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), load_bf16(w0 + k), a0);
-      y[(size_t)m * N + n] = to_bf16(hsum(a0));
-    }
+    if (n < packed_end)
+      one_row(xf, w + (size_t)(n & ~3) * K + 8 * (n & 3), 32, y, M, N, K, n);
+    else
+      one_row(xf, w + (size_t)n * K, 8, y, M, N, K, n);
   }
 }
 

@@ -57,8 +57,20 @@ def available() -> bool:
     return _lib() is not None
 
 
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] bf16 -> the layout every native matmul reads (bf16.h), same shape: each group
+    of 4 rows as K/8 runs of 4 x 8 values, so a decode matmul streams it as one sequential
+    run; the N % 4 rows after the last group stay as they are."""
+    n, k = w.shape
+    g = n // 4
+    out = torch.empty((n, k), dtype=w.dtype)
+    out[: 4 * g].view(g, k // 8, 4, 8).copy_(w[: 4 * g].reshape(g, 4, k // 8, 8).transpose(1, 2))
+    out[4 * g :] = w[4 * g :]
+    return out
+
+
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 @ w [N, K] bf16 (contiguous, K % 8 == 0) -> [..., N] bf16."""
+    """x [..., K] bf16 @ W.T -> [..., N] bf16, w = pack(W) for W [N, K] bf16 (K % 8 == 0)."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():

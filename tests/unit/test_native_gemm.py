@@ -27,7 +27,7 @@ def test_matches_fp32_matmul_to_bf16_rounding(m, n, k, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        y = gemm.bf16_linear(x, w)
+        y = gemm.bf16_linear(x, gemm.pack(w))
     finally:
         torch.set_num_threads(before)
     ref = F.linear(x.float(), w.float())  # exact products, fp32 sums
@@ -38,10 +38,38 @@ def test_matches_fp32_matmul_to_bf16_rounding(m, n, k, threads):
     assert (y == ref.to(torch.bfloat16)).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("n", [4, 13, 1030])
+def test_pack_lays_each_group_of_4_rows_out_as_one_run(n):
+    w = torch.arange(n * 16, dtype=torch.float32).reshape(n, 16).to(torch.bfloat16)
+    p = gemm.pack(w)
+    assert p.shape == w.shape and p.is_contiguous()
+    g = n // 4
+    # group i, run s: rows 4i..4i+3, values 8s..8s+7 each
+    assert torch.equal(p[: 4 * g].reshape(g, 2, 4, 8), w[: 4 * g].reshape(g, 4, 2, 8).transpose(1, 2))
+    assert torch.equal(p[4 * g :], w[4 * g :])  # the rows after the last group as they were
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_result_does_not_depend_on_the_batch_it_is_in(threads):
+    """Every path (1, 2, pairs, fp32 tile, tail rows) sums a row's products in the same order,
+    so a token gets the same bits at batch 1 as inside a batch of 33."""
+    g = torch.Generator().manual_seed(7)
+    w = gemm.pack(torch.randn(1030, 256, generator=g).to(torch.bfloat16))
+    x = torch.randn(33, 256, generator=g).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = gemm.bf16_linear(x[:1], w)
+        for m in (2, 3, 7, 12, 13, 33):
+            assert torch.equal(gemm.bf16_linear(x[:m], w)[:1], alone), m
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_leading_dims_and_non_contiguous_input():
     w = torch.randn(64, 32).to(torch.bfloat16)
     x = torch.randn(32, 3, 5).to(torch.bfloat16).permute(1, 2, 0)  # [3, 5, 32], strided
-    y = gemm.bf16_linear(x, w)
+    y = gemm.bf16_linear(x, gemm.pack(w))
     assert y.shape == (3, 5, 64)
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2**-8, atol=1e-3)
 
