@@ -45,7 +45,9 @@ def test_pack_lays_each_group_of_4_rows_out_as_one_run(n):
     assert p.shape == w.shape and p.is_contiguous()
     g = n // 4
     # group i, run s: rows 4i..4i+3, values 8s..8s+7 each
-    assert torch.equal(p[: 4 * g].reshape(g, 2, 4, 8), w[: 4 * g].reshape(g, 4, 2, 8).transpose(1, 2))
+    assert torch.equal(
+        p[: 4 * g].reshape(g, 2, 4, 8), w[: 4 * g].reshape(g, 4, 2, 8).transpose(1, 2)
+    )
     assert torch.equal(p[4 * g :], w[4 * g :])  # the rows after the last group as they were
 
 
