@@ -7,6 +7,8 @@ the other micro-batches. S = 1 is the serial baseline.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from services.attention.batch import MicroBatch
@@ -16,9 +18,16 @@ from services.attention.model import AttentionModel
 
 
 def run_layers(
-    model: AttentionModel, cache: KVCache, pool: FFNPool, mbs: list[MicroBatch]
+    model: AttentionModel,
+    cache: KVCache,
+    pool: FFNPool,
+    mbs: list[MicroBatch],
+    finish: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """The decoder stack over all micro-batches; returns each one's final hidden [T_m, H]."""
+    """The decoder stack over all micro-batches; returns each one's final hidden [T_m, H], or
+    with `finish`, finish(m, hidden) for each. finish runs on micro-batch m as soon as its last
+    FFN reply is in, while the later micro-batches' last replies are still being computed: with
+    the LM head there, all but the last micro-batch's LM head overlaps the FFN side's work."""
     hs = [model.embed(mb.token_ids) for mb in mbs]
     pending: list[Pending | None] = [None] * len(mbs)
     try:
@@ -31,6 +40,8 @@ def run_layers(
                 pending[m] = pool.send(layer, m, x, ids, weights)
         for m in range(len(mbs)):
             hs[m] = hs[m] + pool.collect(pending[m])
+            if finish is not None:
+                hs[m] = finish(m, hs[m])
     except BaseException:
         pool.reset()  # replies of the abandoned step must not be matched to the next one
         raise

@@ -34,12 +34,17 @@ class ModelRunner:
         groups = batch.split(plan.scheduled, self.micro_batches)
         mbs = [batch.build(g, self.cache.block_size) for g in groups]
         self.pool.traces.clear()
-        hs = run_layers(self.model, self.cache, self.pool, mbs)
-        last = [h.index_select(0, mb.sample_rows) for h, mb in zip(hs, mbs, strict=True)]
+
+        def head(m: int, h: torch.Tensor) -> torch.Tensor:  # [T_m, H] -> [B_m, V] float32
+            rows = mbs[m].sample_rows
+            return self.model.logits(h.index_select(0, rows)) if len(rows) else h.new_empty(0)
+
+        per_mb = run_layers(self.model, self.cache, self.pool, mbs, head)
         seqs = [s for mb in mbs for s in mb.sample_seqs]
         if not seqs:
             return {}, {}
-        logits = self.model.logits(torch.cat(last))  # [B, V] float32
+        parts = [x for x in per_mb if x.numel()]
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B, V] float32
         params = [s.request.sampling for s in seqs]
         gens = [self._generator(s.request.request_id, s.request.sampling.seed) for s in seqs]
         tokens, lps = sample(logits, params, gens)
