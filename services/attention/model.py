@@ -42,13 +42,15 @@ class AttentionModel:
     ):
         self.cfg = cfg
         self.dtype = dtype
+        # A dict of our own: each matmul weight is popped as its Linear takes it (the Linear
+        # keeps a re-laid-out copy), so a loaded original is freed at once, not at the end.
         w = (
-            weights
+            dict(weights)
             if weights is not None
             else load_weights(cfg, "attention", dtype, None, progress)
         )
         self.embed_w = w["embed"]  # [V, H]
-        self.lm_head = Linear(w["lm_head"])  # [V, H]
+        self.lm_head = Linear(w.pop("lm_head"))  # [V, H]
         self.final_norm = w["final_norm"]
         kind = ATTENTION_KINDS[cfg.attention]
         self.layers = [
@@ -56,8 +58,8 @@ class AttentionModel:
                 attn_norm=w[f"layers.{i}.attn_norm"],
                 ffn_norm=w[f"layers.{i}.ffn_norm"],
                 kind=kind(cfg, w, i),
-                o_proj=Linear(w[f"layers.{i}.o_proj"]),
-                router=Linear(w[f"layers.{i}.router"]) if cfg.is_moe(i) else None,
+                o_proj=Linear(w.pop(f"layers.{i}.o_proj")),
+                router=Linear(w.pop(f"layers.{i}.router")) if cfg.is_moe(i) else None,
             )
             for i in range(cfg.num_layers)
         ]

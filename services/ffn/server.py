@@ -39,7 +39,13 @@ class FFNServer:
         self.inject_delay_s = inject_delay_s
         self.shard = shard
         self.dtype = dtype
-        w = weights if weights is not None else load_weights(cfg, "ffn", dtype, shard, progress)
+        # Our own dict, each weight popped as its Linear takes a re-laid-out copy: a loaded
+        # original is freed at once, so loading peaks at the weights plus one tensor.
+        w = (
+            dict(weights)
+            if weights is not None
+            else load_weights(cfg, "ffn", dtype, shard, progress)
+        )
         self.experts: dict[int, ExpertGroup] = {}
         self.shared: dict[int, MLPWeights] = {}
         self.dense: dict[int, MLPWeights] = {}
@@ -49,7 +55,7 @@ class FFNServer:
                 self.experts[i] = ExpertGroup.build(
                     first=shard.start,
                     w13=[Linear(_cat_gate_up(w, f"layers.{i}.experts.{e}")) for e in ids],
-                    w2=[Linear(w[f"layers.{i}.experts.{e}.down"]) for e in ids],
+                    w2=[Linear(w.pop(f"layers.{i}.experts.{e}.down")) for e in ids],
                 )
                 if cfg.shared_expert_intermediate_size and shard.owns_dense:
                     self.shared[i] = _mlp(w, f"layers.{i}.shared")
@@ -143,11 +149,11 @@ def _swiglu(x: torch.Tensor, m: MLPWeights) -> torch.Tensor:
 
 
 def _cat_gate_up(w: dict[str, torch.Tensor], base: str) -> torch.Tensor:
-    return torch.cat([w[f"{base}.gate"], w[f"{base}.up"]])  # [2I, H]
+    return torch.cat([w.pop(f"{base}.gate"), w.pop(f"{base}.up")])  # [2I, H]
 
 
 def _mlp(w: dict[str, torch.Tensor], base: str) -> MLPWeights:
-    return MLPWeights(Linear(_cat_gate_up(w, base)), Linear(w[f"{base}.down"]))
+    return MLPWeights(Linear(_cat_gate_up(w, base)), Linear(w.pop(f"{base}.down")))
 
 
 def _error(r: FFNRequest, code: str, msg: str, t_recv: float) -> FFNReply:

@@ -16,7 +16,7 @@ class GQA(AttentionKind):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
         super().__init__(cfg, w, layer)
         b = f"layers.{layer}"
-        self.w_qkv = Linear(torch.cat([w[f"{b}.q_proj"], w[f"{b}.k_proj"], w[f"{b}.v_proj"]]))
+        self.w_qkv = Linear(torch.cat([w.pop(f"{b}.{n}_proj") for n in "qkv"]))
         self.q_norm = w.get(f"{b}.q_norm")
         self.k_norm = w.get(f"{b}.k_norm")
 

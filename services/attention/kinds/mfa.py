@@ -16,9 +16,9 @@ class MFA(AttentionKind):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
         super().__init__(cfg, w, layer)
         b = f"layers.{layer}"
-        self.w_qkv = Linear(torch.cat([w[f"{b}.q_proj"], w[f"{b}.k_proj"], w[f"{b}.v_proj"]]))
+        self.w_qkv = Linear(torch.cat([w.pop(f"{b}.{n}_proj") for n in "qkv"]))
         self.inter_norm = w[f"{b}.inter_norm"]
-        self.wq = Linear(w[f"{b}.wq"])
+        self.wq = Linear(w.pop(f"{b}.wq"))
 
     def qkv(self, x):
         c = self.cfg
