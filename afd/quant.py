@@ -18,6 +18,8 @@ import warnings
 
 import torch
 
+from afd.kernels import fp8
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Rows whose amax is below this are quantized against it instead, which keeps 0/0 out of
@@ -47,6 +49,12 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"quantize_fp8 expects [T, H], got shape {tuple(x.shape)}")
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=FP8), torch.full((x.shape[0],), _MIN_SCALE)
+    if x.dtype == torch.bfloat16 and fp8.usable(x):
+        return fp8.quantize(x)  # one native pass, the same bits
+    return _quantize_torch(x)
+
+
+def _quantize_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float() if x.dtype != torch.float32 else x.clone()  # [T, H] fp32, ours to scale
     # amax without materialising |x|: max(max, -min) over two cheap reductions.
     amax = torch.maximum(xf.amax(dim=1), xf.amin(dim=1).neg_())  # [T]
@@ -65,6 +73,12 @@ def dequantize_fp8(
     if q.dim() != 2 or scales.shape != (q.shape[0],):
         raise ValueError(f"dequantize_fp8: q {tuple(q.shape)} and scales {tuple(scales.shape)}")
     scales = scales.to(torch.float32)
+    if dtype == torch.bfloat16 and q.numel() and fp8.usable(q) and scales.is_contiguous():
+        return fp8.dequantize(q, scales)  # one native pass, the same bits
+    return _dequantize_torch(q, scales, dtype)
+
+
+def _dequantize_torch(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Sign-extend the byte so one shift and one mask put sign, exponent and mantissa in place.
     bits = q.view(torch.int8).to(torch.int32).bitwise_left_shift_(20).bitwise_and_(_FP32_MASK)
     out = bits.view(torch.float32)  # [T, H] = fp8 value * 2^-120

@@ -1,4 +1,4 @@
-"""The AVX2 kernels library (gemm.c, moe.c, attention.c, norm_rope.c, decode_layer.c), found
+"""The AVX2 kernels library (gemm.c, moe.c, attention.c, norm_rope.c, decode_layer.c, fp8.c), found
 next to this file when the build compiled it, and its bf16 matmul.
 
 `available()` is false where the library was not built (no compiler, not x86-64) or does not
@@ -50,6 +50,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_rope.restype = i
     lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i]
     lib.afd_bf16_decode_layer.restype = i
+    lib.afd_fp8_quantize.argtypes = [p, p, p, i, i, i]
+    lib.afd_fp8_quantize.restype = i
+    lib.afd_fp8_dequantize.argtypes = [p, p, p, i, i, i]
+    lib.afd_fp8_dequantize.restype = i
     return lib
 
 

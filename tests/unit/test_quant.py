@@ -3,9 +3,12 @@
 import pytest
 import torch
 
+from afd.kernels import fp8 as fp8_kernel
 from afd.quant import (
     FP8,
     FP8_MAX,
+    _dequantize_torch,
+    _quantize_torch,
     buffer_to_tensor,
     dequantize_fp8,
     quantize_fp8,
@@ -121,3 +124,37 @@ def test_buffer_edge_cases():
     assert torch.equal(buffer_to_tensor(tensor_to_buffer(strided), torch.float32, (4, 3)), strided)
     with pytest.raises(ValueError):
         buffer_to_tensor(b"\0" * 7, torch.float32, (2,))
+
+
+# ------------------------------------------------------------ the native codec (fp8.c)
+native = pytest.mark.skipif(not fp8_kernel.usable(torch.zeros(1, 8)), reason="kernels not built")
+
+
+@native
+def test_native_quantize_is_the_torch_path_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    # rows from 1e-40 (subnormal scales) to 1e30, zeros, a row holding inf and one holding nan
+    mags = torch.logspace(-40, 30, 60)
+    x = (torch.randn(64, 256, generator=g) * torch.cat([mags, torch.ones(4)])[:, None]).bfloat16()
+    x[60] = 0
+    x[61, ::7] = 0
+    x[62, 5] = float("inf")
+    x[63, 9] = float("nan")
+    q1, s1 = fp8_kernel.quantize(x)
+    q2, s2 = _quantize_torch(x)
+    assert torch.equal(s1[:63].view(torch.int32), s2[:63].view(torch.int32))
+    assert torch.equal(q1[:63].view(torch.uint8), q2[:63].view(torch.uint8))
+    # the nan row: a nan scale and nan codes both ways (nan payloads and signs may differ)
+    assert s1[63].isnan() and s2[63].isnan()
+    assert ((q1[63].view(torch.uint8) & 0x7F) == 0x7F).all()
+    assert ((q2[63].view(torch.uint8) & 0x7F) == 0x7F).all()
+
+
+@native
+def test_native_dequantize_is_the_torch_path_bit_for_bit():
+    # all 256 codes (NaN ones included) against scales from the clamp floor to huge ones
+    codes = torch.arange(256, dtype=torch.uint8).repeat(9, 1).view(FP8)  # [9, 256]
+    scales = torch.tensor([2.0**-126, 1e-30, 1e-3, 0.37, 1.0, 3.3, 127.9, 200.0, 1e30])
+    a = fp8_kernel.dequantize(codes.contiguous(), scales)
+    b = _dequantize_torch(codes, scales, torch.bfloat16)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
