@@ -38,7 +38,7 @@ def _lib() -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.afd_bf16_gemm.argtypes = [p, p, p, i, i, i, i]
     lib.afd_bf16_gemm.restype = i
-    lib.afd_bf16_moe.argtypes = [p, p, p, i, i, p, p, p, i, i, i, i, i]
+    lib.afd_bf16_moe.argtypes = [p, p, p, i, i, p, p, p, i, i, i, i, i, i]
     lib.afd_bf16_moe.restype = i
     f = ctypes.c_float
     lib.afd_bf16_decode_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]

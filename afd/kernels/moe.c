@@ -18,11 +18,12 @@
 
 /* x [T, H]; ids [T, topk] (int32, global expert ids) and gate weights [T, topk] (fp32) as routed;
  * this shard holds experts first .. first + E - 1: w13 [E] -> [2I, H], w2 [E] -> [H, I];
- * out [T, H] accumulated into. All bf16 except as noted. Returns 0, or -1 when H or I is not a
- * multiple of 8 or memory is short. */
+ * out [T, H] accumulated into. All bf16 except as noted. reverse: visit the experts last to
+ * first (the results do not change). Returns 0, or -1 when H or I is not a multiple of 8 or
+ * memory is short. */
 int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int topk, int first,
                  const uint16_t *const *w13, const uint16_t *const *w2, uint16_t *out, int T,
-                 int E, int H, int I, int threads) {
+                 int E, int H, int I, int threads, int reverse) {
   if (H % 8 != 0 || I % 8 != 0 || E <= 0 || topk < 0) return -1;
   /* The (token, expert) pairs held here, sorted by expert, stable in t * topk + j order (the torch
    * path's argsort): a counting sort. Each pair's weight rounded to bf16 as the torch path. */
@@ -59,7 +60,8 @@ int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int t
   int failed = 0;
   int t = threads > 1 ? threads : 1;
 #pragma omp parallel for num_threads(t) schedule(dynamic, 1) if (t > 1)
-  for (int e = 0; e < E; e++) {
+  for (int i = 0; i < E; i++) {
+    int e = reverse ? E - 1 - i : i;
     int p0 = starts[e], n = starts[e + 1] - p0;
     if (n <= 0) continue;
     float *xs = (float *)malloc((size_t)n * H * sizeof(float));

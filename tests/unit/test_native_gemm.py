@@ -106,16 +106,17 @@ def test_fused_experts_match_the_torch_path_bit_for_bit(tokens, threads):
     ids = torch.randint(0, 16, (tokens, k), generator=g, dtype=torch.int32)
     weights = torch.rand(tokens, k, generator=g)
     out = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
-    a, b = out.clone(), out.clone()
+    a, a2, b = out.clone(), out.clone(), out.clone()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         routed_experts(x, ids, weights, fused, a)
+        routed_experts(x, ids, weights, fused, a2)  # successive calls visit experts reversed
     finally:
         torch.set_num_threads(before)
     routed_experts(x, ids, weights, plain, b)
     assert not torch.equal(a, out)  # it did add something
-    assert torch.equal(a, b)
+    assert torch.equal(a, b) and torch.equal(a2, b)
 
 
 @pytest.mark.parametrize("kvh,g,d", [(4, 4, 64), (1, 8, 256), (2, 1, 128)])
