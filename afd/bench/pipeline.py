@@ -4,7 +4,8 @@ over tcp, one thread each.
 For each workload it runs decode steps with S = 1 (serial) and takes the stage times from the
 replies' timing traces: attention A (step time minus the waits on the FFN), FFN compute F, and
 transfer C (round trip minus the FFN server's own time). The ideal pipelined speedup is
-(A + F + C) / max(A, F, C); S = 2 and S = 3 are then measured in the same run. The balanced
+(A + F + C) / max(A, F, C); S = 2 and S = 3 are then measured in the same run (`--repeat N`:
+S = 1, 2, 3 in turn N times, the median run of each reported). The balanced
 workload also runs the in-process engine (attention and FFN in one process, 2 threads) for the
 "disaggregation costs nothing" comparison. Long contexts are filled synthetically (random K/V)
 rather than prefilled: only decode is timed.
@@ -94,24 +95,35 @@ def _ffn_process(model: Path, address: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
 
 
-def _workload(base: EngineConfig, name: str, batch: int, context: int, steps: int) -> dict:
-    serial = None
-    out: dict = {"workload": name, "batch": batch, "context": context}
-    for S in (1, 2, 3):
-        eng = Engine(replace(base, micro_batches=S), progress=False)
-        r = _decode(eng, batch, context, steps)
-        eng.pool.reset()
-        if S == 1:
-            serial = r
-            A, F, C = r["A_ms"], r["F_ms"], r["C_ms"]
-            out["stages_S1"] = r
-            out["ideal_speedup"] = round((A + F + C) / max(A, F, C), 3)
-        else:  # stages overlap here, so only the FFN's compute per step is kept: it grows as
-            # micro-batches shrink (each streams the layer's expert weights again)
-            out[f"S{S}"] = {k: r[k] for k in ("step_ms", "tok_s", "F_ms")}
-            out[f"speedup_S{S}"] = round(serial["step_ms"] / r["step_ms"], 3)
-            out[f"fraction_of_ideal_S{S}"] = round(out[f"speedup_S{S}"] / out["ideal_speedup"], 3)
-        del eng
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median step time (the lower middle of an even count): its stage times
+    belong to that step time."""
+    return sorted(runs, key=lambda r: r["step_ms"])[(len(runs) - 1) // 2]
+
+
+def _workload(
+    base: EngineConfig, name: str, batch: int, context: int, steps: int, repeat: int
+) -> dict:
+    runs: dict[int, list[dict]] = {1: [], 2: [], 3: []}
+    for _ in range(repeat):  # S = 1, 2, 3 in turn, so that a slow spell of the box hits all
+        for S in runs:
+            eng = Engine(replace(base, micro_batches=S), progress=False)
+            runs[S].append(_decode(eng, batch, context, steps))
+            eng.pool.reset()
+            del eng
+    med = {S: _median_run(rs) for S, rs in runs.items()}
+    serial = med[1]
+    A, F, C = serial["A_ms"], serial["F_ms"], serial["C_ms"]
+    out: dict = {"workload": name, "batch": batch, "context": context, "stages_S1": serial}
+    out["ideal_speedup"] = round((A + F + C) / max(A, F, C), 3)
+    for S in (2, 3):
+        # stages overlap here, so only the FFN's compute per step is kept: it grows as
+        # micro-batches shrink (each streams the layer's expert weights again)
+        out[f"S{S}"] = {k: med[S][k] for k in ("step_ms", "tok_s", "F_ms")}
+        out[f"speedup_S{S}"] = round(serial["step_ms"] / med[S]["step_ms"], 3)
+        out[f"fraction_of_ideal_S{S}"] = round(out[f"speedup_S{S}"] / out["ideal_speedup"], 3)
+    if repeat > 1:
+        out["step_ms_runs"] = {f"S{S}": [r["step_ms"] for r in rs] for S, rs in runs.items()}
     return out
 
 
@@ -133,11 +145,15 @@ def run(args: argparse.Namespace) -> dict:
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
         ffn_timeout_s=120.0,
     )
+
+    def common(context: int) -> tuple[int, int, int, int]:
+        return args.batch, context, args.steps, args.repeat
+
     try:
         Engine(base, progress=False).pool.wait_ready(120.0)  # wait for the FFN process to load
         results = [
-            _workload(base, "short_context", args.batch, args.short_context, args.steps),
-            _workload(base, "balanced_long_context", args.batch, args.long_context, args.steps),
+            _workload(base, "short_context", *common(args.short_context)),
+            _workload(base, "balanced_long_context", *common(args.long_context)),
         ]
     finally:
         proc.terminate()
@@ -145,7 +161,9 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(2)
     inproc = replace(base, micro_batches=1, threads=2)
     with local_engine(inproc, 1, progress=False) as eng:
-        local = _decode(eng, args.batch, args.long_context, args.steps)
+        local = _median_run(
+            [_decode(eng, args.batch, args.long_context, args.steps) for _ in range(args.repeat)]
+        )
     balanced = results[1]
     return {
         "benchmark": "pipeline",
@@ -167,6 +185,9 @@ def add_parser(sub) -> None:
     p.add_argument("--short-context", type=int, default=160)
     p.add_argument("--long-context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument(
+        "--repeat", type=int, default=1, help="run S = 1, 2, 3 N times in turn, report medians"
+    )
     p.add_argument("--a2f-dtype", default="fp8", choices=["fp8", "bf16"])
     p.add_argument("--port", type=int, default=5799)
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
