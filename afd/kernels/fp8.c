@@ -20,8 +20,9 @@ static inline __m256i e4m3_8(__m256 f) {
   __m256i bits = _mm256_castps_si256(f);
   __m256i sign = _mm256_and_si256(bits, sign_bit);
   bits = _mm256_xor_si256(bits, sign); /* |f| */
-  /* below 2^-6 (no normal e4m3): add 2^-6 * 2^3 ... i.e. 141 << 23 as a float, which leaves
-   * the rounded subnormal count in the low bits */
+  /* below 2^-6 (e4m3's smallest normal): adding 2^14 (141 << 23 as a float), whose fp32 ulp
+   * is 2^-9, e4m3's subnormal step, rounds |f| to a whole number of steps (to nearest even);
+   * the bits past 2^14's are that number, the subnormal's code */
   const __m256i denorm = _mm256_set1_epi32(141 << 23);
   __m256i sub = _mm256_sub_epi32(
       _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(bits), _mm256_castsi256_ps(denorm))),
