@@ -29,7 +29,8 @@ static inline __m256i e4m3_8(__m256 f) {
       denorm);
   /* normal: rebias the exponent, round the mantissa to 3 bits (to nearest even) */
   __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 20), _mm256_set1_epi32(1));
-  __m256i norm = _mm256_add_epi32(bits, _mm256_set1_epi32((int)((uint32_t)(7 - 127) << 23) + 0x7FFFF));
+  const __m256i rebias = _mm256_set1_epi32((int)((uint32_t)(7 - 127) << 23) + 0x7FFFF);
+  __m256i norm = _mm256_add_epi32(bits, rebias);
   norm = _mm256_srli_epi32(_mm256_add_epi32(norm, odd), 20);
   /* signed compares are fine: bits is non-negative */
   __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), bits);
@@ -72,7 +73,8 @@ int afd_fp8_quantize(const uint16_t *x, uint8_t *q, float *scales, int T, int H,
     scales[t] = s;
     const __m256 vs = _mm256_set1_ps(s);
     uint8_t *out = q + (size_t)t * H;
-    for (int k = 0; k < H; k += 8) store_bytes8(out + k, e4m3_8(_mm256_div_ps(load_bf16(row + k), vs)));
+    for (int k = 0; k < H; k += 8)
+      store_bytes8(out + k, e4m3_8(_mm256_div_ps(load_bf16(row + k), vs)));
   }
   return 0;
 }

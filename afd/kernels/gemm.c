@@ -126,7 +126,8 @@ void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int
     int m = 0;
     if (M >= WIDE_M) {
       for (int k = 0; k < K; k += 8)
-        for (int r = 0; r < 4; r++) _mm256_storeu_ps(wt + (size_t)r * K + k, load_bf16(g + 4 * k + 8 * r));
+        for (int r = 0; r < 4; r++)
+          _mm256_storeu_ps(wt + (size_t)r * K + k, load_bf16(g + 4 * k + 8 * r));
       m = wide(xf, wt, y, M, N, K, n);
     }
     if (M >= PAIR_M && M < WIDE_M) { /* converted once per chunk of up to 6 rows of x */
