@@ -146,14 +146,20 @@ def run(args: argparse.Namespace) -> dict:
         ffn_timeout_s=120.0,
     )
 
-    def common(context: int) -> tuple[int, int, int, int]:
-        return args.batch, context, args.steps, args.repeat
-
     try:
         Engine(base, progress=False).pool.wait_ready(120.0)  # wait for the FFN process to load
         results = [
-            _workload(base, "short_context", *common(args.short_context)),
-            _workload(base, "balanced_long_context", *common(args.long_context)),
+            _workload(
+                base, "short_context", args.batch, args.short_context, args.steps, args.repeat
+            ),
+            _workload(
+                base,
+                "balanced_long_context",
+                args.batch,
+                args.long_context,
+                args.steps,
+                args.repeat,
+            ),
         ]
     finally:
         proc.terminate()
