@@ -11,7 +11,9 @@
  * over threads.
  *
  * Each K row is converted to fp32 once for all g query heads (8 positions at a time, their 8
- * dot products reduced together), the exponentials are vectorised, and each V row is read
+ * dot products reduced together), the softmax's max and exponentials are vectorised (the max
+ * was a scalar loop of dependent compares: ~3 cycles a score, a third of an in-cache task at
+ * a 2048 context; 79-85 -> 51-54 us per (sequence, head) there), and each V row is read
  * once per 16 output columns for 4 query heads at a time. Batch 32 at a 2048-token context
  * (4 K/V heads of 4 query heads, D = 64), one Zen 3 core: 52.7 ms per layer with one
  * scalar-reduced dot product per (position, head), 13.5 ms this way. */
@@ -89,9 +91,23 @@ static void scores(const float *qf, const uint16_t *cache, const uint16_t *v_cac
 static void softmax_rows(float *s, int len, int g) {
   for (int j = 0; j < g; j++) {
     float *sj = s + (size_t)j * len, m = sj[0], sum = 0.0f;
-    for (int l = 1; l < len; l++) m = sj[l] > m ? sj[l] : m;
+    int l = 1;
+    if (len >= 33) { /* 4 x 8 lanes: max_ps(x, m) is x > m ? x : m, the scalar loop's step */
+      __m256 m0 = _mm256_set1_ps(m), m1 = m0, m2 = m0, m3 = m0;
+      for (; l + 32 <= len; l += 32) {
+        m0 = _mm256_max_ps(_mm256_loadu_ps(sj + l), m0);
+        m1 = _mm256_max_ps(_mm256_loadu_ps(sj + l + 8), m1);
+        m2 = _mm256_max_ps(_mm256_loadu_ps(sj + l + 16), m2);
+        m3 = _mm256_max_ps(_mm256_loadu_ps(sj + l + 24), m3);
+      }
+      float t[32];
+      _mm256_storeu_ps(t, m0), _mm256_storeu_ps(t + 8, m1);
+      _mm256_storeu_ps(t + 16, m2), _mm256_storeu_ps(t + 24, m3);
+      for (int i = 0; i < 32; i++) m = t[i] > m ? t[i] : m;
+    }
+    for (; l < len; l++) m = sj[l] > m ? sj[l] : m;
     const __m256 vm = _mm256_set1_ps(m);
-    int l = 0;
+    l = 0;
     __m256 acc = _mm256_setzero_ps();
     for (; l + 8 <= len; l += 8) {
       __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + l), vm));
