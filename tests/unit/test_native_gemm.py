@@ -119,9 +119,18 @@ def test_fused_experts_match_the_torch_path_bit_for_bit(tokens, threads):
     assert torch.equal(a, b) and torch.equal(a2, b)
 
 
-@pytest.mark.parametrize("kvh,g,d", [(4, 4, 64), (1, 8, 256), (2, 1, 128)])
+@pytest.mark.parametrize(
+    "kvh,g,d,lens,num_blocks",
+    [
+        (4, 4, 64, [1, 17, 96, 50, 33], 40),
+        (1, 8, 256, [1, 17, 96, 50, 33], 40),
+        (2, 1, 128, [1, 17, 96, 50, 33], 40),
+        # long rows: the softmax's max in lanes past 32 positions, V fetched ahead past 16
+        (4, 4, 64, [1000, 257, 32, 65], 260),
+    ],
+)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_matches_the_torch_path(kvh, g, d, threads):
+def test_decode_attention_matches_the_torch_path(kvh, g, d, lens, num_blocks, threads):
     """The native paged decode attention against services/attention's torch path (gathered
     blocks, bmm with bf16 rounding, fp32 softmax) on a shuffled block table: the same to
     bf16 rounding, and the same bits almost everywhere."""
@@ -129,8 +138,9 @@ def test_decode_attention_matches_the_torch_path(kvh, g, d, threads):
     from services.attention.attention import _attend
 
     gen = torch.Generator().manual_seed(kvh * 100 + g)
-    num_blocks, bs, nb = 40, 16, 6
-    lens = torch.tensor([1, 17, 96, 50, 33])
+    bs = 16
+    nb = -(-max(lens) // bs)
+    lens = torch.tensor(lens)
     k_cache = torch.randn(kvh, num_blocks, bs, d, generator=gen).to(torch.bfloat16)
     v_cache = torch.randn(kvh, num_blocks, bs, d, generator=gen).to(torch.bfloat16)
     blocks = torch.randperm(num_blocks, generator=gen)[: len(lens) * nb].view(len(lens), nb)
