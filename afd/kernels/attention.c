@@ -17,7 +17,7 @@
  * once per 16 output columns for 4 query heads at a time. Batch 32 at a 2048-token context
  * (4 K/V heads of 4 query heads, D = 64), one Zen 3 core: 52.7 ms per layer with one
  * scalar-reduced dot product per (position, head), 13.5 ms this way; then with V prefetched
- * where it is read (prefetch_k) and the max in lanes, from 11.0 to 8.8 ms (block tables in
+ * where it is read (weighted_sum) and the max in lanes, from 11.0 to 8.8 ms (block tables in
  * order; shuffled 17.2 -> 12.3 ms; medians of 11, bit-identical). */
 #include <omp.h>
 #include <stdlib.h>
