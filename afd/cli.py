@@ -180,6 +180,14 @@ def _ffn_parser(sub) -> None:
         choices=["cpu"],
         help="compute device (the wire format is device-independent)",
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=3.0,
+        help="on SIGTERM: finish the messages being computed, then answer every message with a "
+        "typed 'draining' error for this many seconds (attention servers move its work to "
+        "another replica at once instead of waiting out their FFN timeout), then exit 0",
+    )
     add_side_port_args(p)
     add_security_args(p)
     p.set_defaults(func=_run_ffn)
@@ -195,6 +203,8 @@ def _run_ffn(args: argparse.Namespace) -> int:
         delay = inject_delay_from_env()
     except ValueError as e:
         raise AfdError(str(e)) from e
+    if args.drain_timeout < 0:
+        raise AfdError("--drain-timeout must be >= 0")
     _set_threads(args.threads)
     return serve(
         FFNServiceConfig(
@@ -206,6 +216,7 @@ def _run_ffn(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             security=security(args),
             inject_delay_s=delay,
+            drain_s=args.drain_timeout,
         )
     )
 

@@ -158,6 +158,8 @@ class Cluster:
         if c.transport != "inproc":
             for i, addr in enumerate(self.ffn_addresses):
                 argv = [*py, "ffn", *model, *threads, "--shard", f"{i}/{c.ffn}", "--listen", addr]
+                # stopped last, once no attention server is left to send them anything
+                argv += ["--drain-timeout", "0"]
                 children.append(_with_metrics_port(Child(f"ffn-{i}", argv)))
         engine = ["--micro-batches", str(c.micro_batches), "--a2f-dtype", c.a2f_dtype]
         if c.kv_cache_gb:

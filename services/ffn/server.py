@@ -37,6 +37,8 @@ class FFNServer:
         # Fault injection (tests): extra seconds inside every layer call's compute window, so
         # this server looks like a slow FFN to the attention side's straggler detection.
         self.inject_delay_s = inject_delay_s
+        # Set on SIGTERM (service.py): every message from then on gets a typed error reply.
+        self.draining = False
         self.shard = shard
         self.dtype = dtype
         # Our own dict, each weight popped as its Linear takes a re-laid-out copy: a loaded
@@ -66,6 +68,9 @@ class FFNServer:
     def handle(self, reqs: list[FFNRequest]) -> list[FFNReply]:
         """Compute a batch of requests; those of one layer are computed as one matmul batch."""
         t_recv = time.time()
+        if self.draining:  # the attention side fails over at once on this code
+            why = "FFN server is draining (shutting down)"
+            return [_error(r, "unavailable", why, t_recv) for r in reqs]
         by_layer: dict[int, list[int]] = {}
         replies: list[FFNReply | None] = [None] * len(reqs)
         for j, r in enumerate(reqs):

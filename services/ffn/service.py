@@ -1,6 +1,12 @@
 """The FFN server process: load one expert shard, listen on a data-plane address, serve until
 SIGTERM. `afd ffn --model DIR --shard i/N --listen ADDR`
 
+SIGTERM drains: the messages being computed are answered as usual, then every message gets a
+typed `unavailable` ("draining") reply for `drain_s` seconds, so each attention server moves the
+shard's work to another replica at its first message (or fails those requests with a clear
+error) instead of waiting out its FFN timeout on a server that is gone; /ready says draining.
+Then the server exits 0. A second signal cuts the drain short.
+
 Fault injection (tests, drills): AFD_FFN_INJECT_DELAY_MS=N in this process's environment adds
 N ms to every layer call's compute, which makes the server a straggler the attention side
 must detect. Never set it in production.
@@ -36,6 +42,7 @@ class FFNServiceConfig:
     metrics_port: int = 0  # HTTP /metrics, /health, /ready; 0: off
     security: Security = field(default_factory=Security)
     inject_delay_s: float = 0.0  # fault injection; see the module docstring
+    drain_s: float = 3.0  # after SIGTERM: answer "draining" this long, then exit
 
 
 INJECT_DELAY_ENV = "AFD_FFN_INJECT_DELAY_MS"
@@ -93,11 +100,20 @@ def serve(cfg: FFNServiceConfig) -> int:
         ", shared expert and dense MLPs" if cfg.shard.owns_dense else "",
         cfg.listen,
     )
-    side = sidecar.start(cfg.metrics_host, cfg.metrics_port, lambda: (True, ""))
+    side = sidecar.start(
+        cfg.metrics_host,
+        cfg.metrics_port,
+        lambda: (False, "draining") if server.draining else (True, ""),
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    server.draining = True
+    if cfg.drain_s > 0:
+        log.info("FFN server draining for %.1f s", cfg.drain_s)
+        stop.clear()
+        stop.wait(cfg.drain_s)  # a second signal ends it early
     log.info("FFN server stopping")
     listener.close()
     if side:

@@ -4,9 +4,11 @@ and 1A3F topologies with S = 1..3 micro-batches: greedy tokens identical to tran
 
 from __future__ import annotations
 
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
 
@@ -118,3 +120,66 @@ def test_dead_ffn_is_a_typed_error_then_recovers(qwen3_dir, reference, tmp_path)
         assert generate(att[0], PROMPTS[2], NEW)[0] == reference[2]
     finally:
         procs.stop_all()
+
+
+LONG = 120  # tokens (the test model's context is 128): a generation a SIGTERM lands inside
+
+
+def test_sigterm_drains_an_ffn_so_no_timeout_is_waited_out(qwen3_dir, reference, tmp_path):
+    """SIGTERM to an FFN server while a generation streams through it: what it holds is
+    answered (computed, or while it drains a typed 'draining' error), so the attention server
+    moves the shard to the other replica at once and the tokens are still transformers'; no
+    FFN timeout (30 s, 15 s per replica) is waited out. With no replica left, a request fails
+    at once with the draining error. Drained servers exit 0; a restarted one is taken back."""
+    long_ref = hf_greedy(hf_model(qwen3_dir, torch.float32), [PROMPTS[0]], LONG)[0]
+    procs = Procs(tmp_path)
+    ffn = [_ffn_addr("tcp", tmp_path, i) for i in range(2)]
+    ffn_args = ["--model", str(qwen3_dir), "--dtype", "float32", "--drain-timeout", "5"]
+    try:
+        for i, addr in enumerate(ffn):
+            procs.start(f"ffn{i}", "ffn", "--listen", addr, *ffn_args)
+        att = f"127.0.0.1:{free_port()}"
+        procs.start(
+            "att0", "attention", "--model", str(qwen3_dir), "--ffn", "|".join(ffn),
+            "--listen", att, "--dtype", "float32", "--a2f-dtype", "fp32",
+            "--kv-cache-gb", "0.05", "--ffn-timeout", "30",
+        )  # fmt: skip
+        wait_attention_ready(att, procs=procs, name="att0")
+        assert generate(att, PROMPTS[1], NEW)[0] == reference[1]  # on ffn0, the first replica
+
+        tokens, t0 = [], 0.0
+        for ev in _stream(att, PROMPTS[0], LONG):
+            tokens += list(ev.token_ids)
+            if not t0 and len(tokens) >= 20:  # mid-stream: ~100 tokens still to come
+                t0 = time.monotonic()
+                procs.procs["ffn0"].send_signal(signal.SIGTERM)
+        assert t0 and tokens == long_ref and ev.finish_reason == "length"
+        assert time.monotonic() - t0 < 10  # not a 15 s attempt timeout
+        assert procs.procs["ffn0"].wait(timeout=20) == 0
+
+        procs.procs["ffn1"].send_signal(signal.SIGTERM)  # the shard's last replica
+        time.sleep(1.0)  # inside its 5 s drain
+        t0 = time.monotonic()
+        tokens, last = generate(att, PROMPTS[2], NEW, timeout=30)
+        assert last.finish_reason == "error" and "draining" in last.error, last
+        assert time.monotonic() - t0 < 5
+        assert procs.procs["ffn1"].wait(timeout=20) == 0
+
+        procs.start("ffn0", "ffn", "--listen", ffn[0], *ffn_args)
+        wait_attention_ready(att, timeout=60, procs=procs, name="att0")
+        assert generate(att, PROMPTS[3], NEW)[0] == reference[3]
+    finally:
+        procs.stop_all()
+
+
+def _stream(addr: str, prompt: list[int], max_tokens: int):
+    """The events of one Generate call, as they come."""
+    from services.attention.control import pb, pb_grpc
+
+    with grpc.insecure_channel(addr) as ch:
+        req = pb.GenerateRequest(
+            request_id=f"t-{time.monotonic_ns()}",
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        )
+        yield from pb_grpc.AttentionServiceStub(ch).Generate(req, timeout=60)
