@@ -185,7 +185,7 @@ def _ffn_parser(sub) -> None:
         type=float,
         default=3.0,
         help="on SIGTERM: finish the messages being computed, then answer every message with a "
-        "typed 'draining' error for this many seconds (attention servers move its work to "
+        "typed 'unavailable' (draining) error for this many seconds (attention servers move its work to "
         "another replica at once instead of waiting out their FFN timeout), then exit 0",
     )
     add_side_port_args(p)
