@@ -141,8 +141,8 @@ def _generate_parser(sub) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from afd.control import SamplingParams
     from afd.generate import GenerateJob, read_prompts, run
-    from services.attention.request import SamplingParams
 
     prompts = list(args.prompt) + (read_prompts(args.prompts_file) if args.prompts_file else [])
     if not prompts:

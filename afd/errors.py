@@ -1,12 +1,28 @@
-"""Typed errors: each names the problem in words a user can act on."""
+"""Typed errors: each names the problem in words a user can act on, and carries the one
+error code (`ErrorCode`) that the engine, the control plane and the gateway all speak."""
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Why a request failed, as every boundary names it: the engine sets it, the control plane
+    carries it (control.proto ErrorCode), the gateway answers with its HTTP status."""
+
+    NONE = ""
+    INVALID_REQUEST = "invalid_request"  # HTTP 400: cannot be served as asked
+    UNAVAILABLE = "unavailable"  # HTTP 503: the FFN pool is down or draining
+    OVERLOADED = "overloaded"  # HTTP 429: the waiting queue is full
+    INTERNAL = "internal"  # HTTP 500
 
 
 class AfdError(Exception):
     """Base of every error afd raises on purpose."""
 
+    code = ErrorCode.INTERNAL  # what a request that hit it is told
+
 
 class ConfigError(AfdError):
-    """A model directory or config.json that afd cannot serve."""
+    """A model directory, config.json, flag or config value that afd cannot serve with."""
 
 
 class CheckpointError(AfdError):
@@ -16,10 +32,16 @@ class CheckpointError(AfdError):
 class RequestError(AfdError):
     """A request that cannot be served as asked (e.g. a prompt longer than the context)."""
 
+    code = ErrorCode.INVALID_REQUEST
+
 
 class OverloadedError(RequestError):
     """The waiting queue is full: try again later (HTTP 429 with Retry-After)."""
 
+    code = ErrorCode.OVERLOADED
+
 
 class TransportError(AfdError):
     """A peer that did not answer within its deadline, or answered with an error."""
+
+    code = ErrorCode.UNAVAILABLE

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from afd.config import EngineConfig
+from afd.control import SamplingParams
 from afd.local import local_engine
 from afd.tokenizer import ModelTokenizer
-from services.attention.request import SamplingParams
 
 log = logging.getLogger("afd.generate")
 

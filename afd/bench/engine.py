@@ -69,7 +69,7 @@ def _hf_time(model, prompts: list[list[int]], new: int) -> float:
 
 
 def _afd_time(engine, prompts: list[list[int]], new: int) -> float:
-    from services.attention.request import SamplingParams
+    from afd.control import SamplingParams
 
     t0 = time.perf_counter()
     engine.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))

@@ -35,9 +35,9 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 
 async def _direct_stream(client, rid: str, prompt: list[int], n: int) -> Sample:
-    from services.gateway.client import GenParams
+    from afd.control import SamplingParams
 
-    params = GenParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
     t0 = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
     async for ev in client.generate(rid, prompt, params):

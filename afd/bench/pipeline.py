@@ -26,8 +26,9 @@ import torch
 
 from afd.bench.engine import REFERENCE_CONFIG, build_checkpoint
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from afd.control import SamplingParams
 from services.attention.engine import Engine
-from services.attention.request import RequestStatus, SamplingParams
+from services.attention.request import RequestStatus
 
 
 def _fill(engine: Engine, batch: int, context: int, new: int, seed: int) -> None:

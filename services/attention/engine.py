@@ -8,6 +8,7 @@ import logging
 import torch
 
 from afd.config import EngineConfig
+from afd.control import SamplingParams
 from afd.errors import TransportError
 from afd.runtime import tune_allocator
 from afd.sharding import ExpertShard
@@ -16,7 +17,7 @@ from services.attention.block_manager import BlockManager
 from services.attention.dispatch import FFNPool, Peer
 from services.attention.kv_cache import KVCache, num_blocks_for
 from services.attention.model import AttentionModel
-from services.attention.request import Request, SamplingParams
+from services.attention.request import Request
 from services.attention.runner import ModelRunner
 from services.attention.scheduler import Scheduler
 
@@ -90,22 +91,22 @@ class Engine:
         try:
             sampled, logprobs = self.runner.execute(plan)
         except TransportError as e:
-            return self._fail(plan, str(e))
+            return self._fail(plan, e)
         updated = self.scheduler.update(plan, sampled, logprobs)
         for req in updated:
             if req.finished:
                 self.runner.release(req.request_id)
         return updated
 
-    def _fail(self, plan, message: str) -> list[Request]:
+    def _fail(self, plan, error: TransportError) -> list[Request]:
         """A step the FFN pool could not serve: its requests end with a typed error, the engine
         itself keeps serving the rest."""
-        log.error("step failed, failing %d requests: %s", len(plan.scheduled), message)
+        log.error("step failed, failing %d requests: %s", len(plan.scheduled), error)
         failed = []
         for s in plan.scheduled:
             req = s.request
             self.abort(req.request_id)
-            req.finish_reason, req.error = "error", message
+            req.finish_reason, req.error, req.error_code = "error", str(error), error.code
             failed.append(req)
         return failed
 

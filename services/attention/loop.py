@@ -14,30 +14,17 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Protocol
 
-from afd.errors import OverloadedError, RequestError
+from afd.control import SamplingParams, TokenEvent
+from afd.errors import ErrorCode, RequestError
 from services.attention.engine import Engine
-from services.attention.request import Request, SamplingParams
+from services.attention.request import Request
 
 log = logging.getLogger("afd.attention")
 
 
-@dataclass(frozen=True)
-class Event:
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    finish_reason: str = ""
-    error_code: str = ""  # "" | "invalid_request" | "unavailable" | "internal"
-    error: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    queue_seconds: float = 0.0
-
-
-Sink = Callable[[Event], None]
+Sink = Callable[[TokenEvent], None]
 
 
 class Telemetry(Protocol):
@@ -55,7 +42,6 @@ class EngineLoop:
         self._sent: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.last_error = ""
         self._thread.start()
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: Sink):
@@ -123,8 +109,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(prompt, sampling, request_id=rid)
             except RequestError as e:
-                code = "overloaded" if isinstance(e, OverloadedError) else "invalid_request"
-                sink(Event(rid, [], finish_reason="error", error_code=code, error=str(e)))
+                sink(TokenEvent.failure(rid, e.code, str(e)))
                 return
             self._sinks[rid] = sink
             self._sent[rid] = 0
@@ -139,7 +124,7 @@ class EngineLoop:
         elif cmd[0] == "abort":
             rid = cmd[1]
             if self.engine.abort(rid):  # unknown or finished ids are ignored
-                self._emit_final(rid, Event(rid, [], finish_reason="abort"))
+                self._emit_final(rid, TokenEvent(rid, [], finish_reason="abort"))
 
     def _publish(self, updated: list[Request]) -> None:
         for req in updated:
@@ -150,25 +135,24 @@ class EngineLoop:
             n = self._sent[rid]
             new = req.output_token_ids[n:]
             self._sent[rid] = len(req.output_token_ids)
-            code = "unavailable" if req.finish_reason == "error" else ""
             queued = (req.first_scheduled_time or req.arrival_time) - req.arrival_time
-            ev = Event(
+            ev = TokenEvent(
                 rid,
                 new,
                 req.output_logprobs[n:],
-                (req.finish_reason or "") if req.finished else "",
-                code,
-                req.error,
-                req.num_prompt_tokens,
-                len(req.output_token_ids),
-                queued if n == 0 else 0.0,
+                finish_reason=(req.finish_reason or "") if req.finished else "",
+                error_code=req.error_code,
+                error=req.error,
+                prompt_tokens=req.num_prompt_tokens,
+                completion_tokens=len(req.output_token_ids),
+                queue_seconds=queued if n == 0 else 0.0,
             )
             if req.finished:
                 self._emit_final(rid, ev)
             else:
                 sink(ev)
 
-    def _emit_final(self, rid: str, ev: Event) -> None:
+    def _emit_final(self, rid: str, ev: TokenEvent) -> None:
         sink = self._sinks.pop(rid, None)
         self._sent.pop(rid, None)
         if sink is not None:
@@ -177,6 +161,4 @@ class EngineLoop:
     def _fail_all(self, message: str) -> None:
         for rid in list(self._sinks):
             self.engine.abort(rid)
-            self._emit_final(
-                rid, Event(rid, [], finish_reason="error", error_code="internal", error=message)
-            )
+            self._emit_final(rid, TokenEvent.failure(rid, ErrorCode.INTERNAL, message))

@@ -6,21 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0.0 means greedy
-    top_k: int = 0  # 0 or -1: off
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's plus the top k
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
+from afd.control import Logprob, SamplingParams
+from afd.errors import ErrorCode
 
 
 class RequestStatus(enum.Enum):
@@ -37,13 +24,13 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    # per sampled token: (logprob of the sampled token, [(token id, logprob)] top alternatives)
-    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    output_logprobs: list[Logprob] = field(default_factory=list)  # one per token, when asked
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str = ""  # why, when finish_reason is "error"
+    error_code: ErrorCode = ErrorCode.NONE
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from afd.control import Logprob
 from services.attention import batch
 from services.attention.dispatch import FFNPool
 from services.attention.kv_cache import KVCache
@@ -11,8 +12,6 @@ from services.attention.model import AttentionModel
 from services.attention.pipeline import run_layers
 from services.attention.sampler import sample
 from services.attention.scheduler import SchedulerOutput
-
-Logprobs = tuple[float, list[tuple[int, float]]]
 
 
 class ModelRunner:
@@ -30,7 +29,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> tuple[dict[str, int], dict[str, Logprobs]]:
+    def execute(self, plan: SchedulerOutput) -> tuple[dict[str, int], dict[str, Logprob]]:
         groups = batch.split(plan.scheduled, self.micro_batches)
         mbs = [batch.build(g, self.cache.block_size) for g in groups]
         self.pool.traces.clear()

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from services.attention.request import SamplingParams
+from afd.control import Logprob, SamplingParams
 
 
 def sample(
     logits: torch.Tensor,  # [B, V] float32
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]] | None]]:
+) -> tuple[list[int], list[Logprob | None]]:
     """One token per row; with logprobs asked, the sampled token's and the top-n alternatives'
     log-probabilities under the model's own (unscaled) distribution, as vLLM reports them."""
     B = logits.shape[0]
@@ -26,7 +26,7 @@ def sample(
         if not p.greedy:
             tokens[i] = _sample_row(logits[i], p, generators[i])
     out_tokens = tokens.tolist()
-    lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * B
+    lps: list[Logprob | None] = [None] * B
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         logp = torch.log_softmax(logits[torch.tensor(want)], dim=-1)
@@ -34,7 +34,7 @@ def sample(
             n = params[i].logprobs or 0
             top = torch.topk(logp[row], n) if n else None
             alts = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else []
-            lps[i] = (float(logp[row, out_tokens[i]]), alts)
+            lps[i] = Logprob(out_tokens[i], float(logp[row, out_tokens[i]]), alts)
     return out_tokens, lps
 
 

@@ -18,12 +18,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from afd.config import SchedulerConfig
+from afd.control import Logprob
 from afd.errors import ConfigError, OverloadedError, RequestError
 from services.attention.block_manager import BlockManager
 from services.attention.request import Request, RequestStatus
-
-# (logprob of the sampled token, [(token id, logprob)] of the top alternatives)
-Logprobs = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass(frozen=True)
@@ -267,7 +265,7 @@ class Scheduler:
         self,
         output: SchedulerOutput,
         sampled: dict[str, int],
-        logprobs: dict[str, Logprobs] | None = None,
+        logprobs: dict[str, Logprob] | None = None,
     ) -> list[Request]:
         """Apply one executed step; returns the requests that got a new token (to stream).
 

@@ -20,11 +20,21 @@ import grpc
 
 from afd import metrics, sidecar
 from afd.config import EngineConfig
-from afd.errors import TransportError
+from afd.control import (
+    Health,
+    Stats,
+    TokenEvent,
+    event_to_pb,
+    health_to_pb,
+    pb,
+    pb_grpc,
+    request_from_pb,
+    stats_to_pb,
+)
+from afd.errors import ErrorCode, RequestError, TransportError
 from afd.security import add_port
-from services.attention.control import event_to_pb, pb, pb_grpc, sampling_from_pb
 from services.attention.engine import Engine
-from services.attention.loop import EngineLoop, Event
+from services.attention.loop import EngineLoop
 from services.attention.stragglers import StragglerConfig
 from services.attention.telemetry import EngineTelemetry
 
@@ -56,25 +66,28 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
         rid = request.request_id
         if self.draining:
             why = f"attention server {self.cfg.listen} is draining (shutting down); retry"
-            yield event_to_pb(
-                Event(rid, [], finish_reason="error", error_code="unavailable", error=why)
-            )
+            yield event_to_pb(TokenEvent.failure(rid, ErrorCode.UNAVAILABLE, why))
+            return
+        try:
+            req = request_from_pb(request)
+        except RequestError as e:
+            yield event_to_pb(TokenEvent.failure(rid, e.code, str(e)))
             return
         self.active += 1
         try:
-            async for ev in self._generate(request):
+            async for ev in self._generate(req):
                 yield ev
         finally:
             self.active -= 1
 
     async def _generate(self, request):
         aio = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         rid = request.request_id
         self.loop.submit(
             rid,
-            list(request.prompt_token_ids),
-            sampling_from_pb(request.sampling),
+            request.prompt_token_ids,
+            request.sampling,
             lambda ev: aio.call_soon_threadsafe(events.put_nowait, ev),
         )
         finished = False
@@ -94,24 +107,15 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
     async def Health(self, request, context):
         ready, reason = await self._readiness()
         eng = self.loop.engine
-        return pb.HealthReply(
-            live=True,
-            ready=ready,
-            reason=reason,
-            model=self.cfg.model_name,
-            max_model_len=eng.max_model_len,
-            draining=self.draining,
+        return health_to_pb(
+            Health(True, ready, reason, self.cfg.model_name, eng.max_model_len, self.draining)
         )
 
     async def Stats(self, request, context):
         eng = self.loop.engine
         s = eng.scheduler
-        return pb.StatsReply(
-            running=s.num_running,
-            waiting=s.num_waiting,
-            kv_usage=eng.blocks.usage,
-            preemptions=s.num_preemptions,
-            draining=self.draining,
+        return stats_to_pb(
+            Stats(s.num_running, s.num_waiting, eng.blocks.usage, s.num_preemptions, self.draining)
         )
 
     async def drain(self, timeout: float) -> int:

@@ -1,33 +1,33 @@
 """Async gRPC client to one attention server's control plane (Generate, Abort, Health, Stats).
 
 Every call carries a deadline. Errors come back as `APIError`s with the HTTP status the
-gateway answers with, so callers never see a grpc exception. This module (with
-services/attention/control.py on the server side) is the only one importing control_pb2; it
-converts on its own so the gateway never imports the engine (and torch).
+gateway answers with, so callers never see a grpc exception. The request, event, health and
+load types and their protobuf conversions are the control plane's contract (`afd.control`),
+shared with the attention server; it imports no torch, so neither does the gateway.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import grpc
 
-from afd.protos import ensure_generated
+from afd.control import (
+    GenerateRequest,
+    Health,
+    SamplingParams,
+    Stats,
+    TokenEvent,
+    event_from_pb,
+    health_from_pb,
+    pb,
+    pb_grpc,
+    request_to_pb,
+    stats_from_pb,
+)
 from afd.security import Security, aio_channel
 from services.gateway.errors import APIError, PeerUnavailable, from_attention, unavailable
 
-ensure_generated()
-
-from afd.v1 import control_pb2 as pb  # noqa: E402
-from afd.v1 import control_pb2_grpc as pb_grpc  # noqa: E402
-
-_ERROR_NAMES = {
-    pb.ERROR_INVALID_REQUEST: "invalid_request",
-    pb.ERROR_UNAVAILABLE: "unavailable",
-    pb.ERROR_OVERLOADED: "overloaded",
-    pb.ERROR_INTERNAL: "internal",
-}
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
@@ -35,76 +35,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
-
-
-@dataclass(frozen=True)
-class GenParams:
-    """Sampling parameters as the attention server takes them."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; k: the sampled token's and the top k
-
-
-@dataclass(frozen=True)
-class TokenChunk:
-    """One TokenEvent: the tokens one engine step gave a request."""
-
-    token_ids: list[int]
-    # per token: (logprob of the sampled token, [(token id, logprob)] top alternatives)
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    finish_reason: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    queue_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class Health:
-    live: bool
-    ready: bool
-    reason: str
-    model: str
-    max_model_len: int
-    draining: bool = False
-
-
-@dataclass(frozen=True)
-class Stats:
-    running: int
-    waiting: int
-    kv_usage: float
-    draining: bool = False  # shutting down: send it nothing new
-
-
-def _params_to_pb(p: GenParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        ignore_eos=p.ignore_eos,
-    )
-    if p.seed is not None:
-        msg.seed = p.seed
-    if p.logprobs is not None:
-        msg.logprobs = p.logprobs
-    return msg
-
-
-def _chunk(ev: pb.TokenEvent) -> TokenChunk:
-    return TokenChunk(
-        token_ids=list(ev.token_ids),
-        logprobs=[(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in ev.logprobs],
-        finish_reason=ev.finish_reason,
-        prompt_tokens=ev.prompt_tokens,
-        completion_tokens=ev.completion_tokens,
-        queue_seconds=ev.queue_seconds,
-    )
 
 
 def rpc_error(e: grpc.aio.AioRpcError, address: str) -> APIError:
@@ -147,24 +77,21 @@ class AttentionClient:
         return self._stub_
 
     async def generate(
-        self, request_id: str, prompt: list[int], params: GenParams
-    ) -> AsyncIterator[TokenChunk]:
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens; the last chunk has finish_reason set. Closing the
         iterator early cancels the call, which aborts the request on the server."""
-        req = pb.GenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling=_params_to_pb(params)
-        )
+        req = request_to_pb(GenerateRequest(request_id, prompt, params))
         call = self._stub.Generate(req, timeout=self.generate_timeout_s)
         finished = False
         try:
-            async for ev in call:
-                if ev.error_code != pb.ERROR_NONE or ev.finish_reason == "error":
-                    name = _ERROR_NAMES.get(ev.error_code, "internal")
+            async for msg in call:
+                ev = event_from_pb(msg)
+                if ev.failed:
                     finished = True
-                    raise from_attention(name, ev.error)
-                chunk = _chunk(ev)
-                finished = bool(chunk.finish_reason)
-                yield chunk
+                    raise from_attention(ev.error_code, ev.error)
+                finished = bool(ev.finish_reason)
+                yield ev
                 if finished:
                     return
             raise unavailable(f"attention server {self.address} ended the stream early")
@@ -187,14 +114,14 @@ class AttentionClient:
             r = await self._stub.Health(pb.HealthRequest(), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, self.address) from None
-        return Health(r.live, r.ready, r.reason, r.model, r.max_model_len, r.draining)
+        return health_from_pb(r)
 
     async def stats(self) -> Stats:
         try:
             r = await self._stub.Stats(pb.StatsRequest(), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, self.address) from None
-        return Stats(r.running, r.waiting, r.kv_usage, r.draining)
+        return stats_from_pb(r)
 
     async def close(self) -> None:
         if self._channel is not None:

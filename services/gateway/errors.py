@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from afd.errors import ErrorCode
+
 
 class APIError(Exception):
     """An error the client gets, with its HTTP status and OpenAI error fields."""
@@ -66,15 +68,20 @@ def internal(message: str) -> APIError:
     return APIError(500, message, "internal_error", None, "internal_error")
 
 
-def from_attention(code: str, message: str) -> APIError:
-    """Map an attention server's error code (see control.proto ErrorCode) to an APIError."""
-    if code == "invalid_request":
-        return invalid(message)
-    if code == "unavailable":
-        return unavailable(message)
-    if code == "overloaded":
-        return overloaded(message)
-    return internal(message or "the attention server failed the request")
+def from_attention(code: ErrorCode, message: str) -> APIError:
+    """An attention server's failed request as the HTTP client's error: the one place where
+    an `ErrorCode` becomes an HTTP status."""
+    make = _BY_CODE.get(code)
+    if make is None:
+        return internal(message or "the attention server failed the request")
+    return make(message)
+
+
+_BY_CODE = {
+    ErrorCode.INVALID_REQUEST: invalid,
+    ErrorCode.UNAVAILABLE: unavailable,
+    ErrorCode.OVERLOADED: overloaded,
+}
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

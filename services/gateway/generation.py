@@ -13,14 +13,12 @@ from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from services.gateway.client import AttentionClient, GenParams
+from afd.control import Logprob, SamplingParams
+from services.gateway.client import AttentionClient
 from services.gateway.detok import IncrementalDetokenizer, StopMatcher
 from services.gateway.errors import APIError, internal
 from services.gateway.latency import ChoiceTiming
 from services.gateway.router import Router
-
-# per token: (token id, logprob, [(token id, logprob)] top alternatives)
-TokenLogprob = tuple[int, float, list[tuple[int, float]]]
 
 
 @dataclass(frozen=True)
@@ -28,7 +26,7 @@ class ChoiceSpec:
     index: int  # the choice's index in the response
     request_id: str  # unique on the attention server
     prompt_ids: list[int]
-    params: GenParams
+    params: SamplingParams
     stop: tuple[str, ...] = ()
     prefix: str = ""  # text emitted before the generated text (completions' echo)
 
@@ -38,7 +36,7 @@ class Delta:
     index: int
     text: str
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -87,7 +85,7 @@ class ChoiceRun:
         detok = IncrementalDetokenizer(self._decoder, spec.prompt_ids)
         stop = StopMatcher(spec.stop)
         ids: list[int] = []
-        lps: list[TokenLogprob] = []
+        lps: list[Logprob] = []
         with self._router.lease(client):
             stream = client.generate(spec.request_id, spec.prompt_ids, spec.params)
             async with aclosing(stream) as events:  # closing early cancels the call
@@ -97,10 +95,7 @@ class ChoiceRun:
                         self._timing.event(len(ev.token_ids), ev.queue_seconds)
                     self.completion_tokens = ev.completion_tokens
                     ids += ev.token_ids
-                    lps += [
-                        (t, lp, top)
-                        for t, (lp, top) in zip(ev.token_ids, ev.logprobs, strict=False)
-                    ]
+                    lps += ev.logprobs
                     finish = ev.finish_reason or None
                     text = detok.add(ev.token_ids) + (detok.flush() if finish else "")
                     out, stopped = stop.feed(text)

@@ -15,9 +15,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from afd import metrics
+from afd.control import SamplingParams
 from afd.errors import AfdError
 from afd.tokenizer import ModelTokenizer
-from services.gateway.client import GenParams
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, invalid, validation_message
 from services.gateway.generation import ChoiceRun, ChoiceSpec, ChoiceStreams, Delta
@@ -167,12 +167,13 @@ async def plan(
             )
         for c in range(req.n):
             j = p * req.n + c
-            params = GenParams(
+            params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=req.temperature,
                 top_p=req.top_p,
                 top_k=max(req.top_k, 0),
                 seed=_seed(req.seed, j),
+                stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 logprobs=req.num_logprobs,
             )

@@ -8,8 +8,9 @@ import json
 import time
 from typing import Any
 
+from afd.control import Logprob
 from services.gateway.detok import TokenBytes
-from services.gateway.generation import Delta, TokenLogprob
+from services.gateway.generation import Delta
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -64,7 +65,7 @@ class ChatFormatter(_Formatter):
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
 
-    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+    def logprobs(self, entries: list[Logprob]) -> dict[str, Any]:
         return {"content": [self._entry(t, lp, top) for t, lp, top in entries]}
 
     def _entry(self, token: int, lp: float, top: list[tuple[int, float]]) -> dict[str, Any]:
@@ -93,7 +94,7 @@ class ChatFormatter(_Formatter):
         return self._envelope(self.chunk_name, [choice])
 
     def response(
-        self, choices: list[tuple[str, list[TokenLogprob], str]], with_logprobs: bool, use: dict
+        self, choices: list[tuple[str, list[Logprob], str]], with_logprobs: bool, use: dict
     ) -> dict[str, Any]:
         """`choices`: (text, logprobs, finish_reason) in index order."""
         body = self._envelope(
@@ -119,7 +120,7 @@ class CompletionFormatter(_Formatter):
         super().__init__(*args, **kwargs)
         self._offsets: dict[int, int] = {}  # per choice: text length so far (text_offset)
 
-    def logprobs(self, index: int, entries: list[TokenLogprob]) -> dict[str, Any]:
+    def logprobs(self, index: int, entries: list[Logprob]) -> dict[str, Any]:
         out: dict[str, list] = {
             "tokens": [],
             "token_logprobs": [],
@@ -147,7 +148,7 @@ class CompletionFormatter(_Formatter):
         return self._envelope(self.chunk_name, [choice])
 
     def response(
-        self, choices: list[tuple[str, list[TokenLogprob], str]], with_logprobs: bool, use: dict
+        self, choices: list[tuple[str, list[Logprob], str]], with_logprobs: bool, use: dict
     ) -> dict[str, Any]:
         body = self._envelope(
             self.object_name,

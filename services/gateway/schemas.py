@@ -14,6 +14,7 @@ MAX_CHOICES = 128  # prompts x n: Generate calls one request may start
 MAX_STOP = 16  # stop strings
 MAX_STOP_LEN = 256  # characters in one stop string
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64
 INT64 = 2**63 - 1
 
 Int = StrictInt
@@ -22,6 +23,7 @@ Bool = StrictBool
 Float = Annotated[float, Field(strict=True)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+StopTokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]  # int32 on the control plane
 
 
 class _Model(BaseModel):
@@ -42,6 +44,8 @@ class _SamplingRequest(_Model):
     top_k: Annotated[Int, Field(ge=-1, le=1 << 30)] = 0  # vLLM extra; 0 or -1: off
     seed: Annotated[Int, Field(ge=-(2**63), le=INT64)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    # vLLM extra: finish ("stop") when any of these tokens is generated, as with EOS
+    stop_token_ids: Annotated[list[StopTokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
     stream: Bool = False
     stream_options: StreamOptions | None = None

@@ -73,7 +73,7 @@ def _reap(p: subprocess.Popen) -> None:
 
 
 def wait_attention_ready(addr: str, timeout: float = 60.0, procs: Procs | None = None, name=""):
-    from services.attention.control import pb, pb_grpc
+    from afd.control import pb, pb_grpc
 
     deadline = time.monotonic() + timeout
     last = ""
@@ -95,7 +95,7 @@ def wait_attention_ready(addr: str, timeout: float = 60.0, procs: Procs | None =
 
 def generate(addr: str, prompt: list[int], max_tokens: int, timeout: float = 60.0, **sampling):
     """Token ids and the final event of one Generate call on the control plane."""
-    from services.attention.control import pb, pb_grpc
+    from afd.control import pb, pb_grpc
 
     with grpc.insecure_channel(addr) as ch:
         stub = pb_grpc.AttentionServiceStub(ch)

@@ -10,10 +10,10 @@ from concurrent.futures import Future
 import pytest
 
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from afd.control import SamplingParams
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
 from afd.local import local_engine
 from services.attention.loop import EngineLoop
-from services.attention.request import SamplingParams
 
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 

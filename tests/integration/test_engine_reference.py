@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from afd.control import SamplingParams
 from afd.local import local_engine
-from services.attention.request import SamplingParams
 from tests.helpers.checkpoints import greedy_gaps, hf_greedy, hf_model
 
 PROMPTS = [[5, 9, 17, 3, 250], list(range(20, 57)), [7, 7, 7], list(range(100, 119))]

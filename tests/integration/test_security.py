@@ -220,8 +220,8 @@ def test_gateway_reaches_attention_servers_over_tls(tmp_path):
 
     import grpc
 
+    from afd.control import pb, pb_grpc
     from afd.security import add_port
-    from services.attention.control import pb, pb_grpc
     from services.gateway.client import AttentionClient
     from services.gateway.errors import APIError
 

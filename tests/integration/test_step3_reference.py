@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from afd.control import SamplingParams
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
 from afd.local import local_engine
-from services.attention.request import SamplingParams
 from tests.reference import step3_dense
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], list(range(30, 71)), [9]]

@@ -174,7 +174,7 @@ def test_sigterm_drains_an_ffn_so_no_timeout_is_waited_out(qwen3_dir, reference,
 
 def _stream(addr: str, prompt: list[int], max_tokens: int):
     """The events of one Generate call, as they come."""
-    from services.attention.control import pb, pb_grpc
+    from afd.control import pb, pb_grpc
 
     with grpc.insecure_channel(addr) as ch:
         req = pb.GenerateRequest(

@@ -7,10 +7,10 @@ import json
 import httpx
 import pytest
 
+from afd.control import Health, Logprob, Stats, TokenEvent
 from afd.demo import write_tokenizer
 from afd.tokenizer import ModelTokenizer
 from services.gateway.app import GatewayConfig, create_app
-from services.gateway.client import Health, Stats, TokenChunk
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import from_attention
 from services.gateway.handlers import GatewayState
@@ -40,10 +40,13 @@ class FakeClient:
                     done = True
                     raise from_attention(self.error, f"fake {self.error}")
                 await asyncio.sleep(0)
-                lps = [(-0.5, [(t, -0.5)] * params.logprobs)] if params.logprobs is not None else []
+                want = params.logprobs is not None
+                lps = [Logprob(t, -0.5, [(t, -0.5)] * params.logprobs)] if want else []
                 finish = "length" if k == len(ids) else ""
                 done = bool(finish)
-                yield TokenChunk([t], lps, finish, len(prompt), k)
+                yield TokenEvent(
+                    request_id, [t], lps, finish, prompt_tokens=len(prompt), completion_tokens=k
+                )
         finally:
             if not done:
                 self.closed_early.append(request_id)
@@ -52,7 +55,7 @@ class FakeClient:
         return Health(True, self.ready, "" if self.ready else "FFN down", "m", 64)
 
     async def stats(self):
-        return Stats(self.load, 0, 0.0)
+        return Stats(running=self.load, waiting=0, kv_usage=0.0)
 
     async def close(self):
         pass

@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 
+from afd.control import Stats
 from afd.demo import write_tokenizer
 from afd.tokenizer import ModelTokenizer
-from services.gateway.client import Stats
 from services.gateway.errors import PeerUnavailable, from_attention
 from services.gateway.lifecycle import Lifecycle
 from tests.unit.test_gateway_app import FakeClient, make, post, run, sse_events
@@ -40,14 +40,14 @@ class Dying(FakeClient):
 
     @staticmethod
     def chunk(t, n, k):
-        from services.gateway.client import TokenChunk
+        from afd.control import TokenEvent
 
-        return TokenChunk([t], [], "", n, k)
+        return TokenEvent("r", [t], prompt_tokens=n, completion_tokens=k)
 
     async def stats(self):
         if not self.up:
             raise PeerUnavailable("down")
-        return Stats(0, 0, 0.0, self.draining)
+        return Stats(running=0, waiting=0, kv_usage=0.0, draining=self.draining)
 
     async def health(self):
         if not self.up:

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from services.gateway.client import Health, Stats
+from afd.control import Health, Stats
 from services.gateway.errors import APIError, unavailable
 from services.gateway.router import Router
 
@@ -16,7 +16,7 @@ class Fake:
     async def stats(self):
         if not self.alive:
             raise unavailable("down")
-        return Stats(self.load, 0, 0.0)
+        return Stats(running=self.load, waiting=0, kv_usage=0.0)
 
     async def health(self):
         if not self.alive:

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from afd.config import SchedulerConfig
+from afd.control import Logprob, SamplingParams
 from afd.errors import ConfigError, RequestError
 from services.attention.block_manager import BlockManager
-from services.attention.request import Request, RequestStatus, SamplingParams
+from services.attention.request import Request, RequestStatus
 from services.attention.scheduler import Scheduler, SchedulerOutput
 
 REPO = Path(__file__).resolve().parents[2]
@@ -396,9 +397,13 @@ def test_logprobs_are_appended_with_each_token() -> None:
     s.add_request(r)
     for i in range(2):
         out = s.schedule()
-        s.update(out, {"a": 11 + i}, {"a": (-0.5 * i, [(11 + i, -0.5 * i), (3, -2.0)])})
+        lp = Logprob(11 + i, -0.5 * i, [(11 + i, -0.5 * i), (3, -2.0)])
+        s.update(out, {"a": 11 + i}, {"a": lp})
     assert r.output_token_ids == [11, 12]
-    assert r.output_logprobs == [(0.0, [(11, 0.0), (3, -2.0)]), (-0.5, [(12, -0.5), (3, -2.0)])]
+    assert r.output_logprobs == [
+        Logprob(11, 0.0, [(11, 0.0), (3, -2.0)]),
+        Logprob(12, -0.5, [(12, -0.5), (3, -2.0)]),
+    ]
 
 
 def test_modules_do_not_import_torch() -> None:
