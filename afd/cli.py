@@ -195,7 +195,7 @@ def _ffn_parser(sub) -> None:
 
 def _run_ffn(args: argparse.Namespace) -> int:
     from afd.sharding import ExpertShard
-    from services.ffn.service import FFNServiceConfig, inject_delay_from_env, serve
+    from services.ffn.server import FFNServiceConfig, inject_delay_from_env, serve
 
     mc = model_config(args)
     try:

@@ -1,7 +1,7 @@
 """Attention and FFN in one process, talking through the in-process transport.
 
 This is the offline `afd generate` path and the test workhorse: the same engine and FFN
-server as the distributed deployment, only the transport differs.
+compute as the distributed deployment, the same serving loop, only the transport differs.
 """
 
 from __future__ import annotations
@@ -10,40 +10,44 @@ import itertools
 from contextlib import contextmanager
 from dataclasses import replace
 
-import torch
-
+from afd import metrics
 from afd.config import EngineConfig
+from afd.dtypes import compute_dtype
 from afd.sharding import ExpertShard
-from afd.transport import Listener, listen
-from services.attention.engine import DTYPES, Engine
-from services.ffn.server import FFNServer
+from afd.transport import FFNServing, Listener, listen
+from afd.wire import WireLimits
+from services.attention.engine import Engine, ffn_shards
+from services.ffn.engine import FFNEngine
 
 _names = itertools.count()
+MAX_TOKENS = 65536  # largest message an in-process FFN shard accepts, in tokens
 
 
-def start_ffn_shards(
-    cfg: EngineConfig, n: int, progress: bool = True
-) -> tuple[list[Listener], tuple[str, ...]]:
-    dtype: torch.dtype = DTYPES[cfg.dtype]
-    listeners, addrs = [], []
-    tag = next(_names)
-    for i in range(n):
-        server = FFNServer(
-            cfg.model, ExpertShard(i, n, cfg.model.num_experts), dtype, progress=progress
-        )
-        addr = f"inproc://ffn-{tag}-{i}"
-        # With one micro-batch there is nothing to overlap: compute on the engine's thread.
-        listeners.append(listen(addr, server.handle, inline=cfg.micro_batches == 1))
-        addrs.append(addr)
-    return listeners, tuple(addrs)
+def serve_ffn_inproc(cfg: EngineConfig, progress: bool = True) -> list[Listener]:
+    """Serve the expert shards at cfg.ffn_addresses (every one inproc://) in this process:
+    shard i of N at the i-th address, one FFN engine per replica."""
+    shards, model = ffn_shards(cfg.ffn_addresses), cfg.model
+    limits = WireLimits.for_model(model, MAX_TOKENS)
+    metrics.register("ffn")
+    listeners = []
+    for i, replicas in enumerate(shards):
+        for addr in replicas:
+            shard = ExpertShard(i, len(shards), model.num_experts)
+            engine = FFNEngine(model, shard, compute_dtype(cfg.dtype), progress=progress)
+            # With one micro-batch there is nothing to overlap: compute on the engine's thread.
+            serving = FFNServing(engine.compute, limits)
+            listeners.append(listen(addr, serving, inline=cfg.micro_batches == 1))
+    return listeners
 
 
 @contextmanager
 def local_engine(cfg: EngineConfig, num_ffn: int = 1, progress: bool = True):
     """An Engine wired to `num_ffn` in-process FFN shards; they are closed on exit."""
-    listeners, addrs = start_ffn_shards(cfg, num_ffn, progress)
+    tag = next(_names)
+    cfg = replace(cfg, ffn_addresses=tuple(f"inproc://ffn-{tag}-{i}" for i in range(num_ffn)))
+    listeners = serve_ffn_inproc(cfg, progress)
     try:
-        yield Engine(replace(cfg, ffn_addresses=addrs), progress=progress)
+        yield Engine(cfg, progress=progress)
     finally:
         for lst in listeners:
             lst.close()

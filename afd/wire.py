@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from afd.config import ModelConfig
 from afd.errors import TransportError
+from afd.messages import FFNReply, FFNRequest, Trace
 from afd.protos import ensure_generated
 from afd.quant import buffer_to_tensor, tensor_to_buffer
-from afd.transport.messages import FFNReply, FFNRequest, Trace
 
 ensure_generated()
 from afd.v1 import ffn_pb2 as pb  # noqa: E402 - generated on first use just above
@@ -91,6 +92,20 @@ class WireLimits:
     num_experts: int
     max_tokens: int
     top_k: int
+    # moe_layers[i]: layer i takes exactly top_k experts per token, else none (a dense layer);
+    # empty: any k up to top_k on any layer
+    moe_layers: tuple[bool, ...] = ()
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, max_tokens: int) -> WireLimits:
+        return cls(
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_experts=cfg.num_experts,
+            max_tokens=max_tokens,
+            top_k=cfg.top_k,
+            moe_layers=cfg.moe_layers,
+        )
 
 
 def _dtype_code(t: torch.Tensor, what: str, allowed: Sequence[torch.dtype]) -> int:
@@ -175,27 +190,82 @@ def _check_finite(what: str, a: np.ndarray, where: dict) -> None:
         raise WireError("bad_value", f"{what} contains non-finite values", **where)
 
 
-def _check_request_header(hd: Any, limits: WireLimits, where: dict) -> torch.dtype:
-    """The header's numbers against the server's limits; returns the hidden dtype."""
-    dtype = _FROM_WIRE.get(hd.hidden_dtype)
+def _check_fields(
+    layer: int,
+    shape: tuple[int, int, int],  # (T, H, k)
+    sender: str,
+    times: tuple[float, float],  # (deadline, t_send)
+    limits: WireLimits,
+    where: dict,
+) -> None:
+    """A request's numbers against the server's limits, whichever way it arrived."""
+    t, h, k = shape
     problem = None
-    if dtype is None:
-        problem = f"unknown hidden dtype {hd.hidden_dtype}"
-    elif hd.hidden_size != limits.hidden_size:
-        problem = f"hidden size {hd.hidden_size}, this server's is {limits.hidden_size}"
-    elif hd.layer >= limits.num_layers:
-        problem = f"layer {hd.layer} of a {limits.num_layers}-layer model"
-    elif hd.top_k > min(limits.top_k, limits.num_experts):
-        problem = f"top_k {hd.top_k} > {limits.top_k} ({limits.num_experts} experts)"
-    elif hd.num_tokens > limits.max_tokens:
-        problem = f"{hd.num_tokens} tokens > this server's limit {limits.max_tokens}"
-    elif len(hd.sender) > MAX_SENDER_CHARS:
+    if h != limits.hidden_size:
+        problem = f"hidden size {h}, this server's is {limits.hidden_size}"
+    elif not 0 <= layer < limits.num_layers:
+        problem = f"layer {layer} of a {limits.num_layers}-layer model"
+    elif k > min(limits.top_k, limits.num_experts):
+        problem = f"top_k {k} > {limits.top_k} ({limits.num_experts} experts)"
+    elif limits.moe_layers and k != (limits.top_k if limits.moe_layers[layer] else 0):
+        want = limits.top_k if limits.moe_layers[layer] else 0
+        problem = f"{k} experts per token on layer {layer}, which takes {want}"
+    elif t > limits.max_tokens:
+        problem = f"{t} tokens > this server's limit {limits.max_tokens}"
+    elif len(sender) > MAX_SENDER_CHARS:
         problem = "sender name too long"
-    elif not (math.isfinite(hd.deadline) and math.isfinite(hd.t_send)):
+    elif not all(math.isfinite(x) for x in times):
         problem = "non-finite deadline or t_send"
     if problem:
         raise WireError("bad_value", problem, **where)
-    return dtype
+
+
+def _check_values(
+    scales: torch.Tensor | None,  # [T] float32, fp8 only
+    ids: torch.Tensor,  # [T, k] int
+    weights: torch.Tensor,  # [T, k] float32
+    limits: WireLimits,
+    where: dict,
+) -> None:
+    # The checks read the small tensors through numpy views: a few microseconds each, where
+    # the same torch ops cost ~10 (op dispatch), and they run for every message of every layer.
+    if scales is not None:
+        sc = scales.numpy()
+        _check_finite("scales", sc, where)
+        if sc.size and sc.min() < 0:
+            raise WireError("bad_value", "negative fp8 scale", **where)
+    if ids.numel():
+        id_view = ids.numpy()
+        lo, hi = int(id_view.min()), int(id_view.max())
+        if lo < 0 or hi >= limits.num_experts:
+            message = f"expert ids span [{lo}, {hi}], outside [0, {limits.num_experts})"
+            raise WireError("bad_value", message, **where)
+    _check_finite("expert weights", weights.numpy(), where)
+
+
+def check_request(req: FFNRequest, limits: WireLimits) -> None:
+    """Validate a request handed over in memory (the in-process transport) exactly as
+    `decode_request` validates one from the wire; raises WireError."""
+    where = {"seq": req.seq, "layer": req.layer, "micro_batch": req.micro_batch}
+    hidden = req.hidden  # [T, H]
+    if hidden.dim() != 2 or hidden.dtype not in _TO_WIRE:
+        raise WireError("bad_value", f"hidden {hidden.dtype} {tuple(hidden.shape)}", **where)
+    t, h = hidden.shape
+    ids, weights = req.expert_ids, req.expert_weights  # [T, k], [T, k]
+    if ids.dim() != 2 or ids.shape[0] != t or weights.shape != ids.shape:
+        shapes = f"{tuple(ids.shape)} / {tuple(weights.shape)}"
+        raise WireError("bad_value", f"expert ids / weights {shapes} for {t} tokens", **where)
+    if ids.is_floating_point() or weights.dtype != torch.float32:
+        raise WireError("bad_value", f"expert ids {ids.dtype} / weights {weights.dtype}", **where)
+    times = (req.deadline, req.t_send)
+    _check_fields(req.layer, (t, h, ids.shape[1]), req.sender, times, limits, where)
+    scales = req.scales
+    if hidden.dtype == torch.float8_e4m3fn:
+        if scales is None or tuple(scales.shape) != (t,) or scales.dtype != torch.float32:
+            raise WireError("bad_value", "fp8 hidden states need float32 scales [T]", **where)
+    else:
+        scales = None
+    _check_values(scales, ids, weights, limits, where)
 
 
 def decode_request(frames: Sequence[Buffer], limits: WireLimits) -> FFNRequest:
@@ -205,8 +275,11 @@ def decode_request(frames: Sequence[Buffer], limits: WireLimits) -> FFNRequest:
     """
     hd = _parse(pb.FFNRequestHeader, frames, REQUEST_FRAMES)
     where = {"seq": hd.seq, "layer": hd.layer, "micro_batch": hd.micro_batch}
-    dtype = _check_request_header(hd, limits, where)
+    dtype = _FROM_WIRE.get(hd.hidden_dtype)
+    if dtype is None:
+        raise WireError("bad_value", f"unknown hidden dtype {hd.hidden_dtype}", **where)
     t, h, k = hd.num_tokens, hd.hidden_size, hd.top_k
+    _check_fields(hd.layer, (t, h, k), hd.sender, (hd.deadline, hd.t_send), limits, where)
     fp8 = dtype == torch.float8_e4m3fn
     _check_size("hidden", hd.hidden_bytes, frames[1], t * h * dtype.itemsize, where)
     _check_size("scales", hd.scales_bytes, frames[2], t * 4 if fp8 else 0, where)
@@ -216,20 +289,7 @@ def decode_request(frames: Sequence[Buffer], limits: WireLimits) -> FFNRequest:
     scales = buffer_to_tensor(frames[2], torch.float32, (t,)) if fp8 else None  # [T]
     ids = buffer_to_tensor(frames[3], torch.int32, (t, k))  # [T, k]
     weights = buffer_to_tensor(frames[4], torch.float32, (t, k))  # [T, k]
-    # The checks read the small tensors through numpy views: a few microseconds each, where
-    # the same torch ops cost ~10 (op dispatch), and they run for every message of every layer.
-    if scales is not None:
-        sc = scales.numpy()
-        _check_finite("scales", sc, where)
-        if t and sc.min() < 0:
-            raise WireError("bad_value", "negative fp8 scale", **where)
-    if ids.numel():
-        id_view = ids.numpy()
-        lo, hi = int(id_view.min()), int(id_view.max())
-        if lo < 0 or hi >= limits.num_experts:
-            message = f"expert ids span [{lo}, {hi}], outside [0, {limits.num_experts})"
-            raise WireError("bad_value", message, **where)
-    _check_finite("expert weights", weights.numpy(), where)
+    _check_values(scales, ids, weights, limits, where)
     return FFNRequest(
         layer=hd.layer,
         micro_batch=hd.micro_batch,

@@ -24,8 +24,9 @@ from collections.abc import Callable
 
 import torch
 
+from afd.messages import FFNReply, FFNRequest
 from afd.quant import FP8, dequantize_fp8, quantize_fp8
-from afd.transport import FFNRequest, connect
+from afd.transport import connect
 from afd.wire import encode_reply, encode_request
 
 # The FFN side: replies with a preallocated output, so only the transport is measured. A
@@ -33,21 +34,21 @@ from afd.wire import encode_reply, encode_request
 _SERVER = """
 import sys, torch
 from afd.quant import dequantize_fp8
-from afd.transport import FFNReply, listen
+from afd.transport import FFNServing, listen
 from afd.wire import WireLimits
 
 torch.set_num_threads(int(sys.argv[4]))
 T, H = int(sys.argv[2]), int(sys.argv[3])
 out = torch.zeros(T, H, dtype=torch.bfloat16)
 
-def handler(reqs):
+def compute(layer, reqs):
     for r in reqs:
         if r.micro_batch == 1 and r.scales is not None:
             dequantize_fp8(r.hidden, r.scales)
-    return [FFNReply(r.seq, r.layer, r.micro_batch, out) for r in reqs]
+    return [out[: r.num_tokens] for r in reqs]
 
 limits = WireLimits(hidden_size=H, num_layers=1, num_experts=256, max_tokens=T, top_k=16)
-listener = listen(sys.argv[1], handler, limits=limits)
+listener = listen(sys.argv[1], FFNServing(compute, limits))
 print("READY", listener.address, flush=True)
 sys.stdin.read()
 listener.close()
@@ -184,9 +185,7 @@ def _wire_bytes(x: torch.Tensor, k: int) -> dict:
     return out
 
 
-def _reply_like(x: torch.Tensor):
-    from afd.transport import FFNReply
-
+def _reply_like(x: torch.Tensor) -> FFNReply:
     return FFNReply(seq=0, layer=0, micro_batch=0, output=x)  # [T, H] bf16
 
 

@@ -1,16 +1,8 @@
-from afd.transport.base import FFNClient, Handler, Listener
-from afd.transport.messages import FFNReply, FFNRequest, Trace
-from afd.transport.registry import connect, listen, register, schemes
+"""The data plane's pluggable transport: `connect` on the attention side, `listen` on the FFN
+side, one backend module per address scheme (registry.py)."""
 
-__all__ = [
-    "FFNClient",
-    "FFNReply",
-    "FFNRequest",
-    "Handler",
-    "Listener",
-    "Trace",
-    "connect",
-    "listen",
-    "register",
-    "schemes",
-]
+from afd.transport.base import FFNClient, Listener
+from afd.transport.registry import connect, listen
+from afd.transport.serving import FFNServing
+
+__all__ = ["FFNClient", "FFNServing", "Listener", "connect", "listen"]

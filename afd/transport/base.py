@@ -1,9 +1,10 @@
 """The transport interface: how an attention server reaches one FFN peer.
 
 Contract, shared by every backend:
-- `connect(address)` gives the attention side an `FFNClient`; `listen(address, handler)` gives
-  the FFN side a `Listener` that calls `handler` with a list of requests (those that arrived
-  together and share a layer may be computed as one batch) and sends each reply to its sender.
+- `connect(address)` gives the attention side an `FFNClient`; `listen(address, serving)` gives
+  the FFN side a `Listener` that hands what it receives to the one serving loop
+  (`afd.transport.serving.FFNServing`: messages that arrived together and share a layer are
+  computed as one batch) and sends each reply back to its sender.
 - `send` never blocks on the peer's compute. `wait(seq, timeout)` returns the reply whose seq
   matches, buffering replies that arrive out of order, and raises `TransportError` when the
   deadline passes: a dead peer is an error for the request that needed it, never a hang.
@@ -16,12 +17,9 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 from afd.errors import TransportError
-from afd.transport.messages import FFNReply, FFNRequest
-
-Handler = Callable[[list[FFNRequest]], list[FFNReply]]
+from afd.messages import FFNReply, FFNRequest
 
 
 class FFNClient(ABC):

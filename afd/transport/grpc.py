@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from afd.errors import ConfigError, TransportError
+from afd.messages import FFNReply, FFNRequest
 from afd.protos import ensure_generated
 from afd.security import Security, add_port, channel
-from afd.transport.base import FFNClient, Handler, Listener
-from afd.transport.messages import FFNReply, FFNRequest
-from afd.transport.serving import Inbound, require_limits, serve_messages, stamp_received
-from afd.wire import Buffer, WireError, WireLimits, decode_reply, encode_request
+from afd.transport.base import FFNClient, Listener
+from afd.transport.serving import FFNServing, Inbound, stamp_received
+from afd.wire import Buffer, WireError, decode_reply, encode_request
 
 ensure_generated()
 from afd.v1 import ffn_pb2 as pb  # noqa: E402 - generated on first use just above
@@ -173,11 +173,9 @@ class _Servicer(pb_grpc.FFNServiceServicer):
 class GrpcListener(Listener):
     """A gRPC server whose stream threads feed one compute thread (batching across clients)."""
 
-    def __init__(
-        self, address: str, handler: Handler, limits: WireLimits, security: Security | None = None
-    ):
-        self._handler = handler
-        self._limits = limits
+    def __init__(self, address: str, serving: FFNServing, security: Security | None = None):
+        self._serving = serving
+        limits = serving.limits
         self._inbox: queue.SimpleQueue[Inbound | None] = queue.SimpleQueue()
         max_request = limits.max_tokens * (limits.hidden_size * 4 + 4 + 8 * limits.top_k) + 65536
         self._server = grpc.server(
@@ -208,7 +206,7 @@ class GrpcListener(Listener):
                     break
             messages = [m for m in batch if m is not None]
             try:
-                for outbox, frames in serve_messages(messages, self._handler, self._limits):
+                for outbox, frames in self._serving.serve_frames(messages):
                     outbox.put(frames)
             except Exception:
                 log.exception("grpc listener %s: error in the serving loop", self.address)
@@ -232,11 +230,6 @@ def connect(
 
 
 def listen(
-    address: str,
-    handler: Handler,
-    *,
-    limits: WireLimits | None = None,
-    security: Security | None = None,
-    **_: object,
+    address: str, serving: FFNServing, *, security: Security | None = None, **_: object
 ) -> Listener:
-    return GrpcListener(address, handler, require_limits(address, limits), security)
+    return GrpcListener(address, serving, security)

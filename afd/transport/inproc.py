@@ -1,42 +1,47 @@
 """In-process backend: queues between threads of one process, tensors handed over as they are.
 
 The FFN side runs on its own thread so that with S >= 2 micro-batches it computes while the
-attention side works on the next micro-batch (torch releases the GIL inside its kernels).
+attention side works on the next micro-batch (torch releases the GIL inside its kernels). The
+messages go through the same serving loop as on the network backends (validation, deadlines,
+draining, traces, metrics); only the encoding is skipped.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 
 from afd.errors import ConfigError
-from afd.transport.base import FFNClient, Handler, Listener
-from afd.transport.messages import FFNReply, FFNRequest
-from afd.transport.serving import stamp_received
+from afd.messages import FFNReply, FFNRequest
+from afd.transport.base import FFNClient, Listener
+from afd.transport.serving import FFNServing, stamp_received
 
 # inproc:// names are process-local endpoints; this table is the only way two objects of one
 # process find each other by address, exactly as a socket address does between processes.
 _ENDPOINTS: dict[str, _InprocListener] = {}
 _LOCK = threading.Lock()
 
+Outbox = queue.SimpleQueue  # a client's reply queue: the peer a reply goes back to
+
 
 class _InprocListener(Listener):
-    def __init__(self, address: str, handler: Handler, inline: bool = False):
+    def __init__(self, address: str, serving: FFNServing, inline: bool = False):
         self.address = address
-        self._handler = handler
+        self._serving = serving
         self._inline = inline
-        self._inbox: queue.SimpleQueue[tuple[FFNRequest, queue.SimpleQueue] | None] = (
+        self._inbox: queue.SimpleQueue[tuple[Outbox, FFNRequest, float] | None] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._serve, name=f"ffn:{address}", daemon=True)
         self._thread.start()
 
-    def submit(self, req: FFNRequest, reply_to: queue.SimpleQueue) -> None:
+    def submit(self, req: FFNRequest, reply_to: Outbox) -> None:
+        item = (reply_to, req, time.time())
         if self._inline:  # serial mode: compute on the caller's thread, no hand-off
-            for reply in self._handler([req]):
-                reply_to.put(reply)
+            self._answer([item])
             return
-        self._inbox.put((req, reply_to))
+        self._inbox.put(item)
 
     def _serve(self) -> None:
         while True:
@@ -44,7 +49,7 @@ class _InprocListener(Listener):
             if item is None:
                 return
             batch = [item]
-            # Merge whatever else is already queued for the same layer into one compute call.
+            # Take whatever else is already queued: one compute call per layer for all of it.
             while True:
                 try:
                     nxt = self._inbox.get_nowait()
@@ -54,11 +59,11 @@ class _InprocListener(Listener):
                     self._inbox.put(None)
                     break
                 batch.append(nxt)
-            for group in _by_layer(batch):
-                reqs = [r for r, _ in group]
-                replies = self._handler(reqs)
-                for (_, reply_to), reply in zip(group, replies, strict=True):
-                    reply_to.put(reply)
+            self._answer(batch)
+
+    def _answer(self, batch: list[tuple[Outbox, FFNRequest, float]]) -> None:
+        for reply_to, reply in self._serving.serve_requests(batch):
+            reply_to.put(reply)
 
     def close(self) -> None:
         with _LOCK:
@@ -66,13 +71,6 @@ class _InprocListener(Listener):
                 del _ENDPOINTS[self.address]
         self._inbox.put(None)
         self._thread.join(timeout=5)
-
-
-def _by_layer(batch):
-    groups: dict[int, list] = {}
-    for item in batch:
-        groups.setdefault(item[0].layer, []).append(item)
-    return list(groups.values())
 
 
 class _InprocClient(FFNClient):
@@ -99,13 +97,15 @@ class _InprocClient(FFNClient):
             return None
 
 
-def listen(address: str, handler: Handler, *, inline: bool = False, **_: object) -> Listener:
+def listen(
+    address: str, serving: FFNServing, *, inline: bool = False, **_: object
+) -> Listener:
     """inline=True computes each request on the sender's thread: no overlap, no thread hop
     (the right choice with one micro-batch, where there is nothing to overlap)."""
     with _LOCK:
         if address in _ENDPOINTS:
             raise ConfigError(f"{address} is already being served in this process")
-        listener = _InprocListener(address, handler, inline)
+        listener = _InprocListener(address, serving, inline)
         _ENDPOINTS[address] = listener
         return listener
 

@@ -1,11 +1,17 @@
-"""One registry entry per transport backend, chosen by the address scheme."""
+"""One registry entry per transport backend, chosen by the address scheme.
+
+Adding a backend is one module with `connect(address, **options) -> FFNClient` and
+`listen(address, serving, **options) -> Listener` (the contract is in base.py) and one entry
+in `_BACKENDS`.
+"""
 
 from __future__ import annotations
 
 import importlib
 
 from afd.errors import ConfigError
-from afd.transport.base import FFNClient, Handler, Listener
+from afd.transport.base import FFNClient, Listener
+from afd.transport.serving import FFNServing
 
 # scheme -> module defining `connect(address) -> FFNClient` and `listen(address, handler)`
 _BACKENDS: dict[str, str] = {
@@ -14,10 +20,6 @@ _BACKENDS: dict[str, str] = {
     "ipc": "afd.transport.zmq",
     "grpc": "afd.transport.grpc",
 }
-
-
-def register(scheme: str, module: str) -> None:
-    _BACKENDS[scheme] = module
 
 
 def _backend(address: str):
@@ -34,12 +36,8 @@ def connect(address: str, **options) -> FFNClient:
     return _backend(address).connect(address, **options)
 
 
-def listen(address: str, handler: Handler, **options) -> Listener:
-    return _backend(address).listen(address, handler, **options)
+def listen(address: str, serving: FFNServing, **options) -> Listener:
+    return _backend(address).listen(address, serving, **options)
 
 
-def schemes() -> list[str]:
-    return sorted(_BACKENDS)
-
-
-__all__ = ["connect", "listen", "register", "schemes"]
+__all__ = ["connect", "listen"]

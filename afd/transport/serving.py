@@ -1,12 +1,15 @@
-"""What every network listener does with the messages it received, in one place.
+"""The FFN side's one serving loop, shared by every transport backend.
 
-A backend's receive loop collects the messages that arrived together, each with an opaque
-`peer` (whatever the backend needs to route the reply back) and its arrival time, and calls
-`serve_messages`. That decodes and validates each one (a malformed message gets an error reply
-when its seq is known, else it is dropped with a log line), answers expired requests without
-computing them, groups the rest by layer and calls the handler once per group, stamps the
-timing trace, records the FFN server's metrics (afd.metrics) and encodes the replies. Nothing
-raised by the handler escapes: the server keeps serving.
+A backend receives messages and hands them here, each with an opaque `peer` (whatever it needs
+to route the reply back) and its arrival time; network backends pass the raw frames
+(`serve_frames`), the in-process backend passes the request objects (`serve_requests`). Either
+way every message is validated once against the server's `WireLimits` (a malformed message
+gets an error reply when its seq is known, else it is dropped with a log line), a draining
+server answers every message with a typed `unavailable` error, an expired message is answered
+without being computed, and the rest are grouped by layer with one `compute` call per layer.
+Here the timing trace is stamped, the FFN server's metrics are recorded (`afd.metrics`) and a
+failed compute becomes an `internal` error reply: nothing raised by the compute escapes, and
+the server keeps serving. The compute itself is pure: (layer, requests) -> outputs.
 """
 
 from __future__ import annotations
@@ -14,22 +17,29 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
+import torch
+
 from afd import metrics
-from afd.errors import ConfigError
-from afd.transport.base import Handler
-from afd.transport.messages import FFNReply, FFNRequest, Trace
-from afd.wire import Buffer, WireError, WireLimits, decode_request, encode_reply
+from afd.messages import FFNReply, FFNRequest, Trace
+from afd.wire import Buffer, WireError, WireLimits, check_request, decode_request, encode_reply
 
 log = logging.getLogger(__name__)
 
 P = TypeVar("P")
 
+# (layer, that layer's requests) -> one output [T_i, H] per request, in order
+Compute = Callable[[int, list[FFNRequest]], list[torch.Tensor]]
+
+DRAINING = "FFN server is draining (shutting down)"
+
 
 @dataclasses.dataclass(frozen=True)
 class Inbound(Generic[P]):
+    """One message as a network backend received it."""
+
     peer: P
     frames: Sequence[Buffer]
     t_recv: float  # time.time() when the message arrived
@@ -47,64 +57,124 @@ def error_reply(req_or_err: FFNRequest | WireError, code: str, message: str) -> 
     )
 
 
-def _decode(msg: Inbound[P], limits: WireLimits) -> FFNRequest | FFNReply | None:
-    try:
-        req = decode_request(msg.frames, limits)
-    except WireError as e:
-        if e.seq is None:
-            log.warning("dropped a malformed FFN message from %r: %s", msg.peer, e)
-            return None
-        log.warning("rejected FFN message %d from %r: %s", e.seq, msg.peer, e)
-        return error_reply(e, e.code, e.message)
-    if req.deadline and msg.t_recv > req.deadline:
-        # The sender has given up on it (e.g. it was queued while this server was down).
-        return error_reply(req, "deadline_exceeded", "arrived after its deadline")
-    return req
+class FFNServing:
+    """What an FFN server does with the messages it receives; one per listener."""
+
+    def __init__(self, compute: Compute, limits: WireLimits):
+        self.compute = compute
+        self.limits = limits
+        # Set on SIGTERM: every message from then on gets a typed `unavailable` reply, so the
+        # attention side moves its work to another replica at once.
+        self.draining = False
+
+    def serve_frames(self, messages: Sequence[Inbound[P]]) -> list[tuple[P, list[Buffer]]]:
+        """Decode (validating), serve and encode; returns (peer, reply frames) for every
+        message that gets an answer, in no promised order."""
+        received: list[tuple[P, FFNRequest | FFNReply, float]] = []
+        for msg in messages:
+            try:
+                item: FFNRequest | FFNReply = decode_request(msg.frames, self.limits)
+            except WireError as e:
+                if e.seq is None:
+                    log.warning("dropped a malformed FFN message from %r: %s", msg.peer, e)
+                    continue
+                log.warning("rejected FFN message %d from %r: %s", e.seq, msg.peer, e)
+                item = error_reply(e, e.code, e.message)
+            received.append((msg.peer, item, msg.t_recv))
+        return [(peer, _encode(rep)) for peer, rep in self._serve(received)]
+
+    def serve_requests(
+        self, requests: Sequence[tuple[P, FFNRequest, float]]
+    ) -> list[tuple[P, FFNReply]]:
+        """Serve (peer, request, arrival time) handed over in memory, validated here as the
+        network path validates its frames."""
+        received: list[tuple[P, FFNRequest | FFNReply, float]] = []
+        for peer, req, t_recv in requests:
+            try:
+                check_request(req, self.limits)
+                received.append((peer, req, t_recv))
+            except WireError as e:
+                log.warning("rejected FFN message %d from %r: %s", req.seq, peer, e)
+                received.append((peer, error_reply(req, e.code, e.message), t_recv))
+        return self._serve(received)
+
+    def _serve(
+        self, received: Sequence[tuple[P, FFNRequest | FFNReply, float]]
+    ) -> list[tuple[P, FFNReply]]:
+        out: list[tuple[P, FFNReply]] = []
+        groups: dict[int, list[tuple[P, FFNRequest, float]]] = {}
+        for peer, item, t_recv in received:
+            if isinstance(item, FFNReply):  # refused by validation
+                out.append((peer, _stamp(item, None, t_recv, (0.0, 0.0), 1)))
+            elif self.draining:
+                out.append((peer, _refused(item, "unavailable", DRAINING, t_recv)))
+            elif item.deadline and t_recv > item.deadline:
+                # The sender has given up on it (e.g. it was queued while this server was down).
+                why = "arrived after its deadline"
+                out.append((peer, _refused(item, "deadline_exceeded", why, t_recv)))
+            else:
+                groups.setdefault(item.layer, []).append((peer, item, t_recv))
+        for layer, group in groups.items():
+            out += self._compute(layer, group)
+        return out
+
+    def _compute(
+        self, layer: int, group: list[tuple[P, FFNRequest, float]]
+    ) -> list[tuple[P, FFNReply]]:
+        reqs = [req for _, req, _ in group]
+        start = time.time()
+        try:
+            outputs = self.compute(layer, reqs)
+            if len(outputs) != len(reqs):
+                raise RuntimeError(f"compute gave {len(outputs)} outputs to {len(reqs)} requests")
+        except Exception as e:  # a bad batch must not take the server down
+            log.exception("FFN compute failed on layer %d (%d requests)", layer, len(reqs))
+            outputs = [None] * len(reqs)
+            why = f"FFN compute failed: {type(e).__name__}: {e}"
+        span = (start, time.time())
+        replies = []
+        for (peer, req, t_recv), output in zip(group, outputs, strict=True):
+            if output is None:
+                rep = error_reply(req, "internal", why)
+            elif tuple(output.shape) != tuple(req.hidden.shape):
+                shape = tuple(output.shape)
+                rep = error_reply(req, "internal", f"output {shape} for {req.num_tokens} tokens")
+            else:
+                rep = FFNReply(req.seq, req.layer, req.micro_batch, output)
+            replies.append((peer, _stamp(rep, req, t_recv, span, len(reqs))))
+        _observe(group, replies)
+        return replies
 
 
-def _compute(handler: Handler, reqs: list[FFNRequest]) -> list[FFNReply]:
-    try:
-        replies = handler(reqs)
-        if len(replies) != len(reqs):
-            raise RuntimeError(f"handler gave {len(replies)} replies to {len(reqs)} requests")
-    except Exception as e:
-        log.exception("FFN handler failed on layer %d (%d requests)", reqs[0].layer, len(reqs))
-        return [error_reply(r, "internal", f"{type(e).__name__}: {e}") for r in reqs]
-    out = []
-    for req, rep in zip(reqs, replies, strict=True):
-        if rep.ok and (rep.output is None or tuple(rep.output.shape) != tuple(req.hidden.shape)):
-            shape = None if rep.output is None else tuple(rep.output.shape)
-            rep = error_reply(
-                req, "internal", f"handler output {shape} for {req.num_tokens} tokens"
-            )
-        out.append(rep)
-    return out
+def _refused(req: FFNRequest, code: str, message: str, t_recv: float) -> FFNReply:
+    return _stamp(error_reply(req, code, message), req, t_recv, (0.0, 0.0), 1)
 
 
 def _stamp(
     rep: FFNReply, req: FFNRequest | None, t_recv: float, span: tuple[float, float], n: int
 ) -> FFNReply:
-    # The listener knows when the message arrived (the handler only when it got it, after any
-    # queueing); of the rest, fill only what the handler left unset: it may know its compute
-    # window better.
-    tr = rep.trace
-    stamped = Trace(
-        a_send=tr.a_send or (req.t_send if req is not None else 0.0),
-        f_recv=t_recv or tr.f_recv,
-        f_compute_start=tr.f_compute_start or span[0],
-        f_compute_end=tr.f_compute_end or span[1],
-        f_send=tr.f_send or time.time(),
-        a_recv=tr.a_recv,
-        merged=tr.merged if tr.merged != 1 else n,
+    trace = Trace(
+        a_send=req.t_send if req is not None else 0.0,
+        f_recv=t_recv,
+        f_compute_start=span[0],
+        f_compute_end=span[1],
+        f_send=time.time(),
+        merged=n,
     )
-    return dataclasses.replace(rep, trace=stamped)
+    return dataclasses.replace(rep, trace=trace)
 
 
-def _observe(group: list[tuple[Inbound[P], FFNRequest]], replies: list[FFNReply]) -> None:
+def _observe(group: list[tuple[P, FFNRequest, float]], replies: list[tuple[P, FFNReply]]) -> None:
     """One layer call's metrics. Empty messages (the attention side's readiness pings) are
     left out: they would drag every mean towards zero."""
-    done = [(msg, req, rep) for (msg, req), rep in zip(group, replies, strict=True)]
-    done = [d for d in done if d[2].ok and d[1].num_tokens]
+    done = [
+        (peer, req, rep)
+        for (peer, req, _), (_, rep) in zip(group, replies, strict=True)
+        if rep.ok and req.num_tokens
+    ]
+    for _, rep in replies:
+        if rep.error_code:
+            metrics.FFN_ERRORS.labels(rep.error_code).inc()
     if not done:
         return
     tr = done[0][2].trace
@@ -113,63 +183,22 @@ def _observe(group: list[tuple[Inbound[P], FFNRequest]], replies: list[FFNReply]
     metrics.FFN_TOKENS.inc(tokens)
     metrics.FFN_BATCH_TOKENS.observe(tokens)
     metrics.FFN_BATCH_MESSAGES.observe(len(done))
-    metrics.FFN_BATCH_PEERS.observe(len({msg.peer for msg, _, _ in done}))
+    metrics.FFN_BATCH_PEERS.observe(len({peer for peer, _, _ in done}))
     metrics.FFN_COMPUTE.observe(max(0.0, tr.f_compute_end - tr.f_compute_start))
-    for msg, _, rep in done:
-        metrics.FFN_QUEUE.observe(max(0.0, rep.trace.f_compute_start - msg.t_recv))
+    for _, _, rep in done:
+        metrics.FFN_QUEUE.observe(max(0.0, rep.trace.f_compute_start - rep.trace.f_recv))
 
 
-def _encode(peer: P, rep: FFNReply) -> tuple[P, list[Buffer]]:
-    if rep.error_code:
-        metrics.FFN_ERRORS.labels(rep.error_code).inc()
+def _encode(rep: FFNReply) -> list[Buffer]:
     try:
-        return peer, encode_reply(rep)
-    except WireError as e:  # the handler produced something the wire cannot carry
+        return encode_reply(rep)
+    except WireError as e:  # the compute produced something the wire cannot carry
         log.error("cannot encode the reply to %d: %s", rep.seq, e)
-        return peer, encode_reply(
+        return encode_reply(
             dataclasses.replace(rep, output=None, error_code="internal", error=str(e))
         )
-
-
-def serve_messages(
-    messages: Sequence[Inbound[P]], handler: Handler, limits: WireLimits
-) -> list[tuple[P, list[Buffer]]]:
-    """Decode, validate, compute (one handler call per layer) and encode replies.
-
-    Returns (peer, reply frames) for every message that gets an answer, in no promised order.
-    """
-    out: list[tuple[P, list[Buffer]]] = []
-    groups: dict[int, list[tuple[Inbound[P], FFNRequest]]] = {}
-    for msg in messages:
-        item = _decode(msg, limits)
-        if isinstance(item, FFNRequest):
-            groups.setdefault(item.layer, []).append((msg, item))
-        elif item is not None:
-            out.append(_encode(msg.peer, _stamp(item, None, msg.t_recv, (0.0, 0.0), 1)))
-    for group in groups.values():
-        reqs = [req for _, req in group]
-        start = time.time()
-        replies = _compute(handler, reqs)
-        span = (start, time.time())
-        stamped = [
-            _stamp(rep, req, msg.t_recv, span, len(reqs))
-            for (msg, req), rep in zip(group, replies, strict=True)
-        ]
-        _observe(group, stamped)
-        for (msg, _req), rep in zip(group, stamped, strict=True):
-            out.append(_encode(msg.peer, rep))
-    return out
 
 
 def stamp_received(reply: FFNReply) -> FFNReply:
     """The attention side's receive stamp (trace.a_recv), taken when the reply is decoded."""
     return dataclasses.replace(reply, trace=dataclasses.replace(reply.trace, a_recv=time.time()))
-
-
-def require_limits(address: str, limits: WireLimits | None) -> WireLimits:
-    """A network listener validates every message against its model: it must know the limits."""
-    if limits is None:
-        raise ConfigError(
-            f"listening on {address} needs limits=WireLimits(...) to validate messages"
-        )
-    return limits

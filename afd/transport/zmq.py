@@ -16,11 +16,11 @@ import time
 import zmq
 
 from afd.errors import TransportError
+from afd.messages import FFNReply, FFNRequest
 from afd.security import Security
-from afd.transport.base import FFNClient, Handler, Listener
-from afd.transport.messages import FFNReply, FFNRequest
-from afd.transport.serving import Inbound, require_limits, serve_messages, stamp_received
-from afd.wire import Buffer, WireError, WireLimits, decode_reply, encode_request
+from afd.transport.base import FFNClient, Listener
+from afd.transport.serving import FFNServing, Inbound, stamp_received
+from afd.wire import Buffer, WireError, decode_reply, encode_request
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +127,10 @@ class ZmqClient(FFNClient):
 
 
 class ZmqListener(Listener):
-    """A ROUTER socket served by one background thread that also runs the handler."""
+    """A ROUTER socket served by one background thread that also runs the compute."""
 
-    def __init__(
-        self, address: str, handler: Handler, limits: WireLimits, security: Security | None = None
-    ):
-        self._handler = handler
-        self._limits = limits
+    def __init__(self, address: str, serving: FFNServing, security: Security | None = None):
+        self._serving = serving
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         _common_options(self._sock)
@@ -169,7 +166,7 @@ class ZmqListener(Listener):
                 try:
                     if not poller.poll(_POLL_MS):
                         continue
-                    for peer, frames in serve_messages(self._drain(), self._handler, self._limits):
+                    for peer, frames in self._serving.serve_frames(self._drain()):
                         # ROUTER drops replies to peers that went away (not an error here).
                         self._sock.send_multipart([peer, *frames], copy=False)
                 except Exception:  # never let one bad moment kill the server thread
@@ -195,11 +192,6 @@ def connect(
 
 
 def listen(
-    address: str,
-    handler: Handler,
-    *,
-    limits: WireLimits | None = None,
-    security: Security | None = None,
-    **_: object,
+    address: str, serving: FFNServing, *, security: Security | None = None, **_: object
 ) -> Listener:
-    return ZmqListener(address, handler, require_limits(address, limits), security)
+    return ZmqListener(address, serving, security)

@@ -33,10 +33,10 @@ import torch
 
 from afd.config import ModelConfig
 from afd.errors import TransportError
+from afd.messages import FFNReply, FFNRequest
 from afd.quant import quantize_fp8
 from afd.sharding import ExpertShard
 from afd.transport.base import FFNClient
-from afd.transport.messages import FFNReply, FFNRequest
 
 log = logging.getLogger("afd.attention")
 

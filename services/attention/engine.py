@@ -9,6 +9,7 @@ import torch
 
 from afd.config import EngineConfig
 from afd.control import SamplingParams
+from afd.dtypes import compute_dtype
 from afd.errors import TransportError
 from afd.runtime import tune_allocator
 from afd.sharding import ExpertShard
@@ -23,9 +24,6 @@ from services.attention.scheduler import Scheduler
 
 log = logging.getLogger("afd.attention")
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
-
-
 def ffn_shards(addresses: tuple[str, ...]) -> list[list[str]]:
     """The FFN pool as shards of replicas: the i-th entry serves expert shard i, and an entry
     `a|b` names two replicas of it (either one computes the shard's messages)."""
@@ -39,7 +37,7 @@ class Engine:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         mc = cfg.model
-        dtype = DTYPES[cfg.dtype]
+        dtype = compute_dtype(cfg.dtype)
         self.model = model or AttentionModel(mc, dtype, progress=progress)
         num_blocks = num_blocks_for(mc, cfg.cache, dtype)
         self.cache = KVCache(mc, num_blocks, cfg.cache.block_size, dtype)

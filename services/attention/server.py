@@ -175,23 +175,9 @@ def _start_inproc_ffn(cfg: EngineConfig) -> list:
     addrs = cfg.ffn_addresses
     if not addrs or not all(a.startswith("inproc://") for a in addrs):
         return []
-    from afd.sharding import ExpertShard
-    from afd.transport import listen
-    from services.attention.engine import DTYPES, ffn_shards
-    from services.ffn.server import FFNServer
+    from afd.local import serve_ffn_inproc
 
-    shards, model = ffn_shards(addrs), cfg.model
-    return [
-        listen(
-            addr,
-            FFNServer(
-                model, ExpertShard(i, len(shards), model.num_experts), DTYPES[cfg.dtype]
-            ).handle,
-            inline=cfg.micro_batches == 1,  # nothing to overlap: compute on the engine thread
-        )
-        for i, replicas in enumerate(shards)
-        for addr in replicas
-    ]
+    return serve_ffn_inproc(cfg)
 
 
 async def _serve(cfg: AttentionServerConfig) -> None:

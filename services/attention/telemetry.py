@@ -12,7 +12,7 @@ import logging
 import time
 
 from afd import metrics
-from afd.transport.messages import Trace
+from afd.messages import Trace
 from services.attention.engine import Engine
 from services.attention.stragglers import StragglerConfig, StragglerDetector
 

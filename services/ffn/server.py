@@ -1,167 +1,109 @@
-"""The FFN server: owns nothing but weights. Each message in, one partial output out.
+"""The FFN server process: load one expert shard, listen on a data-plane address, serve until
+SIGTERM. `afd ffn --model DIR --shard i/N --listen ADDR`
 
-It holds no per-request state, so it can restart at any time without losing a request.
+SIGTERM drains: the messages being computed are answered as usual, then every message gets a
+typed `unavailable` ("draining") reply for `drain_s` seconds, so each attention server moves the
+shard's work to another replica at its first message (or fails those requests with a clear
+error) instead of waiting out its FFN timeout on a server that is gone; /ready says draining.
+Then the server exits 0. A second signal cuts the drain short.
+
+Fault injection (tests, drills): AFD_FFN_INJECT_DELAY_MS=N in this process's environment adds
+N ms to every layer call's compute, which makes the server a straggler the attention side
+must detect. Never set it in production.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
 
-import torch
-
-from afd.checkpoint import load_weights
+from afd import metrics, sidecar
 from afd.config import ModelConfig
-from afd.ops import Linear, swiglu
-from afd.quant import dequantize_fp8
-from afd.runtime import tune_allocator
+from afd.dtypes import compute_dtype
+from afd.security import Security
 from afd.sharding import ExpertShard
-from afd.transport.messages import FFNReply, FFNRequest, Trace
-from services.ffn.experts import ExpertGroup, MLPWeights, routed_experts
+from afd.transport import listen
+from afd.transport.serving import FFNServing
+from afd.wire import WireLimits
+from services.ffn.engine import FFNEngine
 
 log = logging.getLogger("afd.ffn")
 
 
-class FFNServer:
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        shard: ExpertShard,
-        dtype: torch.dtype = torch.bfloat16,
-        weights: dict[str, torch.Tensor] | None = None,
-        progress: bool = True,
-        inject_delay_s: float = 0.0,
-    ):
-        tune_allocator()
-        self.cfg = cfg
-        # Fault injection (tests): extra seconds inside every layer call's compute window, so
-        # this server looks like a slow FFN to the attention side's straggler detection.
-        self.inject_delay_s = inject_delay_s
-        # Set on SIGTERM (service.py): every message from then on gets a typed error reply.
-        self.draining = False
-        self.shard = shard
-        self.dtype = dtype
-        # Our own dict, each weight popped as its Linear takes a re-laid-out copy: a loaded
-        # original is freed at once, so loading peaks at the weights plus one tensor.
-        w = (
-            dict(weights)
-            if weights is not None
-            else load_weights(cfg, "ffn", dtype, shard, progress)
-        )
-        self.experts: dict[int, ExpertGroup] = {}
-        self.shared: dict[int, MLPWeights] = {}
-        self.dense: dict[int, MLPWeights] = {}
-        for i in range(cfg.num_layers):
-            if cfg.is_moe(i):
-                ids = range(shard.start, shard.end)
-                self.experts[i] = ExpertGroup.build(
-                    first=shard.start,
-                    w13=[Linear(_cat_gate_up(w, f"layers.{i}.experts.{e}")) for e in ids],
-                    w2=[Linear(w.pop(f"layers.{i}.experts.{e}.down")) for e in ids],
-                )
-                if cfg.shared_expert_intermediate_size and shard.owns_dense:
-                    self.shared[i] = _mlp(w, f"layers.{i}.shared")
-            elif shard.owns_dense:
-                self.dense[i] = _mlp(w, f"layers.{i}.mlp")
-        del w
-
-    def handle(self, reqs: list[FFNRequest]) -> list[FFNReply]:
-        """Compute a batch of requests; those of one layer are computed as one matmul batch."""
-        t_recv = time.time()
-        if self.draining:  # the attention side fails over at once on this code
-            why = "FFN server is draining (shutting down)"
-            return [_error(r, "unavailable", why, t_recv) for r in reqs]
-        by_layer: dict[int, list[int]] = {}
-        replies: list[FFNReply | None] = [None] * len(reqs)
-        for j, r in enumerate(reqs):
-            err = self._check(r)
-            if err:
-                replies[j] = _error(r, "bad_request", err, t_recv)
-            else:
-                by_layer.setdefault(r.layer, []).append(j)
-        for layer, idx in by_layer.items():
-            group = [reqs[j] for j in idx]
-            try:
-                t0 = time.time()
-                outs = self._compute(layer, group)
-                if self.inject_delay_s:
-                    time.sleep(self.inject_delay_s)
-                t1 = time.time()
-            except Exception as e:  # a bad batch must not take the server down
-                log.exception("FFN compute failed on layer %d", layer)
-                for j in idx:
-                    replies[j] = _error(reqs[j], "internal", f"FFN compute failed: {e}", t_recv)
-                continue
-            for j, out in zip(idx, outs, strict=True):
-                r = reqs[j]
-                trace = Trace(
-                    a_send=r.t_send,
-                    f_recv=t_recv,
-                    f_compute_start=t0,
-                    f_compute_end=t1,
-                    f_send=time.time(),
-                    merged=len(group),
-                )
-                replies[j] = FFNReply(r.seq, r.layer, r.micro_batch, out, trace=trace)
-        return replies  # type: ignore[return-value]
-
-    def _check(self, r: FFNRequest) -> str:
-        cfg = self.cfg
-        if not 0 <= r.layer < cfg.num_layers:
-            return f"layer {r.layer} is outside 0..{cfg.num_layers - 1}"
-        if r.hidden.dim() != 2 or r.hidden.shape[1] != cfg.hidden_size:
-            return f"hidden states must be [T, {cfg.hidden_size}], got {list(r.hidden.shape)}"
-        T = r.hidden.shape[0]
-        k = cfg.top_k if cfg.is_moe(r.layer) else 0
-        if tuple(r.expert_ids.shape) != (T, k) or tuple(r.expert_weights.shape) != (T, k):
-            return f"expert ids/weights must be [{T}, {k}] on layer {r.layer}"
-        if k and r.expert_ids.numel():
-            lo, hi = torch.aminmax(r.expert_ids)
-            if int(lo) < 0 or int(hi) >= cfg.num_experts:
-                return f"expert id out of range 0..{cfg.num_experts - 1}"
-        if r.hidden.dtype == torch.float8_e4m3fn and (r.scales is None or r.scales.shape != (T,)):
-            return "fp8 hidden states need per-token scales [T]"
-        return ""
-
-    def _compute(self, layer: int, group: list[FFNRequest]) -> list[torch.Tensor]:
-        x = (
-            torch.cat([self._dequant(r) for r in group])
-            if len(group) > 1
-            else self._dequant(group[0])
-        )
-        out = torch.zeros_like(x)  # [T, H]
-        if layer in self.experts:
-            one = len(group) == 1
-            ids = group[0].expert_ids if one else torch.cat([r.expert_ids for r in group])  # [T, k]
-            wts = group[0].expert_weights if one else torch.cat([r.expert_weights for r in group])
-            routed_experts(x, ids, wts, self.experts[layer], out)
-        if layer in self.shared:
-            out += _swiglu(x, self.shared[layer])
-        if layer in self.dense:
-            out += _swiglu(x, self.dense[layer])
-        reply_dtype = torch.float32 if group[0].hidden.dtype == torch.float32 else torch.bfloat16
-        out = out.to(reply_dtype)
-        return [out] if len(group) == 1 else list(out.split([r.num_tokens for r in group]))
-
-    def _dequant(self, r: FFNRequest) -> torch.Tensor:
-        if r.hidden.dtype == torch.float8_e4m3fn:
-            return dequantize_fp8(r.hidden, r.scales, self.dtype)
-        return r.hidden.to(self.dtype)
+@dataclass(frozen=True)
+class FFNServiceConfig:
+    model: ModelConfig
+    shard: ExpertShard
+    listen: str = "tcp://127.0.0.1:5600"
+    dtype: str = "bfloat16"
+    max_tokens: int = 65536  # largest message accepted, in tokens
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # HTTP /metrics, /health, /ready; 0: off
+    security: Security = field(default_factory=Security)
+    inject_delay_s: float = 0.0  # fault injection; see the module docstring
+    drain_s: float = 3.0  # after SIGTERM: answer "draining" this long, then exit
 
 
-def _swiglu(x: torch.Tensor, m: MLPWeights) -> torch.Tensor:
-    return swiglu(x, m.w13, m.w2)
+INJECT_DELAY_ENV = "AFD_FFN_INJECT_DELAY_MS"
 
 
-def _cat_gate_up(w: dict[str, torch.Tensor], base: str) -> torch.Tensor:
-    return torch.cat([w.pop(f"{base}.gate"), w.pop(f"{base}.up")])  # [2I, H]
+def inject_delay_from_env() -> float:
+    """Seconds of injected compute delay from AFD_FFN_INJECT_DELAY_MS (unset or empty: 0)."""
+    raw = os.environ.get(INJECT_DELAY_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"{INJECT_DELAY_ENV} must be a number of milliseconds, got {raw!r}"
+        ) from None
+    if ms < 0:
+        raise ValueError(f"{INJECT_DELAY_ENV} must be >= 0, got {raw!r}")
+    return ms / 1e3
 
 
-def _mlp(w: dict[str, torch.Tensor], base: str) -> MLPWeights:
-    return MLPWeights(Linear(_cat_gate_up(w, base)), Linear(w.pop(f"{base}.down")))
-
-
-def _error(r: FFNRequest, code: str, msg: str, t_recv: float) -> FFNReply:
-    return FFNReply(
-        r.seq, r.layer, r.micro_batch, None, code, msg, Trace(a_send=r.t_send, f_recv=t_recv)
+def serve(cfg: FFNServiceConfig) -> int:
+    metrics.register("ffn")
+    engine = FFNEngine(
+        cfg.model, cfg.shard, compute_dtype(cfg.dtype), inject_delay_s=cfg.inject_delay_s
     )
+    serving = FFNServing(engine.compute, WireLimits.for_model(cfg.model, cfg.max_tokens))
+    if cfg.inject_delay_s:
+        log.warning(
+            "fault injection: %s adds %.1f ms to every layer call",
+            INJECT_DELAY_ENV,
+            cfg.inject_delay_s * 1e3,
+        )
+    listener = listen(cfg.listen, serving, security=cfg.security)
+    log.info(
+        "FFN shard %d/%d (experts %d..%d%s) listening on %s",
+        cfg.shard.index,
+        cfg.shard.count,
+        cfg.shard.start,
+        cfg.shard.end - 1,
+        ", shared expert and dense MLPs" if cfg.shard.owns_dense else "",
+        cfg.listen,
+    )
+    side = sidecar.start(
+        cfg.metrics_host,
+        cfg.metrics_port,
+        lambda: (False, "draining") if serving.draining else (True, ""),
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serving.draining = True
+    if cfg.drain_s > 0:
+        log.info("FFN server draining for %.1f s", cfg.drain_s)
+        stop.clear()
+        stop.wait(cfg.drain_s)  # a second signal ends it early
+    log.info("FFN server stopping")
+    listener.close()
+    if side:
+        side.close()
+    return 0

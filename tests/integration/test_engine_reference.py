@@ -109,16 +109,16 @@ def test_planted_topk_off_by_one_is_caught(refs):
 
 def test_planted_zeroed_expert_is_caught(refs, monkeypatch):
     path, _, ref = refs["qwen3"]
-    from services.ffn import server as ffn_server
+    from services.ffn import engine as ffn_engine
 
-    real_init = ffn_server.FFNServer.__init__
+    real_init = ffn_engine.FFNEngine.__init__
 
     def init_zero_one_expert(self, *a, **kw):
         real_init(self, *a, **kw)
         first_moe = min(self.experts)
         self.experts[first_moe].w13[3].w.zero_()  # expert 3 of the first MoE layer outputs 0
 
-    monkeypatch.setattr(ffn_server.FFNServer, "__init__", init_zero_one_expert)
+    monkeypatch.setattr(ffn_engine.FFNEngine, "__init__", init_zero_one_expert)
     assert afd_greedy(engine_cfg(path, S=1))[0] != ref
 
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from afd.errors import TransportError
+from afd.messages import FFNRequest
 from afd.security import Security, write_curve_keys
-from afd.transport import FFNReply, FFNRequest, connect, listen
+from afd.transport import FFNServing, connect, listen
 from afd.wire import WireLimits
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,8 +34,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _handler(reqs: list[FFNRequest]) -> list[FFNReply]:
-    return [FFNReply(r.seq, r.layer, r.micro_batch, r.hidden.to(torch.bfloat16) * 2) for r in reqs]
+def _compute(layer: int, reqs: list[FFNRequest]) -> list[torch.Tensor]:
+    return [r.hidden.to(torch.bfloat16) * 2 for r in reqs]
+
+
+def _serving() -> FFNServing:
+    return FFNServing(_compute, LIMITS)
 
 
 def _req(seq: int) -> FFNRequest:
@@ -63,7 +68,7 @@ def test_curve_admits_only_the_authorized_key(tmp_path):
     keys = write_curve_keys(tmp_path / "keys")
     other = write_curve_keys(tmp_path / "other")  # a valid keypair the server never authorized
     addr = f"tcp://127.0.0.1:{_port()}"
-    srv = listen(addr, _handler, limits=LIMITS, security=Security(curve_dir=str(keys)))
+    srv = listen(addr, _serving(), security=Security(curve_dir=str(keys)))
     clients = []
     try:
         good = connect(addr, security=Security(curve_dir=str(keys)))
@@ -139,7 +144,7 @@ def test_grpc_mutual_tls(tmp_path):
     server_sec = Security(
         tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]), tls_ca=str(pki["ca"])
     )
-    srv = listen(addr, _handler, limits=LIMITS, security=server_sec)
+    srv = listen(addr, _serving(), security=server_sec)
     clients = []
     try:
         good = connect(
@@ -195,7 +200,7 @@ def test_hostile_pickle_frames_are_rejected_and_never_run(scheme):
     marker = Path("/tmp/afd-pickle-was-executed")
     marker.unlink(missing_ok=True)
     addr = f"{scheme}://127.0.0.1:{_port()}"
-    srv = listen(addr, _handler, limits=LIMITS)
+    srv = listen(addr, _serving())
     client = connect(addr)
     try:
         payload = pickle.dumps(_Boom())

@@ -12,14 +12,16 @@ import select
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from afd.errors import TransportError
+from afd.messages import FFNReply, FFNRequest
 from afd.quant import dequantize_fp8, quantize_fp8
-from afd.transport import FFNReply, FFNRequest, connect, listen
+from afd.transport import FFNServing, connect, listen
 from afd.wire import WireLimits, encode_request
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,28 +34,29 @@ pytestmark = pytest.mark.timeout(60)
 SERVER = f"""
 import sys, time, torch
 from afd.quant import dequantize_fp8
-from afd.transport import FFNReply, listen
+from afd.transport import FFNServing, listen
 from afd.wire import WireLimits
 
-def handler(reqs):
-    assert len({{r.layer for r in reqs}}) == 1, "one handler call per layer"
-    if reqs[0].layer == {SLOW_LAYER}:
+def compute(layer, reqs):
+    assert all(r.layer == layer for r in reqs), "one compute call per layer"
+    if layer == {SLOW_LAYER}:
         time.sleep({SLOW_S})
     out = []
     for r in reqs:
         h = r.hidden.float() if r.scales is None else dequantize_fp8(r.hidden, r.scales, torch.float32)
-        out.append(FFNReply(r.seq, r.layer, r.micro_batch, (h * (r.layer + 1)).bfloat16()))
+        out.append((h * (layer + 1)).bfloat16())
     return out
 
-listener = listen(sys.argv[1], handler, limits=WireLimits(*{tuple(vars(LIMITS).values())}))
+limits = WireLimits(*{tuple(vars(LIMITS).values())})
+listener = listen(sys.argv[1], FFNServing(compute, limits))
 print("READY", listener.address, flush=True)
 sys.stdin.read()  # serve until the parent closes our stdin (or kills us)
 listener.close()
 """
 
 
-def _handler(reqs: list[FFNRequest]) -> list[FFNReply]:  # the same, for inproc
-    return [FFNReply(r.seq, r.layer, r.micro_batch, _expected(r)) for r in reqs]
+def _compute(layer: int, reqs: list[FFNRequest]) -> list[torch.Tensor]:  # the same, for inproc
+    return [_expected(r) for r in reqs]
 
 
 class Server:
@@ -67,7 +70,7 @@ class Server:
 
     def start(self, address: str) -> str:
         if address.startswith("inproc://"):
-            self.listener = listen(address, _handler)
+            self.listener = listen(address, FFNServing(_compute, LIMITS))
             return address
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.proc = subprocess.Popen(
@@ -170,9 +173,9 @@ def test_round_trips_with_micro_batches_in_flight(client):
             for r in reversed(reqs):  # out of order: replies are matched by seq
                 reply = client.wait(r.seq, TIMEOUT)
                 _check(reply, r)
-                if not client.address.startswith("inproc://"):  # stamped by afd.wire backends
-                    assert reply.trace.a_send == r.t_send
-                    assert r.t_send <= reply.trace.a_recv and reply.trace.f_send > 0
+                # stamped by the one serving loop, whichever the transport
+                assert reply.trace.a_send == r.t_send
+                assert r.t_send <= reply.trace.a_recv and reply.trace.f_send > 0
 
 
 def test_same_layer_messages_are_computed_together(client):
@@ -186,8 +189,7 @@ def test_same_layer_messages_are_computed_together(client):
     replies = [client.wait(r.seq, TIMEOUT) for r in reqs]
     for reply, r in zip(replies, reqs, strict=True):
         _check(reply, r)
-    if not client.address.startswith("inproc://"):  # inproc's handler sets no trace
-        assert [rep.trace.merged for rep in replies] == [3, 3, 3]
+    assert [rep.trace.merged for rep in replies] == [3, 3, 3]
 
 
 @pytest.mark.parametrize("scheme", ["tcp", "ipc", "grpc"])
@@ -284,7 +286,7 @@ def test_listener_close_stops_its_threads(scheme, tmp_path):
     import threading
 
     before = set(threading.enumerate())
-    listener = listen(_address(scheme, tmp_path), _handler, limits=LIMITS)
+    listener = listen(_address(scheme, tmp_path), FFNServing(_compute, LIMITS))
     client = connect(listener.address)
     r = _request(1, 0)
     client.send(r)
@@ -298,6 +300,38 @@ def test_listener_close_stops_its_threads(scheme, tmp_path):
     assert not [t for t in leftover if t.name.startswith(("ffn:", "grpc-reader"))], leftover
 
 
-def test_network_listeners_need_limits(tmp_path):
-    with pytest.raises(Exception, match="limits"):
-        listen(_address("tcp", tmp_path), _handler)
+@pytest.mark.parametrize("scheme", ["inproc", "tcp"])
+def test_every_transport_serves_through_the_same_checks(scheme, tmp_path):
+    """Validation, deadlines, draining and metrics are the serving loop's, so the in-process
+    path answers exactly as a network one: a typed error reply each, never a compute."""
+    from afd import metrics
+
+    computed = []
+
+    def compute(layer, reqs):
+        computed.extend(r.seq for r in reqs)
+        return [_expected(r) for r in reqs]
+
+    serving = FFNServing(compute, LIMITS)
+    listener = listen(_address(scheme, tmp_path), serving)
+    client = connect(listener.address)
+    try:
+        bad_id = _request(1, 0)
+        bad_id.expert_ids[0, 0] = LIMITS.num_experts  # one past the last expert
+        late = replace(_request(2, 0), deadline=time.time() - 1)
+        served_before = metrics.FFN_MESSAGES._value.get()
+        ok = _request(3, 0)
+        for r in (bad_id, late, ok):
+            client.send(r)
+        assert client.wait(1, TIMEOUT).error_code == "bad_value"
+        assert client.wait(2, TIMEOUT).error_code == "deadline_exceeded"
+        _check(client.wait(3, TIMEOUT), ok)
+        assert metrics.FFN_MESSAGES._value.get() == served_before + 1
+        serving.draining = True
+        client.send(_request(4, 0))
+        reply = client.wait(4, TIMEOUT)
+        assert reply.error_code == "unavailable" and "draining" in reply.error
+        assert computed == [3]
+    finally:
+        client.close()
+        listener.close()

@@ -11,9 +11,9 @@ import torch
 from afd.config import ModelConfig
 from afd.demo import TINY_CONFIG
 from afd.errors import TransportError
+from afd.messages import FFNReply
 from afd.sharding import ExpertShard
 from afd.transport.base import FFNClient
-from afd.transport.messages import FFNReply
 from services.attention import dispatch
 from services.attention.dispatch import FFNPool, Peer
 

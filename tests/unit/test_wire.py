@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from afd.messages import FFNReply, FFNRequest, Trace
 from afd.quant import quantize_fp8
-from afd.transport.messages import FFNReply, FFNRequest, Trace
 from afd.wire import (
     WIRE_ERROR_CODES,
     WireError,

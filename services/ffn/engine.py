@@ -1,0 +1,109 @@
+"""The FFN side's compute: one expert shard's weights, and (layer, requests) -> outputs.
+
+It holds no per-request state, so its server can restart at any time without losing a
+request. Validation, deadlines, draining, timing traces and metrics belong to the serving loop
+(afd/transport/serving.py), the same for every transport.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from afd.checkpoint import load_weights
+from afd.config import ModelConfig
+from afd.messages import FFNRequest
+from afd.ops import Linear, swiglu
+from afd.quant import dequantize_fp8
+from afd.runtime import tune_allocator
+from afd.sharding import ExpertShard
+from services.ffn.experts import ExpertGroup, MLPWeights, routed_experts
+
+
+class FFNEngine:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        shard: ExpertShard,
+        dtype: torch.dtype = torch.bfloat16,
+        weights: dict[str, torch.Tensor] | None = None,
+        progress: bool = True,
+        inject_delay_s: float = 0.0,
+    ):
+        tune_allocator()
+        self.cfg = cfg
+        # Fault injection (tests): extra seconds inside every layer call's compute window, so
+        # this server looks like a slow FFN to the attention side's straggler detection.
+        self.inject_delay_s = inject_delay_s
+        self.shard = shard
+        self.dtype = dtype
+        # Our own dict, each weight popped as its Linear takes a re-laid-out copy: a loaded
+        # original is freed at once, so loading peaks at the weights plus one tensor.
+        w = (
+            dict(weights)
+            if weights is not None
+            else load_weights(cfg, "ffn", dtype, shard, progress)
+        )
+        self.experts: dict[int, ExpertGroup] = {}
+        self.shared: dict[int, MLPWeights] = {}
+        self.dense: dict[int, MLPWeights] = {}
+        for i in range(cfg.num_layers):
+            if cfg.is_moe(i):
+                ids = range(shard.start, shard.end)
+                self.experts[i] = ExpertGroup.build(
+                    first=shard.start,
+                    w13=[Linear(_cat_gate_up(w, f"layers.{i}.experts.{e}")) for e in ids],
+                    w2=[Linear(w.pop(f"layers.{i}.experts.{e}.down")) for e in ids],
+                )
+                if cfg.shared_expert_intermediate_size and shard.owns_dense:
+                    self.shared[i] = _mlp(w, f"layers.{i}.shared")
+            elif shard.owns_dense:
+                self.dense[i] = _mlp(w, f"layers.{i}.mlp")
+        del w
+
+    def compute(self, layer: int, group: list[FFNRequest]) -> list[torch.Tensor]:
+        """The partial outputs [T_i, H] of one layer's requests (validated by the serving
+        loop), computed as one batch: the experts this shard holds, plus the shared expert
+        and dense MLP where it is responsible for them."""
+        outputs = self._compute(layer, group)
+        if self.inject_delay_s:
+            time.sleep(self.inject_delay_s)
+        return outputs
+
+    def _compute(self, layer: int, group: list[FFNRequest]) -> list[torch.Tensor]:
+        x = (
+            torch.cat([self._dequant(r) for r in group])
+            if len(group) > 1
+            else self._dequant(group[0])
+        )
+        out = torch.zeros_like(x)  # [T, H]
+        if layer in self.experts:
+            one = len(group) == 1
+            ids = group[0].expert_ids if one else torch.cat([r.expert_ids for r in group])  # [T, k]
+            wts = group[0].expert_weights if one else torch.cat([r.expert_weights for r in group])
+            routed_experts(x, ids, wts, self.experts[layer], out)
+        if layer in self.shared:
+            out += _swiglu(x, self.shared[layer])
+        if layer in self.dense:
+            out += _swiglu(x, self.dense[layer])
+        reply_dtype = torch.float32 if group[0].hidden.dtype == torch.float32 else torch.bfloat16
+        out = out.to(reply_dtype)
+        return [out] if len(group) == 1 else list(out.split([r.num_tokens for r in group]))
+
+    def _dequant(self, r: FFNRequest) -> torch.Tensor:
+        if r.hidden.dtype == torch.float8_e4m3fn:
+            return dequantize_fp8(r.hidden, r.scales, self.dtype)
+        return r.hidden.to(self.dtype)
+
+
+def _swiglu(x: torch.Tensor, m: MLPWeights) -> torch.Tensor:
+    return swiglu(x, m.w13, m.w2)
+
+
+def _cat_gate_up(w: dict[str, torch.Tensor], base: str) -> torch.Tensor:
+    return torch.cat([w.pop(f"{base}.gate"), w.pop(f"{base}.up")])  # [2I, H]
+
+
+def _mlp(w: dict[str, torch.Tensor], base: str) -> MLPWeights:
+    return MLPWeights(Linear(_cat_gate_up(w, base)), Linear(w.pop(f"{base}.down")))
