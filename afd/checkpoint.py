@@ -1,18 +1,19 @@
-"""Safetensors loading: a name map from each family's HF names to afd's, plus a role filter.
+"""Safetensors loading: each family's name map (afd/families) to afd's names, plus a role filter.
 
 afd's canonical names (what the services index by):
   attention role: embed, lm_head, final_norm, layers.{i}.{attn_norm, ffn_norm, router,
                   q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, inter_norm, wq}
   ffn role:       layers.{i}.experts.{e}.{gate, up, down}, layers.{i}.shared.{gate, up, down},
                   layers.{i}.mlp.{gate, up, down}
-Stacked Step-3 expert tensors [E, ...] are split per expert so that a shard loads only its own.
+How a family spells them is the family's business (its `WeightNames`); what is generic stays
+here: finding the tensors, keeping those one role and shard need, checking their shapes.
+Stacked expert tensors [E, ...] (Step-3) are split per expert so that a shard loads only its own.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,37 +24,10 @@ from tqdm import tqdm
 
 from afd.config import ModelConfig
 from afd.errors import CheckpointError
+from afd.families import family
 from afd.sharding import ExpertShard
 
 log = logging.getLogger("afd.checkpoint")
-
-_ATTN_MAP = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "q_proj",
-    "self_attn.k_proj": "k_proj",
-    "self_attn.v_proj": "v_proj",
-    "self_attn.o_proj": "o_proj",
-    "self_attn.q_norm": "q_norm",
-    "self_attn.k_norm": "k_norm",
-    "self_attn.inter_norm": "inter_norm",
-    "self_attn.wq": "wq",
-    "mlp.gate": "router",  # qwen3_moe router
-    "block_sparse_moe.gate": "router",  # mixtral router
-    "moe.gate": "router",  # step3 router
-}
-_PART = {
-    "gate_proj": "gate",
-    "up_proj": "up",
-    "down_proj": "down",
-    "w1": "gate",
-    "w3": "up",
-    "w2": "down",
-}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
-_EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
-_STACKED_RE = re.compile(r"^moe\.(gate_proj|up_proj|down_proj)$")
-_DENSE_RE = re.compile(r"^(mlp|share_expert)\.(gate_proj|up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -61,38 +35,8 @@ class _Entry:
     """Where one canonical tensor comes from: a file key, optionally one slice of a stack."""
 
     name: str
-    role: str  # "attention" | "ffn"
     key: str
     stack_index: int | None = None
-
-
-def _canonical(key: str, prefix: str) -> list[_Entry]:
-    """Map one HF tensor name to the canonical entries it provides (empty if unknown)."""
-    k = _strip_prefix(key, prefix)
-    top = {
-        "model.embed_tokens.weight": "embed",
-        "model.norm.weight": "final_norm",
-        "lm_head.weight": "lm_head",
-    }
-    if k in top:
-        return [_Entry(top[k], "attention", key)]
-    m = _LAYER_RE.match(k)
-    if not m:
-        return []
-    layer, rest = int(m.group(1)), m.group(2)
-    base = f"layers.{layer}"
-    if rest in _ATTN_MAP:
-        return [_Entry(f"{base}.{_ATTN_MAP[rest]}", "attention", key)]
-    if em := _EXPERT_RE.match(rest):
-        e, part = int(em.group(1)), _PART.get(em.group(2))
-        return [_Entry(f"{base}.experts.{e}.{part}", "ffn", key)] if part else []
-    if dm := _DENSE_RE.match(rest):
-        group = "shared" if dm.group(1) == "share_expert" else "mlp"
-        return [_Entry(f"{base}.{group}.{_PART[dm.group(2)]}", "ffn", key)]
-    if sm := _STACKED_RE.match(rest):
-        # Stacked [E, ...]: expand lazily below, once the expert count is known.
-        return [_Entry(f"{base}.experts.*.{_PART[sm.group(1)]}", "ffn", key)]
-    return []
 
 
 def _strip_prefix(key: str, prefix: str) -> str:
@@ -129,16 +73,19 @@ def _index(model_dir: Path) -> dict[str, Path]:
 
 
 def _plan(cfg: ModelConfig, files: dict[str, Path], want: Callable[[str], bool]) -> list[_Entry]:
+    names = family(cfg.model_type).weights
     entries: list[_Entry] = []
     for key in files:
-        for ent in _canonical(key, cfg.weight_prefix):
-            if ".experts.*." in ent.name:
-                for e in range(cfg.num_experts):
-                    name = ent.name.replace("*", str(e))
-                    if want(name):
-                        entries.append(_Entry(name, ent.role, key, stack_index=e))
-            elif want(ent.name):
-                entries.append(ent)
+        name = names.canonical(_strip_prefix(key, cfg.weight_prefix))
+        if name is None:
+            continue
+        if ".experts.*." in name:  # stacked [E, ...]: one entry per expert, read as a slice
+            for e in range(cfg.num_experts):
+                one = name.replace("*", str(e))
+                if want(one):
+                    entries.append(_Entry(one, key, stack_index=e))
+        elif want(name):
+            entries.append(_Entry(name, key))
     return entries
 
 

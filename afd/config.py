@@ -1,12 +1,14 @@
 """Frozen configuration dataclasses.
 
-`ModelConfig.from_hf` is the only place in afd that knows Hugging Face field names: everything
-else reads the normalised fields below. Derived values use `dataclasses.replace`, never mutation.
+`ModelConfig` is the one normalised description of a model that everything in afd and the
+services reads. Hugging Face field names are known only to each family's parser
+(afd/families), which `ModelConfig.from_hf` picks by `model_type`; what differs between
+families reaches the services as the kind names it fills (attention, router, ffn), so no
+service keys anything by `model_type`. Derived values use `dataclasses.replace`, never mutation.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +16,6 @@ from typing import Any
 
 from afd.errors import ConfigError
 from afd.security import Security
-
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "step3_text")
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,11 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # The kinds each service builds its layers from, named by the family (afd/families):
     # "gqa" (q/k/v projections, optional q/k RMSNorm) or "mfa" (low-rank query, shared K/V head)
     attention: str
+    router: str  # "softmax_topk" (services/attention/router.py)
+    ffn: str  # "swiglu": experts, shared expert and dense MLPs
     q_lora_dim: int  # MFA only: rank of the low-rank query (Step-3 `share_q_dim`)
     qk_norm: bool
     rope_theta: float
@@ -80,6 +83,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], path: str = "") -> ModelConfig:
+        """Parse a config.json dict with its family's parser (afd/families)."""
+        from afd.families import Fields, family  # imported here: the families import this module
+
         prefix = ""
         if "text_config" in raw and "model_type" not in raw.get("text_config", {}):
             raise ConfigError("config.json has a text_config without a model_type")
@@ -87,150 +93,13 @@ class ModelConfig:
             raw = {**raw["text_config"]}
             prefix = "language_model."
         mt = raw.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"unsupported model_type {mt!r}; afd serves: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        fam = family(mt)  # ConfigError naming the supported model types
         try:
-            return _PARSERS[mt](_Fields(raw, mt), path, prefix)
+            return fam.parse(Fields(raw, fam), path, prefix)
         except KeyError as e:
             raise ConfigError(f"config.json ({mt}) is missing required field {e.args[0]!r}") from e
         except (TypeError, ValueError) as e:
             raise ConfigError(f"config.json ({mt}) has a malformed field: {e}") from e
-
-
-class _Fields:
-    """Typed access to a raw config dict, with a clear error naming a missing field."""
-
-    def __init__(self, raw: dict[str, Any], model_type: str):
-        self.raw = raw
-        self.model_type = model_type
-
-    def int(self, *names: str, default: Any = dataclasses.MISSING) -> int:
-        for n in names:
-            if self.raw.get(n) is not None:
-                return int(self.raw[n])
-        if default is dataclasses.MISSING:
-            raise KeyError(names[0])
-        return default
-
-    def float(self, name: str, default: float) -> float:
-        v = self.raw.get(name)
-        return float(default if v is None else v)
-
-    def rope_theta(self, default: float) -> float:
-        # transformers >= 5 nests it under rope_parameters; older configs keep it top-level
-        params = self.raw.get("rope_parameters") or {}
-        if isinstance(params, dict) and params.get("rope_theta") is not None:
-            return float(params["rope_theta"])
-        scaling = self.raw.get("rope_scaling")
-        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (
-            None,
-            "default",
-        ):
-            raise ValueError(f"rope_scaling {scaling!r} is not supported yet")
-        return self.float("rope_theta", default)
-
-    def eos(self) -> tuple[int, ...]:
-        v = self.raw.get("eos_token_id")
-        if v is None:
-            return ()
-        return tuple(int(x) for x in (v if isinstance(v, list) else [v]))
-
-    def common(self, path: str, prefix: str) -> dict[str, Any]:
-        hidden = self.int("hidden_size")
-        heads = self.int("num_attention_heads")
-        return dict(
-            model_type=self.model_type,
-            vocab_size=self.int("vocab_size"),
-            hidden_size=hidden,
-            num_layers=self.int("num_hidden_layers"),
-            num_heads=heads,
-            head_dim=self.int("head_dim", default=hidden // heads),
-            rms_norm_eps=self.float("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(self.raw.get("tie_word_embeddings", False)),
-            eos_token_ids=self.eos(),
-            bos_token_id=self.raw.get("bos_token_id"),
-            torch_dtype=str(self.raw.get("dtype") or self.raw.get("torch_dtype") or "bfloat16"),
-            weight_prefix=prefix,
-            path=path,
-        )
-
-
-def _qwen3_moe(f: _Fields, path: str, prefix: str) -> ModelConfig:
-    n = f.int("num_hidden_layers")
-    mlp_only = set(f.raw.get("mlp_only_layers") or [])
-    step = f.int("decoder_sparse_step", default=1)
-    experts = f.int("num_experts", "num_local_experts")
-    moe = tuple(i not in mlp_only and experts > 0 and (i + 1) % step == 0 for i in range(n))
-    return ModelConfig(
-        **f.common(path, prefix),
-        num_kv_heads=f.int("num_key_value_heads"),
-        attention="gqa",
-        q_lora_dim=0,
-        qk_norm=True,
-        rope_theta=f.rope_theta(10000.0),
-        max_position=f.int("max_position_embeddings"),
-        num_experts=experts,
-        top_k=f.int("num_experts_per_tok"),
-        moe_intermediate_size=f.int("moe_intermediate_size"),
-        intermediate_size=f.int("intermediate_size", default=0),
-        shared_expert_intermediate_size=0,
-        norm_topk_prob=bool(f.raw.get("norm_topk_prob", False)),
-        moe_layers=moe,
-    )
-
-
-def _mixtral(f: _Fields, path: str, prefix: str) -> ModelConfig:
-    n = f.int("num_hidden_layers")
-    return ModelConfig(
-        **f.common(path, prefix),
-        num_kv_heads=f.int("num_key_value_heads"),
-        attention="gqa",
-        q_lora_dim=0,
-        qk_norm=False,
-        rope_theta=f.rope_theta(1e6),
-        max_position=f.int("max_position_embeddings"),
-        num_experts=f.int("num_local_experts", "num_experts"),
-        top_k=f.int("num_experts_per_tok"),
-        moe_intermediate_size=f.int("intermediate_size"),
-        intermediate_size=0,
-        shared_expert_intermediate_size=0,
-        norm_topk_prob=True,  # Mixtral always renormalises its top-2
-        moe_layers=(True,) * n,
-    )
-
-
-def _step3_text(f: _Fields, path: str, prefix: str) -> ModelConfig:
-    n = f.int("num_hidden_layers")
-    enum = f.raw.get("moe_layers_enum")
-    if enum is None:
-        moe_idx = set(range(1, n))
-    elif isinstance(enum, str):
-        moe_idx = {int(x) for x in enum.split(",") if x.strip()}
-    else:
-        moe_idx = {int(x) for x in enum}
-    if any(i < 0 or i >= n for i in moe_idx):
-        raise ValueError(f"moe_layers_enum names a layer outside 0..{n - 1}")
-    return ModelConfig(
-        **f.common(path, prefix),
-        num_kv_heads=f.int("num_attention_groups", default=1),
-        attention="mfa",
-        q_lora_dim=f.int("share_q_dim"),
-        qk_norm=False,
-        rope_theta=f.rope_theta(500000.0),
-        max_position=f.int("max_position_embedding", "max_position_embeddings", "max_seq_len"),
-        num_experts=f.int("moe_num_experts", "num_experts", "num_local_experts"),
-        top_k=f.int("moe_top_k", "num_experts_per_tok"),
-        moe_intermediate_size=f.int("moe_intermediate_size"),
-        intermediate_size=f.int("intermediate_size"),
-        shared_expert_intermediate_size=f.int("share_expert_dim", default=0),
-        norm_topk_prob=bool(f.raw.get("norm_expert_weight", False)),
-        moe_layers=tuple(i in moe_idx for i in range(n)),
-    )
-
-
-_PARSERS = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "step3_text": _step3_text}
 
 
 @dataclass(frozen=True)

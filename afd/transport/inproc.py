@@ -97,9 +97,7 @@ class _InprocClient(FFNClient):
             return None
 
 
-def listen(
-    address: str, serving: FFNServing, *, inline: bool = False, **_: object
-) -> Listener:
+def listen(address: str, serving: FFNServing, *, inline: bool = False, **_: object) -> Listener:
     """inline=True computes each request on the sender's thread: no overlap, no thread hop
     (the right choice with one micro-batch, where there is nothing to overlap)."""
     with _LOCK:

@@ -24,6 +24,7 @@ from services.attention.scheduler import Scheduler
 
 log = logging.getLogger("afd.attention")
 
+
 def ffn_shards(addresses: tuple[str, ...]) -> list[list[str]]:
     """The FFN pool as shards of replicas: the i-th entry serves expert shard i, and an entry
     `a|b` names two replicas of it (either one computes the shard's messages)."""

@@ -65,7 +65,7 @@ class AttentionModel:
         ]
         self.layers = [replace(lw, fused=self._fused(lw)) for lw in self.layers]
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.max_position)
-        self.route_fn = ROUTERS[cfg.model_type]
+        self.route_fn = ROUTERS[cfg.router]
         self.scale = cfg.head_dim**-0.5
 
     def _fused(self, lw: AttentionLayer) -> NativeDecodeLayer | None:

@@ -1,4 +1,8 @@
-"""MoE routers: which experts each token goes to, and with what weight. One entry per kind."""
+"""MoE routers: which experts each token goes to, and with what weight. One entry per kind.
+
+Keyed by router kind, not by model family: a family names its kind (afd/families), which
+reaches the attention model as `ModelConfig.router`, so families that route alike share one.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +27,4 @@ def softmax_topk(
     return ids.to(torch.int32), weights
 
 
-ROUTERS: dict[str, RouterFn] = {
-    "qwen3_moe": softmax_topk,
-    "mixtral": softmax_topk,
-    "step3_text": softmax_topk,
-}
+ROUTERS: dict[str, RouterFn] = {"softmax_topk": softmax_topk}

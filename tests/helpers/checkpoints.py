@@ -1,10 +1,19 @@
-"""Tiny random Hugging Face checkpoints written with `transformers` itself (fixed seeds)."""
+"""Tiny random Hugging Face checkpoints (fixed seeds), and the references that check afd on them.
+
+Written with `transformers` itself where it implements the family, with afd's demo writer for
+Step-3 (which transformers cannot run). `REFERENCE_CHECKPOINTS` names one per family afd serves;
+tests/unit/test_families.py holds it equal to afd's family registry, so a family cannot be
+added without a greedy-vs-reference test.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from tests.reference import step3_dense
 
 # A large init makes every layer move the logits, so a wrong layer cannot hide.
 INIT = 0.2
@@ -61,6 +70,37 @@ def mixtral(out: Path, seed: int = 1, **over) -> Path:
     model = MixtralForCausalLM(MixtralConfig(**kw)).eval()
     model.save_pretrained(out)
     return out
+
+
+def step3_text(out: Path, seed: int = 3, **over) -> Path:
+    """Step-3 as afd's demo model writes it: MFA, a shared expert, dense layers 0 and 3, two
+    safetensors shards."""
+    from afd.demo import TINY_CONFIG, write_step3_checkpoint
+
+    cfg = {**TINY_CONFIG, "num_hidden_layers": 4, "moe_layers_enum": "1,2", **over}
+    return write_step3_checkpoint(out, cfg, seed=seed, init_std=INIT, shards=2)
+
+
+def step3_dense_greedy(path: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Greedy tokens of the independent dense Step-3 forward (tests/reference/step3_dense.py)."""
+    state, cfg = step3_dense.load_state(path), step3_dense.load_config(path)
+    return [step3_dense.greedy_generate(state, cfg, p, max_new, ignore_eos=True) for p in prompts]
+
+
+Writer = Callable[[Path], Path]  # writes a tiny random checkpoint into a directory, returns it
+Greedy = Callable[[Path, list[list[int]], int], list[list[int]]]  # (path, prompts, n) -> tokens
+
+# model_type -> the tiny checkpoint afd's greedy tokens are checked on, for every family afd
+# serves. Against transformers' own forward (tests/integration/test_engine_reference.py), unless
+# the family is in DENSE_REFERENCES (tests/integration/test_step3_reference.py).
+REFERENCE_CHECKPOINTS: dict[str, Writer] = {
+    "qwen3_moe": qwen3_moe,
+    "mixtral": mixtral,
+    "step3_text": step3_text,
+}
+# model_type -> an independent dense forward of our own, for families transformers cannot run.
+DENSE_REFERENCES: dict[str, Greedy] = {"step3_text": step3_dense_greedy}
+TRANSFORMERS_REFERENCED = tuple(m for m in REFERENCE_CHECKPOINTS if m not in DENSE_REFERENCES)
 
 
 def hf_model(path: Path, dtype: torch.dtype):

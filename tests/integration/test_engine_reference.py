@@ -1,4 +1,5 @@
-"""afd's greedy tokens against Hugging Face transformers on the same checkpoint.
+"""afd's greedy tokens against Hugging Face transformers on the same checkpoint, for every
+family transformers runs (tests/helpers/checkpoints.py: TRANSFORMERS_REFERENCED).
 
 float32 with an fp32 wire: the tokens must be identical. bf16 with a bf16 wire: each token
 afd picks is judged against the float32 reference teacher-forced on afd's own tokens: at 90%
@@ -16,7 +17,13 @@ import torch
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from afd.control import SamplingParams
 from afd.local import local_engine
-from tests.helpers.checkpoints import greedy_gaps, hf_greedy, hf_model
+from tests.helpers.checkpoints import (
+    REFERENCE_CHECKPOINTS,
+    TRANSFORMERS_REFERENCED,
+    greedy_gaps,
+    hf_greedy,
+    hf_model,
+)
 
 PROMPTS = [[5, 9, 17, 3, 250], list(range(20, 57)), [7, 7, 7], list(range(100, 119))]
 NEW = 16
@@ -46,15 +53,17 @@ def afd_greedy(cfg: EngineConfig, prompts=PROMPTS, num_ffn=1):
 
 
 @pytest.fixture(scope="module")
-def refs(qwen3_dir, mixtral_dir):
+def refs(tmp_path_factory):
+    """model_type -> (checkpoint, float32 transformers model, its greedy tokens)."""
     out = {}
-    for name, path in (("qwen3", qwen3_dir), ("mixtral", mixtral_dir)):
+    for model_type in TRANSFORMERS_REFERENCED:
+        path = REFERENCE_CHECKPOINTS[model_type](tmp_path_factory.mktemp(model_type) / "ckpt")
         m = hf_model(path, torch.float32)
-        out[name] = (path, m, hf_greedy(m, PROMPTS, NEW))
+        out[model_type] = (path, m, hf_greedy(m, PROMPTS, NEW))
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("family", TRANSFORMERS_REFERENCED)
 @pytest.mark.parametrize("S", [1, 2, 3])
 def test_fp32_tokens_identical(refs, family, S):
     path, _, ref = refs[family]
@@ -62,7 +71,7 @@ def test_fp32_tokens_identical(refs, family, S):
     assert got == ref
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("family", TRANSFORMERS_REFERENCED)
 def test_chunked_prefill_and_preemption(refs, family):
     path, _, ref = refs[family]
     # 16 blocks of 4 slots cannot hold all four sequences at once: requests get preempted and
@@ -72,7 +81,7 @@ def test_chunked_prefill_and_preemption(refs, family):
     assert got == ref
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("family", TRANSFORMERS_REFERENCED)
 def test_bf16_within_near_tie_tolerance(refs, family):
     path, ref_model, _ = refs[family]
     got, _ = afd_greedy(engine_cfg(path, dtype="bfloat16", S=2))
@@ -85,7 +94,7 @@ def test_bf16_within_near_tie_tolerance(refs, family):
 
 
 def test_expert_parallel_shards_sum_exactly(refs):
-    path, _, ref = refs["qwen3"]
+    path, _, ref = refs["qwen3_moe"]
     got, _ = afd_greedy(engine_cfg(path, S=2), num_ffn=3)  # 3 does not divide 8 experts
     assert got == ref
 
@@ -94,7 +103,7 @@ def test_expert_parallel_shards_sum_exactly(refs):
 
 
 def test_planted_rope_frequency_bug_is_caught(refs):
-    path, _, ref = refs["qwen3"]
+    path, _, ref = refs["qwen3_moe"]
     cfg = engine_cfg(path, S=2)
     cfg = replace(cfg, model=replace(cfg.model, rope_theta=cfg.model.rope_theta * 2))
     assert afd_greedy(cfg)[0] != ref
@@ -108,7 +117,7 @@ def test_planted_topk_off_by_one_is_caught(refs):
 
 
 def test_planted_zeroed_expert_is_caught(refs, monkeypatch):
-    path, _, ref = refs["qwen3"]
+    path, _, ref = refs["qwen3_moe"]
     from services.ffn import engine as ffn_engine
 
     real_init = ffn_engine.FFNEngine.__init__
@@ -123,7 +132,7 @@ def test_planted_zeroed_expert_is_caught(refs, monkeypatch):
 
 
 def test_planted_kv_slot_off_by_one_is_caught(refs, monkeypatch):
-    path, _, ref = refs["qwen3"]
+    path, _, ref = refs["qwen3_moe"]
     from services.attention import batch
 
     real = batch._slots

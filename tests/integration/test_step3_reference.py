@@ -1,5 +1,6 @@
-"""step3_text (MFA, shared expert, dense layers) against an independent dense reference forward
-(tests/reference/step3_dense.py: full recompute, no KV cache), float32, exact tokens."""
+"""Families transformers cannot run (step3_text: MFA, shared expert, dense layers) against an
+independent dense reference forward of our own (tests/helpers/checkpoints.py: DENSE_REFERENCES;
+full recompute, no KV cache), float32, exact tokens."""
 
 from __future__ import annotations
 
@@ -7,33 +8,32 @@ import pytest
 
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from afd.control import SamplingParams
-from afd.demo import TINY_CONFIG, write_step3_checkpoint
 from afd.local import local_engine
-from tests.reference import step3_dense
+from tests.helpers.checkpoints import DENSE_REFERENCES, REFERENCE_CHECKPOINTS
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], list(range(30, 71)), [9]]
 NEW = 12
 
 
-@pytest.fixture(scope="module")
-def step3(tmp_path_factory):
-    cfg = {**TINY_CONFIG, "num_hidden_layers": 4, "moe_layers_enum": "1,2"}  # dense 0 and 3
-    path = write_step3_checkpoint(
-        tmp_path_factory.mktemp("s3") / "ckpt", cfg, seed=3, init_std=0.2, shards=2
-    )
-    state, rcfg = step3_dense.load_state(path), step3_dense.load_config(path)
-    ref = [step3_dense.greedy_generate(state, rcfg, p, NEW, ignore_eos=True) for p in PROMPTS]
-    return path, ref
+@pytest.fixture(scope="module", params=sorted(DENSE_REFERENCES))
+def checked(request, tmp_path_factory):
+    """(model_type, checkpoint, the dense reference's greedy tokens), one family at a time."""
+    model_type = request.param
+    path = REFERENCE_CHECKPOINTS[model_type](tmp_path_factory.mktemp(model_type) / "ckpt")
+    return model_type, path, DENSE_REFERENCES[model_type](path, PROMPTS, NEW)
+
+
+def test_step3_checkpoint_has_mfa_a_shared_expert_and_dense_layers(tmp_path):
+    mc = ModelConfig.from_hf(REFERENCE_CHECKPOINTS["step3_text"](tmp_path / "ckpt"))
+    assert mc.attention == "mfa" and mc.shared_expert_intermediate_size > 0
+    assert mc.moe_layers == (False, True, True, False)
 
 
 @pytest.mark.parametrize("S,num_ffn", [(1, 1), (2, 2), (3, 3)])
-def test_step3_matches_dense_reference(step3, S, num_ffn):
-    path, ref = step3
-    mc = ModelConfig.from_hf(path)
-    assert mc.attention == "mfa" and mc.shared_expert_intermediate_size > 0
-    assert mc.moe_layers == (False, True, True, False)
+def test_matches_dense_reference(checked, S, num_ffn):
+    _, path, ref = checked
     cfg = EngineConfig(
-        model=mc,
+        model=ModelConfig.from_hf(path),
         dtype="float32",
         a2f_dtype="fp32",
         micro_batches=S,
