@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m afd.plan ...`) until `afd plan` is wired into afd.cli."""
+    """Stand-alone entry: `python -m afd.plan ...` is `afd plan ...`."""
     parser = argparse.ArgumentParser(prog="afd")
     add_parser(parser.add_subparsers(dest="command", required=True))
     return run(parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)]))

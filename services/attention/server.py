@@ -169,19 +169,7 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
         return self._probing
 
 
-def _start_inproc_ffn(cfg: EngineConfig) -> list:
-    """When every FFN address is inproc://, serve those expert shards in this process (shard i
-    of N at the i-th address): `afd serve --transport inproc`."""
-    addrs = cfg.ffn_addresses
-    if not addrs or not all(a.startswith("inproc://") for a in addrs):
-        return []
-    from afd.local import serve_ffn_inproc
-
-    return serve_ffn_inproc(cfg)
-
-
 async def _serve(cfg: AttentionServerConfig) -> None:
-    ffn_listeners = _start_inproc_ffn(cfg.engine)
     engine = Engine(cfg.engine)
     metrics.register("attention")
     loop = EngineLoop(engine, EngineTelemetry(engine, cfg.stragglers))
@@ -215,8 +203,6 @@ async def _serve(cfg: AttentionServerConfig) -> None:
     loop.close()
     if side:
         side.close()
-    for listener in ffn_listeners:
-        listener.close()
 
 
 def serve(cfg: AttentionServerConfig) -> int:

@@ -99,9 +99,9 @@ class LocalCluster:
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives with the process
-        # The image's entrypoint is the `afd` console script, i.e. afd.cli:main.
+        # The image's entrypoint is the `afd` console script, i.e. afd_cli.main:main.
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "afd.cli", *argv],
+            [sys.executable, "-m", "afd_cli", *argv],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

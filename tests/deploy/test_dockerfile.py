@@ -68,7 +68,7 @@ def test_entrypoint_is_the_afd_console_script():
     (entry,) = [json.loads(r) for i, r in INSTR if i == "ENTRYPOINT"]
     assert entry == ["afd"]
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["afd"] == "afd.cli:main"  # what the live tests run as `python -m afd.cli`
+    assert scripts["afd"] == "afd_cli.main:main"  # what the live tests run as `python -m afd_cli`
     (cmd,) = [json.loads(r) for i, r in INSTR if i == "CMD"]
     assert cmd[0] == "gateway"
 
@@ -132,9 +132,10 @@ def test_copied_sources_build_a_working_wheel(tmp_path):
     for stem in protos:  # generated code ships in the wheel (no protos/ in the image)
         assert any(n.endswith(f"/{stem}_pb2.py") for n in names), stem
     assert any(n.startswith("services/gateway/") for n in names)
+    assert any(n.startswith("afd_cli/") for n in names)
     entry = (
         zipfile.ZipFile(wheel)
         .read(next(n for n in names if n.endswith("entry_points.txt")))
         .decode()
     )
-    assert re.search(r"^afd = afd\.cli:main$", entry, re.M)
+    assert re.search(r"^afd = afd_cli\.main:main$", entry, re.M)

@@ -272,7 +272,7 @@ def _drain_timeout(role: str, c: dict) -> float:
     the CLI has one; until then the attention server's fixed 2 s stop grace."""
     import argparse
 
-    from afd.cli import build_parser
+    from afd_cli.main import build_parser
 
     (subs,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     for action in subs.choices[role]._actions:

@@ -33,7 +33,7 @@ class Procs:
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         p = subprocess.Popen(
-            [sys.executable, "-m", "afd.cli", "--log-level", "WARNING", *args],
+            [sys.executable, "-m", "afd_cli", "--log-level", "WARNING", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,

@@ -12,7 +12,7 @@ import pytest
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from afd.control import SamplingParams
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
-from afd.local import local_engine
+from afd_cli.local import local_engine
 from services.attention.loop import EngineLoop
 
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)

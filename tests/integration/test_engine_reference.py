@@ -16,7 +16,7 @@ import torch
 
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from afd.control import SamplingParams
-from afd.local import local_engine
+from afd_cli.local import local_engine
 from tests.helpers.checkpoints import (
     REFERENCE_CHECKPOINTS,
     TRANSFORMERS_REFERENCED,

@@ -20,7 +20,7 @@ import torch
 
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from afd.demo import DEMO_CONFIG, DEMO_INIT_STD, write_step3_checkpoint
-from afd.local import local_engine
+from afd_cli.local import local_engine
 from services.attention import batch
 from services.attention.pipeline import run_layers
 from services.attention.request import Request

@@ -8,7 +8,7 @@ import pytest
 
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from afd.control import SamplingParams
-from afd.local import local_engine
+from afd_cli.local import local_engine
 from tests.helpers.checkpoints import DENSE_REFERENCES, REFERENCE_CHECKPOINTS
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], list(range(30, 71)), [9]]

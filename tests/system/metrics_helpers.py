@@ -43,7 +43,7 @@ class Served:
 def serve(model: Path, *flags: str, timeout: float = 90.0) -> Served:
     """`afd serve` on a free port with small threads and KV cache, until it says it is ready."""
     log = model.parent / f"serve-{time.monotonic_ns()}.log"
-    argv = [sys.executable, "-m", "afd.cli", "serve", "--model", str(model), "--port", "0"]
+    argv = [sys.executable, "-m", "afd_cli", "serve", "--model", str(model), "--port", "0"]
     proc = subprocess.Popen(
         [*argv, "--threads", "1", "--kv-cache-gb", "0.05", *flags],
         stdout=subprocess.PIPE,

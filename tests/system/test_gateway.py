@@ -29,7 +29,7 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 def start_serve(model, *flags, timeout=90):
     """Start `afd serve` on a free port; return (process, base url, stderr path)."""
     log = model.parent / f"serve-{time.monotonic_ns()}.log"
-    argv = [sys.executable, "-m", "afd.cli", "serve", "--model", str(model), "--port", "0"]
+    argv = [sys.executable, "-m", "afd_cli", "serve", "--model", str(model), "--port", "0"]
     proc = subprocess.Popen(
         [*argv, "--threads", "1", "--kv-cache-gb", "0.05", *flags],
         stdout=subprocess.PIPE,
@@ -142,7 +142,7 @@ def test_chat_stream_equals_non_stream_and_usage(client):
 def test_greedy_matches_afd_generate(model, cluster, client):
     n = 10
     out = subprocess.run(
-        [sys.executable, "-m", "afd.cli", "generate", "--model", str(model), "--chat"]
+        [sys.executable, "-m", "afd_cli", "generate", "--model", str(model), "--chat"]
         + ["--prompt", CHAT[0]["content"], "--json", "--temperature", "0", "--ignore-eos"]
         + ["--max-tokens", str(n), "--ffn-shards", "2", "--threads", "1"],
         capture_output=True,

@@ -148,7 +148,7 @@ def test_bench_serve_agrees_with_the_gateway_metrics(cluster):
     before = scrape(gw_url)
     n = 12
     cmd = [
-        *(sys.executable, "-m", "afd.cli", "bench", "serve", "--base-url", cluster.url),
+        *(sys.executable, "-m", "afd_cli", "bench", "serve", "--base-url", cluster.url),
         *("--num-requests", str(n), "--concurrency", "4", "--input-len", "16"),
         *("--output-len", "12", "--ignore-eos", "--logprobs", "0", "--sla-tpot", "10"),
         *("--json", "--no-progress"),

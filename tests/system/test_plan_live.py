@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from afd.bench import serve as bench
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
+from afd_cli.bench import serve as bench
 from tests.system.metrics_helpers import serve
 
 LOAD = ("--num-requests", "24", "--concurrency", "8", "--input-len", "16", "--output-len", "24")
@@ -57,7 +57,7 @@ def test_recommended_ratio_beats_an_unbalanced_one(model):
         _bench(base.url, "--num-requests", "8", "--concurrency", "8")  # warm-up
         first = _bench(base.url, *LOAD)
         sources = [u for name, u in base.metrics.items() if name != "gateway"]
-        cmd = [sys.executable, "-m", "afd.cli", "plan", "--max-instances", "2", "--json"]
+        cmd = [sys.executable, "-m", "afd_cli", "plan", "--max-instances", "2", "--json"]
         out = subprocess.run(
             [*cmd, *[a for u in sources for a in ("--from-metrics", u)]],
             capture_output=True,

@@ -10,11 +10,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from afd import metrics
-from afd.bench import serve as bench
 from afd.demo import write_tokenizer
 from afd.messages import Trace
 from afd.metrics import ROUNDTRIP_PARTS
 from afd.tokenizer import ModelTokenizer
+from afd_cli.bench import serve as bench
 from services.attention.stragglers import StragglerConfig, StragglerDetector, Verdict
 from services.attention.telemetry import breakdown
 from services.gateway.app import GatewayConfig, create_app

@@ -1,7 +1,7 @@
 """`afd serve`: a whole cluster on this machine, one command.
 
 Starts M FFN servers, N attention servers and the gateway as separate child processes
-(`python -m afd.cli ffn|attention|gateway ...`), waits until the gateway's /ready answers 200,
+(`python -m afd_cli ffn|attention|gateway ...`), waits until the gateway's /ready answers 200,
 prints the URL, and on Ctrl-C or SIGTERM stops the children in stages, each with SIGTERM, then
 SIGKILL after a grace period: the gateway first (it drains: new requests get 503 while those in
 flight finish, up to --drain-timeout), then the attention servers (which drain the same way),
@@ -150,7 +150,7 @@ class Cluster:
     def plan(self) -> list[Child]:
         """The children to start, in start order (FFN, attention, gateway)."""
         c = self.cfg
-        py = [sys.executable, "-m", "afd.cli"]
+        py = [sys.executable, "-m", "afd_cli"]
         model = ["--model", c.model] if c.model else []
         threads = ["--threads", str(self._threads())]
         self.ffn_addresses = [self._ffn_address(i) for i in range(c.ffn)]

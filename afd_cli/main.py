@@ -142,7 +142,7 @@ def _generate_parser(sub) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from afd.control import SamplingParams
-    from afd.generate import GenerateJob, read_prompts, run
+    from afd_cli.generate import GenerateJob, read_prompts, run
 
     prompts = list(args.prompt) + (read_prompts(args.prompts_file) if args.prompts_file else [])
     if not prompts:
@@ -288,17 +288,23 @@ def _run_attention(args: argparse.Namespace) -> int:
     if args.drain_timeout < 0 or args.ffn_failover_timeout < 0:
         raise AfdError("--drain-timeout and --ffn-failover-timeout must be >= 0")
     cfg = replace(engine_config(args, ffn), security=security(args))
-    return serve(
-        AttentionServerConfig(
-            engine=cfg,
-            listen=args.listen,
-            model_name=_name(args),
-            metrics_host=args.metrics_host,
-            metrics_port=args.metrics_port,
-            stragglers=straggler_config(args),
-            drain_timeout_s=args.drain_timeout,
-        )
+    server_cfg = AttentionServerConfig(
+        engine=cfg,
+        listen=args.listen,
+        model_name=_name(args),
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        stragglers=straggler_config(args),
+        drain_timeout_s=args.drain_timeout,
     )
+    from afd_cli.local import serve_ffn_inproc, serves_ffn_inproc
+
+    ffn = serve_ffn_inproc(cfg) if serves_ffn_inproc(cfg) else []
+    try:
+        return serve(server_cfg)
+    finally:
+        for listener in ffn:
+            listener.close()
 
 
 def _name(args: argparse.Namespace) -> str:
@@ -331,14 +337,14 @@ def _run_keys(args: argparse.Namespace) -> int:
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     bsub = p.add_subparsers(dest="bench", required=True)
-    from afd.bench import engine as bench_engine
-    from afd.bench import pipeline as bench_pipeline
-    from afd.bench import wire as bench_wire
+    from afd_cli.bench import engine as bench_engine
+    from afd_cli.bench import pipeline as bench_pipeline
+    from afd_cli.bench import wire as bench_wire
 
     bench_engine.add_parser(bsub)
     bench_pipeline.add_parser(bsub)
-    from afd.bench import http as bench_http
-    from afd.bench import serve as bench_serve
+    from afd_cli.bench import http as bench_http
+    from afd_cli.bench import serve as bench_serve
 
     bench_http.add_parser(bsub)
     bench_serve.add_parser(bsub)
@@ -350,7 +356,7 @@ def _bench_parser(sub) -> None:
 
 
 def _serving_parsers(sub) -> None:
-    from afd import serve
+    from afd_cli import serve
     from services.gateway import app as gateway_app
 
     gateway_app.add_parser(sub)

@@ -1,6 +1,6 @@
 """Data-plane micro-benchmark: the FP8 codec, the per-layer round trip, bytes on the wire.
 
-    python -m afd.bench.wire [--tokens 128 --hidden 7168 --transport tcp]
+    afd bench wire [--tokens 128 --hidden 7168 --transport tcp]
 
 (a) quantize/dequantize time for one [T, H] micro-batch (and PyTorch's plain casts beside them);
 (b) the per-layer round trip A2F + F2A to an FFN server in another process that answers with a

@@ -23,6 +23,12 @@ _names = itertools.count()
 MAX_TOKENS = 65536  # largest message an in-process FFN shard accepts, in tokens
 
 
+def serves_ffn_inproc(cfg: EngineConfig) -> bool:
+    """Every FFN address is inproc://: the attention process serves the expert shards itself
+    (`afd serve --transport inproc`)."""
+    return bool(cfg.ffn_addresses) and all(a.startswith("inproc://") for a in cfg.ffn_addresses)
+
+
 def serve_ffn_inproc(cfg: EngineConfig, progress: bool = True) -> list[Listener]:
     """Serve the expert shards at cfg.ffn_addresses (every one inproc://) in this process:
     shard i of N at the i-th address, one FFN engine per replica."""

@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 
-from afd.serve import Cluster, ClusterConfig
+from afd_cli.serve import Cluster, ClusterConfig
 
 
 def _summary(xs: list[float]) -> dict[str, float]:

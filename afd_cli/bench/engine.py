@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
     from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from afd.local import local_engine
+    from afd_cli.local import local_engine
 
     torch.set_num_threads(args.threads)
     path = build_checkpoint(Path(args.cache_dir) / "bench-qwen3moe-ref")

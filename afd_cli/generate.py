@@ -12,8 +12,8 @@ from pathlib import Path
 
 from afd.config import EngineConfig
 from afd.control import SamplingParams
-from afd.local import local_engine
 from afd.tokenizer import ModelTokenizer
+from afd_cli.local import local_engine
 
 log = logging.getLogger("afd.generate")
 

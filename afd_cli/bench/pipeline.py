@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from afd.bench.engine import REFERENCE_CONFIG, build_checkpoint
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from afd.control import SamplingParams
+from afd_cli.bench.engine import REFERENCE_CONFIG, build_checkpoint
 from services.attention.engine import Engine
 from services.attention.request import RequestStatus
 
@@ -82,7 +82,7 @@ def _ffn_process(model: Path, address: str) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
-        "afd.cli",
+        "afd_cli",
         "--log-level",
         "WARNING",
         "ffn",
@@ -129,8 +129,8 @@ def _workload(
 
 
 def run(args: argparse.Namespace) -> dict:
-    from afd.local import local_engine
     from afd.transport import connect  # noqa: F401 - registers backends
+    from afd_cli.local import local_engine
 
     torch.set_num_threads(1)
     path = build_checkpoint(Path(args.cache_dir) / "bench-qwen3moe-ref")
