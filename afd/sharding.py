@@ -49,3 +49,9 @@ class ExpertShard:
         except ValueError as e:
             raise ValueError(f"--shard must look like i/N (e.g. 0/2), got {text!r}") from e
         return cls(i, n, num_experts)
+
+
+def pool_shards(addresses: tuple[str, ...]) -> list[list[str]]:
+    """The FFN pool as shards of replicas: the i-th entry serves expert shard i, and an entry
+    `a|b` names two replicas of it (either one computes the shard's messages)."""
+    return [[a.strip() for a in entry.split("|") if a.strip()] for entry in addresses]

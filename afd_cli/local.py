@@ -13,10 +13,10 @@ from dataclasses import replace
 from afd import metrics
 from afd.config import EngineConfig
 from afd.dtypes import compute_dtype
-from afd.sharding import ExpertShard
+from afd.sharding import ExpertShard, pool_shards
 from afd.transport import FFNServing, Listener, listen
 from afd.wire import WireLimits
-from services.attention.engine import Engine, ffn_shards
+from services.attention.engine import Engine
 from services.ffn.engine import FFNEngine
 
 _names = itertools.count()
@@ -32,7 +32,7 @@ def serves_ffn_inproc(cfg: EngineConfig) -> bool:
 def serve_ffn_inproc(cfg: EngineConfig, progress: bool = True) -> list[Listener]:
     """Serve the expert shards at cfg.ffn_addresses (every one inproc://) in this process:
     shard i of N at the i-th address, one FFN engine per replica."""
-    shards, model = ffn_shards(cfg.ffn_addresses), cfg.model
+    shards, model = pool_shards(cfg.ffn_addresses), cfg.model
     limits = WireLimits.for_model(model, MAX_TOKENS)
     metrics.register("ffn")
     listeners = []

@@ -58,8 +58,7 @@ def _decode(engine: Engine, batch: int, context: int, steps: int) -> dict:
     a_wait = f_compute = transfer = 0.0
     t0 = time.perf_counter()
     for _ in range(steps):
-        engine.step()
-        for _addr, r in engine.pool.traces:
+        for _addr, r in engine.step().timing.traces:
             tr = r.trace
             rtt = tr.a_recv - tr.a_send
             a_wait += rtt
@@ -110,7 +109,7 @@ def _workload(
         for S in runs:
             eng = Engine(replace(base, micro_batches=S), progress=False)
             runs[S].append(_decode(eng, batch, context, steps))
-            eng.pool.reset()
+            eng.dispatcher.reset()
             del eng
     med = {S: _median_run(rs) for S, rs in runs.items()}
     serial = med[1]
@@ -148,7 +147,8 @@ def run(args: argparse.Namespace) -> dict:
     )
 
     try:
-        Engine(base, progress=False).pool.wait_ready(120.0)  # wait for the FFN process to load
+        # wait for the FFN process to load
+        Engine(base, progress=False).replicas.wait_ready(120.0)
         results = [
             _workload(
                 base, "short_context", args.batch, args.short_context, args.steps, args.repeat

@@ -1,23 +1,31 @@
-"""The attention server's engine: one loop of schedule -> execute -> update."""
+"""The attention server's engine: one loop of schedule -> execute -> update.
+
+`step()` returns what happened in it (the requests that got a token or finished, and the
+step's stats); `load()` says how busy the engine is; the FFN pool's readiness and upkeep go
+through `check_ffn` and `maintain_ffn`. Nothing outside reaches into the scheduler, the block
+manager or the dispatcher.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from afd.config import EngineConfig
-from afd.control import SamplingParams
+from afd.control import SamplingParams, Stats
 from afd.dtypes import compute_dtype
 from afd.errors import TransportError
 from afd.runtime import tune_allocator
-from afd.sharding import ExpertShard
+from afd.sharding import ExpertShard, pool_shards
 from afd.transport import connect
 from services.attention.block_manager import BlockManager
-from services.attention.dispatch import FFNPool, Peer
+from services.attention.dispatch import FFNDispatcher, StepTiming
 from services.attention.kv_cache import KVCache, num_blocks_for
 from services.attention.model import AttentionModel
+from services.attention.replicas import Peer, Replicas
 from services.attention.request import Request
 from services.attention.runner import ModelRunner
 from services.attention.scheduler import Scheduler
@@ -25,10 +33,14 @@ from services.attention.scheduler import Scheduler
 log = logging.getLogger("afd.attention")
 
 
-def ffn_shards(addresses: tuple[str, ...]) -> list[list[str]]:
-    """The FFN pool as shards of replicas: the i-th entry serves expert shard i, and an entry
-    `a|b` names two replicas of it (either one computes the shard's messages)."""
-    return [[a.strip() for a in entry.split("|") if a.strip()] for entry in addresses]
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did: the requests that got a token or finished (failed ones included),
+    the tokens it computed, and where its FFN time went."""
+
+    requests: list[Request] = field(default_factory=list)
+    tokens: int = 0
+    timing: StepTiming = field(default_factory=StepTiming)
 
 
 class Engine:
@@ -45,18 +57,37 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.cache.block_size)
         self.max_model_len = min(cfg.scheduler.max_model_len or mc.max_position, mc.max_position)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, self.max_model_len)
-        shards = ffn_shards(cfg.ffn_addresses)
+        shards = pool_shards(cfg.ffn_addresses)
         peers = [
             Peer(connect(addr, security=cfg.security), ExpertShard(i, len(shards), mc.num_experts))
             for i, replicas in enumerate(shards)
             for addr in replicas
         ]
-        self.pool = FFNPool(
-            mc, peers, cfg.a2f_dtype, dtype, cfg.ffn_timeout_s, failover_s=cfg.ffn_failover_s
-        )
-        self.runner = ModelRunner(self.model, self.cache, self.pool, cfg.micro_batches)
+        self.replicas = Replicas(mc, peers, cfg.ffn_timeout_s, cfg.ffn_failover_s)
+        self.dispatcher = FFNDispatcher(mc, self.replicas, cfg.a2f_dtype, dtype)
+        self.runner = ModelRunner(self.model, self.cache, self.dispatcher, cfg.micro_batches)
         self._ids = itertools.count()
-        self.last_step_tokens = 0  # tokens computed by the latest step (for the telemetry)
+
+    @property
+    def ffn_addresses(self) -> list[str]:
+        """Every FFN replica this engine sends to."""
+        return [p.address for p in self.replicas.peers]
+
+    def load(self, draining: bool = False) -> Stats:
+        s = self.scheduler
+        return Stats(s.num_running, s.num_waiting, self.blocks.usage, s.num_preemptions, draining)
+
+    def check_ffn(self, timeout: float) -> None:
+        """Readiness: raises TransportError unless every expert shard has a live replica."""
+        self.replicas.ping(timeout)
+
+    @property
+    def ffn_all_up(self) -> bool:
+        return self.replicas.all_up
+
+    def maintain_ffn(self) -> None:
+        """Between steps: probe FFN replicas marked down (never blocks)."""
+        self.replicas.maintain()
 
     def add_request(
         self,
@@ -80,22 +111,22 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[Request]:
-        """One engine step; returns the requests that got a token or finished in it."""
-        self.pool.begin_step()
+    def step(self) -> StepResult:
+        """One engine step: schedule -> execute -> update."""
+        self.dispatcher.begin_step()
         plan = self.scheduler.schedule()
-        self.last_step_tokens = sum(s.num_new_tokens for s in plan.scheduled)
+        tokens = sum(s.num_new_tokens for s in plan.scheduled)
         if not plan.scheduled:
-            return []
+            return StepResult()
         try:
             sampled, logprobs = self.runner.execute(plan)
         except TransportError as e:
-            return self._fail(plan, e)
+            return StepResult(self._fail(plan, e), tokens, self.dispatcher.timing)
         updated = self.scheduler.update(plan, sampled, logprobs)
         for req in updated:
             if req.finished:
                 self.runner.release(req.request_id)
-        return updated
+        return StepResult(updated, tokens, self.dispatcher.timing)
 
     def _fail(self, plan, error: TransportError) -> list[Request]:
         """A step the FFN pool could not serve: its requests end with a typed error, the engine

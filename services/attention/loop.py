@@ -16,9 +16,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol
 
-from afd.control import SamplingParams, TokenEvent
+from afd.control import SamplingParams, Stats, TokenEvent
 from afd.errors import ErrorCode, RequestError
-from services.attention.engine import Engine
+from services.attention.engine import Engine, StepResult
 from services.attention.request import Request
 
 log = logging.getLogger("afd.attention")
@@ -28,9 +28,9 @@ Sink = Callable[[TokenEvent], None]
 
 
 class Telemetry(Protocol):
-    def after_step(self, seconds: float) -> None: ...
+    def after_step(self, result: StepResult, seconds: float, load: Stats) -> None: ...
 
-    def idle(self) -> None: ...
+    def idle(self, load: Stats) -> None: ...
 
 
 class EngineLoop:
@@ -68,25 +68,25 @@ class EngineLoop:
             if self.engine.has_unfinished():
                 try:
                     t0 = time.perf_counter()
-                    updated = self.engine.step()
+                    result = self.engine.step()
                     seconds = time.perf_counter() - t0
-                    self._publish(updated)
+                    self._publish(result.requests)
                 except Exception as e:  # a broken step must not kill the server
                     log.exception("engine step failed")
                     self._fail_all(f"internal error: {e}")
                     continue
                 if self.telemetry is not None:
-                    self.telemetry.after_step(seconds)
+                    self.telemetry.after_step(result, seconds, self.engine.load())
             else:
                 self._idle()
 
     def _idle(self) -> None:
         try:
-            self.engine.pool.maintain()  # take back FFN replicas that were marked down
+            self.engine.maintain_ffn()  # take back FFN replicas that were marked down
         except Exception:
             log.exception("probing the FFN pool failed")
         if self.telemetry is not None:
-            self.telemetry.idle()
+            self.telemetry.idle(self.engine.load())
 
     def _drain(self, block: bool) -> None:
         try:

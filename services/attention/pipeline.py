@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from services.attention.batch import MicroBatch
-from services.attention.dispatch import FFNPool, Pending
+from services.attention.dispatch import FFNDispatcher, Pending
 from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 
@@ -20,7 +20,7 @@ from services.attention.model import AttentionModel
 def run_layers(
     model: AttentionModel,
     cache: KVCache,
-    pool: FFNPool,
+    ffn: FFNDispatcher,
     mbs: list[MicroBatch],
     finish: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
@@ -34,15 +34,15 @@ def run_layers(
         for layer in range(model.cfg.num_layers):
             for m, mb in enumerate(mbs):
                 if pending[m] is not None:
-                    hs[m] = hs[m] + pool.collect(pending[m])
+                    hs[m] = hs[m] + ffn.collect(pending[m])
                 hs[m], x = model.attention(layer, hs[m], mb.meta, cache)
                 ids, weights = model.route(layer, x)  # [T, k], [T, k]
-                pending[m] = pool.send(layer, m, x, ids, weights)
+                pending[m] = ffn.send(layer, m, x, ids, weights)
         for m in range(len(mbs)):
-            hs[m] = hs[m] + pool.collect(pending[m])
+            hs[m] = hs[m] + ffn.collect(pending[m])
             if finish is not None:
                 hs[m] = finish(m, hs[m])
     except BaseException:
-        pool.reset()  # replies of the abandoned step must not be matched to the next one
+        ffn.reset()  # replies of the abandoned step must not be matched to the next one
         raise
     return hs

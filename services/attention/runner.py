@@ -6,7 +6,7 @@ import torch
 
 from afd.control import Logprob
 from services.attention import batch
-from services.attention.dispatch import FFNPool
+from services.attention.dispatch import FFNDispatcher
 from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.pipeline import run_layers
@@ -19,12 +19,12 @@ class ModelRunner:
         self,
         model: AttentionModel,
         cache: KVCache,
-        pool: FFNPool,
+        dispatcher: FFNDispatcher,
         micro_batches: int,
     ):
         self.model = model
         self.cache = cache
-        self.pool = pool
+        self.dispatcher = dispatcher
         self.micro_batches = micro_batches
         self._generators: dict[str, torch.Generator] = {}
 
@@ -32,13 +32,12 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> tuple[dict[str, int], dict[str, Logprob]]:
         groups = batch.split(plan.scheduled, self.micro_batches)
         mbs = [batch.build(g, self.cache.block_size) for g in groups]
-        self.pool.traces.clear()
 
         def head(m: int, h: torch.Tensor) -> torch.Tensor:  # [T_m, H] -> [B_m, V] float32
             rows = mbs[m].sample_rows
             return self.model.logits(h.index_select(0, rows)) if len(rows) else h.new_empty(0)
 
-        per_mb = run_layers(self.model, self.cache, self.pool, mbs, head)
+        per_mb = run_layers(self.model, self.cache, self.dispatcher, mbs, head)
         seqs = [s for mb in mbs for s in mb.sample_seqs]
         if not seqs:
             return {}, {}

@@ -22,7 +22,6 @@ from afd import metrics, sidecar
 from afd.config import EngineConfig
 from afd.control import (
     Health,
-    Stats,
     TokenEvent,
     event_to_pb,
     health_to_pb,
@@ -112,11 +111,7 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
         )
 
     async def Stats(self, request, context):
-        eng = self.loop.engine
-        s = eng.scheduler
-        return stats_to_pb(
-            Stats(s.num_running, s.num_waiting, eng.blocks.usage, s.num_preemptions, self.draining)
-        )
+        return stats_to_pb(self.loop.engine.load(self.draining))
 
     async def drain(self, timeout: float) -> int:
         """Refuse new requests and wait (up to `timeout`) for those in flight; returns how
@@ -148,7 +143,7 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
 
         t, ready, reason = self._ready
         # A peer marked down since (a failed step) makes the cached answer stale.
-        fresh = all(p.up for p in self.loop.engine.pool.peers)
+        fresh = self.loop.engine.ffn_all_up
         if fresh and time.monotonic() - t < self.cfg.ready_cache_s:
             fut: Future = Future()
             fut.set_result((ready, reason))
@@ -158,7 +153,7 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
 
         def probe() -> tuple[bool, str]:
             try:
-                self.loop.engine.pool.ping(2.0)
+                self.loop.engine.check_ffn(2.0)
                 result = (True, "")
             except TransportError as e:
                 result = (False, f"FFN pool does not cover every expert: {e}")
@@ -172,7 +167,7 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
 async def _serve(cfg: AttentionServerConfig) -> None:
     engine = Engine(cfg.engine)
     metrics.register("attention")
-    loop = EngineLoop(engine, EngineTelemetry(engine, cfg.stragglers))
+    loop = EngineLoop(engine, EngineTelemetry(engine.ffn_addresses, cfg.stragglers))
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     servicer = ControlServicer(loop, cfg)
     pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)

@@ -1,8 +1,8 @@
 """The attention server's metrics, recorded on the engine thread after each step.
 
-The engine and its FFN pool keep the step's raw timing (the pool's reply traces and
-attention times, the step's token count); this turns it into Prometheus observations and feeds
-the straggler detector. Per step that is a few observe() calls per FFN reply, with the metric
+Each step returns its raw timing (`StepResult`: the FFN replies' traces, the attention times,
+the step's token count) and the engine its load (`Stats`); this turns them into Prometheus
+observations and feeds the straggler detector. Per step that is a few observe() calls per FFN reply, with the metric
 children resolved once here, so the per-layer path itself carries only its timestamps.
 """
 
@@ -12,8 +12,9 @@ import logging
 import time
 
 from afd import metrics
+from afd.control import Stats
 from afd.messages import Trace
-from services.attention.engine import Engine
+from services.attention.engine import StepResult
 from services.attention.stragglers import StragglerConfig, StragglerDetector
 
 log = logging.getLogger("afd.attention")
@@ -37,11 +38,10 @@ def breakdown(tr: Trace) -> tuple[float, tuple[float, ...]]:
 
 
 class EngineTelemetry:
-    def __init__(self, engine: Engine, stragglers: StragglerConfig | None = None):
-        self.engine = engine
-        peers = [p.client.address for p in engine.pool.peers]
+    def __init__(self, peers: list[str], stragglers: StragglerConfig | None = None):
+        """`peers`: the FFN replicas' addresses the engine sends to."""
         self.detector = StragglerDetector(stragglers or StragglerConfig(), peers)
-        self._preemptions = engine.scheduler.num_preemptions
+        self._preemptions: int | None = None  # the count last seen
         self._roundtrip = {a: metrics.FFN_ROUNDTRIP.labels(a) for a in peers}
         self._parts = {
             a: tuple(metrics.FFN_ROUNDTRIP_PART.labels(a, part) for part in metrics.ROUNDTRIP_PARTS)
@@ -53,31 +53,31 @@ class EngineTelemetry:
             g.set(0)
         self._failed = False
 
-    def after_step(self, seconds: float) -> None:
+    def after_step(self, result: StepResult, seconds: float, load: Stats) -> None:
         """After a step: its time, tokens, FFN round trips; then a straggler check if due."""
         try:
-            self._after_step(seconds)
+            self._after_step(result, seconds, load)
         except Exception:  # metrics must never take the engine down; say so once
             if not self._failed:
                 self._failed = True
                 log.exception("recording the step's metrics failed")
 
-    def idle(self) -> None:
+    def idle(self, load: Stats) -> None:
         """Between steps while idle: refresh the gauges (aborts change them too)."""
-        self._gauges()
+        self._gauges(load)
 
-    def _after_step(self, seconds: float) -> None:
-        eng, pool = self.engine, self.engine.pool
-        self._gauges()
-        if not eng.last_step_tokens:
+    def _after_step(self, result: StepResult, seconds: float, load: Stats) -> None:
+        self._gauges(load)
+        if not result.tokens:
             return  # nothing was scheduled: no step to speak of
+        timing = result.timing
         metrics.STEP_SECONDS.observe(seconds)
-        metrics.STEP_TOKENS.observe(eng.last_step_tokens)
-        metrics.MICRO_BATCHES_IN_FLIGHT.set(pool.max_in_flight)
-        for s in pool.attention_seconds:
+        metrics.STEP_TOKENS.observe(result.tokens)
+        metrics.MICRO_BATCHES_IN_FLIGHT.set(timing.max_in_flight)
+        for s in timing.attention_seconds:
             self._layer.observe(s)
         now = time.monotonic()
-        for addr, reply in pool.traces:
+        for addr, reply in timing.traces:
             rt, parts = breakdown(reply.trace)
             if addr not in self._roundtrip:
                 continue  # a peer this telemetry was not built for (never in practice)
@@ -89,13 +89,11 @@ class EngineTelemetry:
             for addr, g in self._straggler.items():
                 g.set(1 if self.detector.flagged(addr) else 0)
 
-    def _gauges(self) -> None:
-        eng = self.engine
-        s = eng.scheduler
-        metrics.NUM_RUNNING.set(s.num_running)
-        metrics.NUM_WAITING.set(s.num_waiting)
-        metrics.KV_USAGE.set(eng.blocks.usage)
-        n = s.num_preemptions
-        if n > self._preemptions:
+    def _gauges(self, load: Stats) -> None:
+        metrics.NUM_RUNNING.set(load.running)
+        metrics.NUM_WAITING.set(load.waiting)
+        metrics.KV_USAGE.set(load.kv_usage)
+        n = load.preemptions
+        if self._preemptions is not None and n > self._preemptions:
             metrics.PREEMPTIONS.inc(n - self._preemptions)
         self._preemptions = n

@@ -36,7 +36,7 @@ def _all_logits(eng, tokens: list[int]) -> torch.Tensor:
         seq = ScheduledSeq(Request("fp8", tokens), tokens, 0, blocks, sample=False)
         mb = batch.build([seq], eng.cache.block_size)
         with torch.inference_mode():
-            (h,) = run_layers(eng.model, eng.cache, eng.pool, [mb])
+            (h,) = run_layers(eng.model, eng.cache, eng.dispatcher, [mb])
             return eng.model.logits(h)
     finally:
         eng.blocks.free(blocks)

@@ -1,6 +1,9 @@
 """FFN replicas in the attention server's pool: failover within the deadline, replicas marked
 down and probed back, late replies of a replica given up on never taken for others, readiness
-false only while a shard has no live replica."""
+false only while a shard has no live replica.
+
+The assertions are on the mechanism (which deadline fired, what was sent where and in which
+order), never on a narrow clock window: a loaded 2-core box may run any step late."""
 
 import collections
 import time
@@ -14,8 +17,9 @@ from afd.errors import TransportError
 from afd.messages import FFNReply
 from afd.sharding import ExpertShard
 from afd.transport.base import FFNClient
-from services.attention import dispatch
-from services.attention.dispatch import FFNPool, Peer
+from services.attention import replicas
+from services.attention.dispatch import FFNDispatcher
+from services.attention.replicas import Peer, Replicas
 
 CFG = ModelConfig.from_dict(TINY_CONFIG)
 MOE = 1  # TINY_CONFIG's only MoE layer: every shard gets a part
@@ -67,7 +71,8 @@ def pool(*shards, timeout=1.0):
             c = FakeFFN(f"fake://{i}.{j}", v)
             clients.append(c)
             peers.append(Peer(c, ExpertShard(i, len(shards), CFG.num_experts)))
-    return FFNPool(CFG, peers, "bf16", torch.float32, timeout), clients
+    pool = Replicas(CFG, peers, timeout, failover_s=0.0)
+    return FFNDispatcher(CFG, pool, "bf16", torch.float32), clients
 
 
 def step(p, tokens=3, mb=0):
@@ -84,20 +89,25 @@ def test_a_hung_replica_fails_over_within_the_deadline_and_is_marked_down():
     out = p.collect(step(p))
     took = time.monotonic() - t0
     assert torch.all(out == 3.0)  # shard 0 (from b) + shard 1
-    assert 0.4 < took < 0.9  # half the deadline per replica, then b answers
-    assert not p.peers[0].up and "did not reply" in p.peers[0].reason
+    # a's attempt time (half the deadline: two replicas) fired, then b answered in time
+    assert "did not reply to message 0 within 0.5s" in p.replicas.peers[0].reason
+    assert not p.replicas.peers[0].up and took >= 0.5
+    assert [r.seq for r in b.sent] == [0]
     n = len(a.sent)
     assert torch.all(p.collect(step(p)) == 3.0)
     assert len(a.sent) == n  # a is skipped while down
 
 
 def test_a_replica_that_refuses_or_errs_fails_over_at_once():
-    for mode in ("refuse", "error"):
+    for mode, why in (("refuse", "not connected"), ("error", "internal: boom")):
         p, (a, b) = pool([1.0, 5.0])
         a.mode = mode
         t0 = time.monotonic()
         assert torch.all(p.collect(step(p)) == 5.0)
-        assert time.monotonic() - t0 < 0.2 and not p.peers[0].up
+        peer = p.replicas.peers[0]
+        # a failed on its own (no attempt time waited out); generous bound: the attempt time
+        assert not peer.up and why in peer.reason and "within" not in peer.reason
+        assert time.monotonic() - t0 < p.replicas.attempt_s(0)
 
 
 def test_a_bad_message_is_an_error_not_a_failover():
@@ -105,7 +115,7 @@ def test_a_bad_message_is_an_error_not_a_failover():
     a.mode = "bad"
     with pytest.raises(TransportError, match="bad_value"):
         p.collect(step(p))
-    assert p.peers[0].up and not b.sent
+    assert p.replicas.peers[0].up and not b.sent
 
 
 def test_every_message_in_flight_on_a_failed_replica_is_sent_again():
@@ -113,10 +123,10 @@ def test_every_message_in_flight_on_a_failed_replica_is_sent_again():
     a.mode = "hung"
     first, second = step(p, mb=0), step(p, mb=1)  # S = 2: two micro-batches out on a
     assert torch.all(p.collect(first) == 5.0)
-    t0 = time.monotonic()
-    assert torch.all(p.collect(second) == 5.0)  # re-sent to b when a was marked down
-    assert time.monotonic() - t0 < 0.1
+    # both went to b the moment a was marked down, before anyone waited for the second
     assert [r.micro_batch for r in b.sent] == [0, 1]
+    assert torch.all(p.collect(second) == 5.0)
+    assert len(b.sent) == 2
 
 
 def test_late_replies_of_a_replica_marked_down_are_never_taken():
@@ -132,18 +142,18 @@ def test_late_replies_of_a_replica_marked_down_are_never_taken():
 
 
 def test_a_replica_marked_down_is_probed_and_taken_back(monkeypatch):
-    monkeypatch.setattr(dispatch, "_BACKOFF_S", (0.05, 0.1))
+    monkeypatch.setattr(replicas, "_BACKOFF_S", (0.05, 0.1))
     p, (a, b) = pool([1.0, 5.0], timeout=1.0)
     a.mode = "refuse"
     p.collect(step(p))
-    assert not p.peers[0].up
-    deadline = time.monotonic() + 2
-    while not p.peers[0].up and time.monotonic() < deadline:
-        p.maintain()  # the engine loop calls this between steps and while idle
+    assert not p.replicas.peers[0].up
+    deadline = time.monotonic() + 10
+    while not p.replicas.peers[0].up and time.monotonic() < deadline:
+        p.replicas.maintain()  # the engine loop calls this between steps and while idle
         time.sleep(0.02)
         if len(a.sent) >= 3:
             a.mode = "ok"  # back after a few refused probes
-    assert p.peers[0].up
+    assert p.replicas.peers[0].up
     assert torch.all(p.collect(step(p)) == 1.0)  # the first replica is preferred again
 
 
@@ -153,23 +163,25 @@ def test_no_live_replica_is_a_fast_typed_error_then_readiness_recovers():
     with pytest.raises(TransportError, match="did not reply"):
         p.collect(step(p))
     p.reset()
+    n = len(c.sent)
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="FFN peer fake://1.0 is down"):
         p.collect(step(p))  # fails at once: no waiting on a peer known to be down
-    assert time.monotonic() - t0 < 0.05
+    assert len(c.sent) == n  # nothing was sent to it
+    assert time.monotonic() - t0 < p.replicas.timeout_s  # generous: no deadline waited out
     p.reset()
     with pytest.raises(TransportError, match="FFN shard 1 has no live replica"):
-        p.ping(0.2)
+        p.replicas.ping(0.2)
     c.wake()
-    p.ping(0.2)  # the probe sent by ping is answered: shard 1 is covered again
+    p.replicas.ping(0.2)  # the probe sent by ping is answered: shard 1 is covered again
     assert torch.all(p.collect(step(p)) == 3.0)
 
 
 def test_readiness_holds_while_each_shard_keeps_one_replica():
     p, (a, b, c) = pool([1.0, 1.0], [2.0])
     a.mode = "refuse"
-    p.ping(0.2)  # shard 0 still has b
-    assert [peer.up for peer in p.peers] == [False, True, True]
+    p.replicas.ping(0.2)  # shard 0 still has b
+    assert [peer.up for peer in p.replicas.peers] == [False, True, True]
     b.mode = "refuse"
     with pytest.raises(TransportError, match="FFN shard 0 has no live replica"):
-        p.ping(0.2)
+        p.replicas.ping(0.2)
