@@ -102,22 +102,51 @@ class ModelConfig:
             raise ConfigError(f"config.json ({mt}) has a malformed field: {e}") from e
 
 
+def check(ok: bool, problem: str) -> None:
+    """A config dataclass's own validation: one ConfigError naming the bad value."""
+    if not ok:
+        raise ConfigError(problem)
+
+
+COMPUTE_DTYPES = ("bfloat16", "float32")
+WIRE_DTYPES = ("fp8", "bf16", "fp32")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # 0: size the pool from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float = 1.0  # memory for the KV pool
+
+    def __post_init__(self) -> None:
+        check(self.block_size >= 1, f"block size must be >= 1, got {self.block_size}")
+        check(self.num_blocks >= 0, f"num_blocks must be >= 0, got {self.num_blocks}")
+        check(
+            self.kv_cache_memory_gb > 0, f"KV cache GB must be > 0, got {self.kv_cache_memory_gb}"
+        )
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64  # requests in one step, at most
+    max_num_batched_tokens: int = 2048  # tokens in one step, at most
     max_model_len: int = 0  # 0: the model's max_position
     enable_chunked_prefill: bool = True
     # Backpressure: past either bound a new request is refused as overloaded (HTTP 429).
     max_waiting_requests: int = 1024
     max_waiting_tokens: int = 1 << 20  # prompt tokens waiting in total
+
+    def __post_init__(self) -> None:
+        check(
+            self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1,
+            "max_num_seqs and max_num_batched_tokens must be >= 1, got "
+            f"{self.max_num_seqs} and {self.max_num_batched_tokens}",
+        )
+        check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
+        check(
+            self.max_waiting_requests >= 0 and self.max_waiting_tokens >= 0,
+            "max_waiting_requests and max_waiting_tokens must be >= 0",
+        )
 
 
 @dataclass(frozen=True)
@@ -128,12 +157,36 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     dtype: str = "bfloat16"  # compute dtype: bfloat16 | float32
+    threads: int = 0  # torch threads; 0: leave torch's default
+    # S micro-batches in flight per step (1: serial). S >= 2 overlaps attention and FFN, which
+    # pays when the FFN side is compute-bound (large batches).
     micro_batches: int = 1
-    a2f_dtype: str = "bf16"  # fp8 | bf16 | fp32 on the wire attention -> FFN
+    a2f_dtype: str = "fp8"  # hidden states on the wire attention -> FFN: fp8 | bf16 | fp32
     # The i-th entry serves expert shard i; "a|b" names replicas of one shard (failover).
     ffn_addresses: tuple[str, ...] = ("inproc://ffn0",)
-    ffn_timeout_s: float = 30.0
+    ffn_timeout_s: float = 30.0  # deadline of one FFN call
     ffn_failover_s: float = 0.0  # one replica's time to answer before failover; 0: timeout/replicas
-    device: str = "cpu"
-    threads: int = 0  # 0: leave torch's default
     security: Security = field(default_factory=Security)  # data-plane CURVE / TLS
+
+    def __post_init__(self) -> None:
+        check(
+            self.dtype in COMPUTE_DTYPES,
+            f"dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}",
+        )
+        check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
+        check(self.micro_batches >= 1, f"micro-batches must be >= 1, got {self.micro_batches}")
+        check(
+            self.a2f_dtype in WIRE_DTYPES,
+            f"the a2f dtype must be one of {WIRE_DTYPES}, got {self.a2f_dtype!r}",
+        )
+        check(bool(self.ffn_addresses), "at least one FFN address is needed")
+        for entry in self.ffn_addresses:
+            check(
+                all(a.strip() for a in entry.split("|")),
+                f"FFN address {entry!r} has an empty replica address",
+            )
+        check(self.ffn_timeout_s > 0, f"the FFN timeout must be > 0, got {self.ffn_timeout_s}")
+        check(
+            self.ffn_failover_s >= 0,
+            f"the failover timeout must be >= 0, got {self.ffn_failover_s}",
+        )

@@ -25,6 +25,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 log = logging.getLogger("afd.demo")
 
 DEMO_NAME = "demo-step3-v1"  # bump the suffix whenever the weights or tokenizer change
+SERVED_NAME = "afd-demo-step3"  # the demo model's name in the API
 DEMO_SEED = 0
 DEMO_INIT_STD = 0.06
 

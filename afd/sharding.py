@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from afd.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ExpertShard:
@@ -18,9 +20,9 @@ class ExpertShard:
 
     def __post_init__(self) -> None:
         if not 0 <= self.index < self.count:
-            raise ValueError(f"shard index {self.index} is outside 0..{self.count - 1}")
+            raise ConfigError(f"shard index {self.index} is outside 0..{self.count - 1}")
         if self.count > max(self.num_experts, 1):
-            raise ValueError(
+            raise ConfigError(
                 f"{self.count} shards for {self.num_experts} experts: some would be empty"
             )
 
@@ -47,7 +49,7 @@ class ExpertShard:
         try:
             i, n = (int(x) for x in text.split("/"))
         except ValueError as e:
-            raise ValueError(f"--shard must look like i/N (e.g. 0/2), got {text!r}") from e
+            raise ConfigError(f"--shard must look like i/N (e.g. 0/2), got {text!r}") from e
         return cls(i, n, num_experts)
 
 

@@ -10,13 +10,25 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from afd.config import check
+
 log = logging.getLogger("afd.sidecar")
 
 ReadyFn = Callable[[], tuple[bool, str]]
+
+
+@dataclass(frozen=True)
+class SidePortConfig:
+    metrics_host: str = "127.0.0.1"  # interface of the HTTP side port
+    metrics_port: int = 0  # HTTP side port serving /metrics, /health, /ready; 0: off
+
+    def __post_init__(self) -> None:
+        check(0 <= self.metrics_port < 65536, f"metrics port {self.metrics_port} is not a port")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -67,6 +79,6 @@ class Sidecar:
         self.httpd.server_close()
 
 
-def start(host: str, port: int, ready_fn: ReadyFn) -> Sidecar | None:
-    """port 0 disables the side port (a negative port is not allowed)."""
-    return Sidecar(host, port, ready_fn) if port else None
+def start(cfg: SidePortConfig, ready_fn: ReadyFn) -> Sidecar | None:
+    """None when the side port is off (port 0)."""
+    return Sidecar(cfg.metrics_host, cfg.metrics_port, ready_fn) if cfg.metrics_port else None

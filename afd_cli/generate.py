@@ -3,6 +3,7 @@ transport (the same engine and FFN server as a deployment; only the transport di
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -10,10 +11,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from afd.config import EngineConfig
+from afd import flags
+from afd.config import EngineConfig, check
 from afd.control import SamplingParams
+from afd.errors import ConfigError
+from afd.flags import build, option
 from afd.tokenizer import ModelTokenizer
 from afd_cli.local import local_engine
+from services.attention.flags import add_compute_flags, add_engine_flags, engine_config
 
 log = logging.getLogger("afd.generate")
 
@@ -22,21 +27,75 @@ log = logging.getLogger("afd.generate")
 class GenerateJob:
     engine: EngineConfig
     prompts: tuple[str, ...]
-    sampling: SamplingParams
-    num_ffn: int = 1
-    chat: bool = False
+    num_ffn: int = 1  # in-process FFN expert shards
+    chat: bool = False  # wrap each prompt in the chat template
     as_json: bool = False
+    # sampling: greedy by default, as offline generation is mostly used to check outputs
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        check(bool(self.prompts), "give at least one --prompt or a --prompts-file")
+        check(self.num_ffn >= 1, f"--ffn-shards must be >= 1, got {self.num_ffn}")
+        self.sampling  # noqa: B018 - validates the sampling values now, not mid-run
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("generate", help="offline generation (attention + FFN in one process)")
+    flags.add_model_flag(p)
+    add_compute_flags(p)
+    add_engine_flags(p)
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field")
+    j = GenerateJob
+    option(p, "--chat", j, "chat", help="wrap each prompt in the chat template")
+    option(p, "--ffn-shards", j, "num_ffn", help="in-process FFN expert shards")
+    g = p.add_argument_group("sampling")
+    option(g, "--max-tokens", j, "max_tokens")
+    option(g, "--temperature", j, "temperature", help="0: greedy")
+    option(g, "--top-p", j, "top_p")
+    option(g, "--top-k", j, "top_k", help="0: off")
+    option(g, "--seed", j, "seed", type=int)
+    option(g, "--ignore-eos", j, "ignore_eos", help="generate max_tokens whatever the model says")
+    option(p, "--json", j, "as_json", help="print JSON instead of text")
+    return p
+
+
+def job(args: argparse.Namespace) -> GenerateJob:
+    prompts = list(args.prompt) + (read_prompts(args.prompts_file) if args.prompts_file else [])
+    return build(GenerateJob, args, engine=engine_config(args), prompts=tuple(prompts))
 
 
 def read_prompts(path: str) -> list[str]:
     """One prompt per line; a JSONL line may be {"prompt": "..."}."""
     out = []
-    for line in Path(path).read_text().splitlines():
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the prompts file {path!r}: {e}") from e
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
-            obj = json.loads(line)
-            out.append(str(obj["prompt"]))
+            try:
+                out.append(str(json.loads(line)["prompt"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ConfigError(f"{path}:{n}: a JSON line needs a 'prompt' field ({e})") from e
         else:
             out.append(line)
     return out

@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 
-from afd_cli.serve import Cluster, ClusterConfig
+from afd_cli.cluster import Cluster, ClusterConfig
 
 
 def _summary(xs: list[float]) -> dict[str, float]:
@@ -145,11 +145,11 @@ def run(args: argparse.Namespace) -> dict:
         model=args.model,
         attention=1,
         ffn=args.ffn,
-        micro_batches=args.micro_batches,
         transport=args.transport,
         port=0,
         api_key="bench",
         threads=args.threads,
+        engine_args=("--micro-batches", str(args.micro_batches)),
     )
     sink = open(args.log or os.devnull, "ab")
     with sink, Cluster(cfg, log_sink=sink) as cluster:

@@ -55,11 +55,6 @@ class Scheduler:
     ) -> None:
         if max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
-        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
-            raise ConfigError(
-                "max_num_seqs and max_num_batched_tokens must be >= 1, got "
-                f"{config.max_num_seqs} and {config.max_num_batched_tokens}"
-            )
         # Without chunking a prefill must fit in one step; a recompute after preemption can be
         # up to max_model_len - 1 tokens, so a smaller budget could strand a request forever.
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:

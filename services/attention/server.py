@@ -14,12 +14,12 @@ import asyncio
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from afd import metrics, sidecar
-from afd.config import EngineConfig
+from afd.config import EngineConfig, check
 from afd.control import (
     Health,
     TokenEvent,
@@ -32,6 +32,7 @@ from afd.control import (
 )
 from afd.errors import ErrorCode, RequestError, TransportError
 from afd.security import add_port
+from afd.sidecar import SidePortConfig
 from services.attention.engine import Engine
 from services.attention.loop import EngineLoop
 from services.attention.stragglers import StragglerConfig
@@ -43,13 +44,19 @@ log = logging.getLogger("afd.attention")
 @dataclass(frozen=True)
 class AttentionServerConfig:
     engine: EngineConfig
-    listen: str = "127.0.0.1:50051"  # control plane (gRPC)
+    listen: str = "127.0.0.1:50051"  # control plane (gRPC), host:port
     model_name: str = ""
-    ready_cache_s: float = 1.0
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0  # HTTP /metrics, /health, /ready; 0: off
-    stragglers: StragglerConfig = StragglerConfig()
-    drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may still run
+    ready_cache_s: float = 1.0  # how long a readiness answer is reused
+    side: SidePortConfig = field(default_factory=SidePortConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    # On SIGTERM: refuse new requests and let those in flight finish for up to this long.
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        check(":" in self.listen, f"--listen must be host:port, got {self.listen!r}")
+        check(
+            self.drain_timeout_s >= 0, f"the drain timeout must be >= 0, got {self.drain_timeout_s}"
+        )
 
 
 class ControlServicer(pb_grpc.AttentionServiceServicer):
@@ -176,7 +183,7 @@ async def _serve(cfg: AttentionServerConfig) -> None:
     if port == 0:
         raise TransportError(f"cannot listen on {cfg.listen}")
     await server.start()
-    side = sidecar.start(cfg.metrics_host, cfg.metrics_port, servicer.readiness)
+    side = sidecar.start(cfg.side, servicer.readiness)
     log.info(
         "attention server listening on %s (FFN pool: %s)",
         cfg.listen,

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from afd.config import check
 from afd.metrics import ROUNDTRIP_PARTS
 
 log = logging.getLogger("afd.attention.stragglers")
@@ -44,10 +45,11 @@ class StragglerConfig:
     max_samples: int = 4096  # per peer, newest kept
 
     def __post_init__(self) -> None:
-        if self.factor <= 1.0:
-            raise ValueError(f"the straggler factor must be > 1, got {self.factor}")
-        if self.checks < 1 or self.window_s <= 0 or self.interval_s <= 0:
-            raise ValueError("straggler checks, window and interval must be positive")
+        check(self.factor > 1.0, f"the straggler factor must be > 1, got {self.factor}")
+        check(
+            self.checks >= 1 and self.window_s > 0 and self.interval_s > 0,
+            "straggler checks, window and interval must be positive",
+        )
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 SIGTERM. `afd ffn --model DIR --shard i/N --listen ADDR`
 
 SIGTERM drains: the messages being computed are answered as usual, then every message gets a
-typed `unavailable` ("draining") reply for `drain_s` seconds, so each attention server moves the
+typed `unavailable` ("draining") reply for `drain_timeout_s` seconds, so each attention server moves the
 shard's work to another replica at its first message (or fails those requests with a clear
 error) instead of waiting out its FFN timeout on a server that is gone; /ready says draining.
 Then the server exits 0. A second signal cuts the drain short.
@@ -20,11 +20,15 @@ import signal
 import threading
 from dataclasses import dataclass, field
 
+import torch
+
 from afd import metrics, sidecar
-from afd.config import ModelConfig
+from afd.config import COMPUTE_DTYPES, ModelConfig, check
 from afd.dtypes import compute_dtype
+from afd.errors import ConfigError
 from afd.security import Security
 from afd.sharding import ExpertShard
+from afd.sidecar import SidePortConfig
 from afd.transport import listen
 from afd.transport.serving import FFNServing
 from afd.wire import WireLimits
@@ -34,17 +38,29 @@ log = logging.getLogger("afd.ffn")
 
 
 @dataclass(frozen=True)
-class FFNServiceConfig:
+class FFNServerConfig:
     model: ModelConfig
     shard: ExpertShard
-    listen: str = "tcp://127.0.0.1:5600"
-    dtype: str = "bfloat16"
+    listen: str = "tcp://127.0.0.1:5600"  # data-plane address: tcp://, ipc:// or grpc://
+    dtype: str = "bfloat16"  # compute dtype
+    threads: int = 0  # torch threads; 0: torch's default
     max_tokens: int = 65536  # largest message accepted, in tokens
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0  # HTTP /metrics, /health, /ready; 0: off
+    side: SidePortConfig = field(default_factory=SidePortConfig)
     security: Security = field(default_factory=Security)
     inject_delay_s: float = 0.0  # fault injection; see the module docstring
-    drain_s: float = 3.0  # after SIGTERM: answer "draining" this long, then exit
+    # After SIGTERM: finish the messages being computed, then answer every message with a
+    # typed 'unavailable' (draining) error this long, then exit.
+    drain_timeout_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        check("://" in self.listen, f"--listen must be scheme://address, got {self.listen!r}")
+        check(self.dtype in COMPUTE_DTYPES, f"dtype must be one of {COMPUTE_DTYPES}")
+        check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
+        check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        check(self.inject_delay_s >= 0, "the injected delay must be >= 0")
+        check(
+            self.drain_timeout_s >= 0, f"the drain timeout must be >= 0, got {self.drain_timeout_s}"
+        )
 
 
 INJECT_DELAY_ENV = "AFD_FFN_INJECT_DELAY_MS"
@@ -58,15 +74,16 @@ def inject_delay_from_env() -> float:
     try:
         ms = float(raw)
     except ValueError:
-        raise ValueError(
+        raise ConfigError(
             f"{INJECT_DELAY_ENV} must be a number of milliseconds, got {raw!r}"
         ) from None
-    if ms < 0:
-        raise ValueError(f"{INJECT_DELAY_ENV} must be >= 0, got {raw!r}")
+    check(ms >= 0, f"{INJECT_DELAY_ENV} must be >= 0, got {raw!r}")
     return ms / 1e3
 
 
-def serve(cfg: FFNServiceConfig) -> int:
+def serve(cfg: FFNServerConfig) -> int:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     metrics.register("ffn")
     engine = FFNEngine(
         cfg.model, cfg.shard, compute_dtype(cfg.dtype), inject_delay_s=cfg.inject_delay_s
@@ -89,8 +106,7 @@ def serve(cfg: FFNServiceConfig) -> int:
         cfg.listen,
     )
     side = sidecar.start(
-        cfg.metrics_host,
-        cfg.metrics_port,
+        cfg.side,
         lambda: (False, "draining") if serving.draining else (True, ""),
     )
     stop = threading.Event()
@@ -98,10 +114,10 @@ def serve(cfg: FFNServiceConfig) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     serving.draining = True
-    if cfg.drain_s > 0:
-        log.info("FFN server draining for %.1f s", cfg.drain_s)
+    if cfg.drain_timeout_s > 0:
+        log.info("FFN server draining for %.1f s", cfg.drain_timeout_s)
         stop.clear()
-        stop.wait(cfg.drain_s)  # a second signal ends it early
+        stop.wait(cfg.drain_timeout_s)  # a second signal ends it early
     log.info("FFN server stopping")
     listener.close()
     if side:

@@ -10,20 +10,16 @@ state); on SIGTERM the gateway drains (services/gateway/lifecycle.py) and exits 
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from afd import metrics
-from afd.config import ModelConfig
-from afd.errors import AfdError
+from afd.config import ModelConfig, check
 from afd.security import Security
 from afd.tokenizer import ModelTokenizer
 from services.gateway import handlers as h
@@ -60,7 +56,7 @@ ENDPOINTS = (
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    model_dir: str
+    model_dir: str  # for the tokenizer and chat template
     attention: tuple[str, ...]  # control-plane addresses, host:port
     model_name: str
     host: str = "127.0.0.1"
@@ -68,14 +64,27 @@ class GatewayConfig:
     api_key: str = ""  # empty: no authentication
     public_metrics: bool = True  # /metrics without the key
     max_body_bytes: int = 4 << 20
-    generate_timeout_s: float = 600.0  # deadline of one Generate stream
+    generate_timeout_s: float = 600.0  # deadline of one request's Generate stream
     rpc_timeout_s: float = 2.0  # deadline of Health / Stats / Abort
     notice: str = ""  # shown on the model card
-    sla: SLA = SLA()  # targets of the SLA-attainment (goodput) counters
-    drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may still run
-    template_timeout_s: float = 2.0  # chat-template rendering, at most
+    sla: SLA = field(default_factory=SLA)  # targets of the SLA-attainment (goodput) counters
+    # On SIGTERM: answer new requests 503 and let those in flight finish for up to this long.
+    drain_timeout_s: float = 30.0
+    template_timeout_s: float = 2.0  # chat-template rendering, at most (slower: a 400)
     max_tokens_limit: int = 0  # max_tokens, at most (0: whatever the context leaves)
     security: Security = field(default_factory=Security)  # TLS to the attention servers
+
+    def __post_init__(self) -> None:
+        check(bool(self.attention), "at least one attention server address is needed")
+        check(0 <= self.port < 65536, f"port {self.port} is not a port")
+        check(self.max_body_bytes >= 1, "the body limit must be >= 1 byte")
+        check(
+            self.generate_timeout_s > 0 and self.rpc_timeout_s > 0,
+            "request and RPC timeouts must be > 0",
+        )
+        check(self.drain_timeout_s >= 0, "the drain timeout must be >= 0")
+        check(self.template_timeout_s > 0, "the template timeout must be > 0")
+        check(self.max_tokens_limit >= 0, "the max_tokens limit must be >= 0 (0: none)")
 
 
 def build_state(cfg: GatewayConfig) -> h.GatewayState:
@@ -241,111 +250,9 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
 # ------------------------------------------------------------------ command line
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `afd gateway` on an argparse subparsers object; sets func=run."""
-    p = subparsers.add_parser("gateway", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("--model", help="model directory for the tokenizer (default: the demo model)")
-    p.add_argument(
-        "--attention",
-        required=True,
-        help="attention servers' control-plane addresses, HOST:PORT, comma-separated",
-    )
-    p.add_argument("--served-model-name", help="the model's name in the API (default: dir name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("AFD_API_KEY", ""),
-        help="require this key (Authorization: Bearer); default: $AFD_API_KEY, which keeps "
-        "the key out of the process list",
-    )
-    p.add_argument(
-        "--private-metrics", action="store_true", help="require the API key for /metrics too"
-    )
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    p.add_argument("--request-timeout", type=float, default=600.0, help="deadline per request, s")
-    p.add_argument(
-        "--template-timeout",
-        type=float,
-        default=2.0,
-        help="chat-template rendering time limit, s (a slower render is a 400)",
-    )
-    p.add_argument(
-        "--max-tokens-limit",
-        type=int,
-        default=0,
-        help="largest max_tokens accepted (0: whatever the context leaves after the prompt)",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM: answer new requests 503 and let those in flight finish for up to "
-        "this many seconds, then exit 0",
-    )
-    g = p.add_argument_group("TLS to the attention servers (flags fall back to AFD_TLS_* env vars)")
-    g.add_argument(
-        "--tls-ca", default="", help="CA bundle that signed the attention servers' certs"
-    )
-    g.add_argument("--tls-cert", default="", help="client certificate chain, for mutual TLS (PEM)")
-    g.add_argument("--tls-key", default="", help="client private key, for mutual TLS (PEM)")
-    add_sla_args(p)
-    p.set_defaults(func=run)
-    return p
-
-
-def add_sla_args(p: argparse.ArgumentParser) -> None:
-    """--sla-ttft / --sla-tpot (also on `afd serve`, which passes them to its gateway)."""
-    p.add_argument(
-        "--sla-ttft", type=float, default=0.0, help="TTFT target in seconds (0: none) for goodput"
-    )
-    p.add_argument(
-        "--sla-tpot",
-        type=float,
-        default=SLA().tpot_s,
-        help="time-per-output-token target in seconds (0: none) for goodput; default 0.05",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    if args.sla_ttft < 0 or args.sla_tpot < 0:
-        raise AfdError("--sla-ttft and --sla-tpot must be >= 0 (0: no target)")
-    if args.drain_timeout < 0 or args.template_timeout <= 0 or args.max_tokens_limit < 0:
-        raise AfdError(
-            "--drain-timeout and --max-tokens-limit must be >= 0, --template-timeout > 0"
-        )
-    notice = ""
-    if args.model:
-        model_dir, name = args.model, Path(args.model).name
-    else:
-        from afd.demo import DEMO_NOTICE, demo_model_dir
-
-        model_dir, name, notice = str(demo_model_dir()), "afd-demo-step3", DEMO_NOTICE
-    return GatewayConfig(
-        model_dir=model_dir,
-        attention=tuple(a.strip() for a in args.attention.split(",") if a.strip()),
-        model_name=args.served_model_name or name,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        public_metrics=not args.private_metrics,
-        max_body_bytes=args.max_body_bytes,
-        generate_timeout_s=args.request_timeout,
-        notice=notice,
-        sla=SLA(ttft_s=args.sla_ttft, tpot_s=args.sla_tpot),
-        drain_timeout_s=args.drain_timeout,
-        template_timeout_s=args.template_timeout,
-        max_tokens_limit=args.max_tokens_limit,
-        security=Security(
-            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca
-        ).with_env(),
-    )
-
-
-def run(args: argparse.Namespace) -> int:
+def serve(cfg: GatewayConfig) -> int:
     import uvicorn
 
-    cfg = config_from_args(args)
     state = build_state(cfg)
     app = create_app(state, cfg)
     log.info("gateway on http://%s:%d/v1 -> attention %s", cfg.host, cfg.port, cfg.attention)

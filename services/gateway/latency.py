@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from afd import metrics
+from afd.config import check
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,9 @@ class SLA:
 
     ttft_s: float = 0.0
     tpot_s: float = 0.05  # the Step-3 target: 20 tokens/s per request
+
+    def __post_init__(self) -> None:
+        check(self.ttft_s >= 0 and self.tpot_s >= 0, "SLA targets must be >= 0 (0: no target)")
 
     def met(self, ttft: float, tpot: float | None) -> tuple[bool, bool]:
         ttft_ok = not self.ttft_s or ttft <= self.ttft_s

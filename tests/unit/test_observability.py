@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY
 
 from afd import metrics
 from afd.demo import write_tokenizer
+from afd.errors import ConfigError
 from afd.messages import Trace
 from afd.metrics import ROUNDTRIP_PARTS
 from afd.tokenizer import ModelTokenizer
@@ -116,9 +117,9 @@ def test_too_few_samples_are_not_judged():
 def test_verdict_ratio_and_validation():
     v = Verdict("p", 0.02, 0.005, FAST, FAST)
     assert v.ratio == pytest.approx(4.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="factor"):
         StragglerConfig(factor=1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         StragglerConfig(checks=0)
 
 

@@ -1,0 +1,147 @@
+"""Command-line flags declared from the config dataclasses they fill.
+
+A flag is declared once, against the field it sets: `option(group, "--ffn-timeout",
+EngineConfig, "ffn_timeout_s", help=...)`. Its default is the field's default (so the two can
+never drift), its type follows that default, its value lands in `args.<field name>`, and the
+action remembers the field (`action.field`), which is how `build` fills a dataclass from the
+parsed flags and how the tests check every parser against the dataclasses. A group of flags
+that several commands take (the engine's, the security settings) is one function, called by
+each; `forward` turns a group's parsed values back into the flags that start a child process
+with them (`afd serve`).
+
+The groups every service shares live here; each service's own flags live beside it
+(`services/*/flags.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, TypeVar
+
+from afd.config import ModelConfig
+from afd.errors import ConfigError
+from afd.security import Security
+from afd.sidecar import SidePortConfig
+
+T = TypeVar("T")
+
+Group = argparse.ArgumentParser | argparse._ArgumentGroup
+
+
+def field_default(cls: type, name: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if name not in fields:
+        raise ConfigError(f"{cls.__name__} has no field {name!r}")
+    f = fields[name]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise ConfigError(f"{cls.__name__}.{name} has no default for a flag to take")
+
+
+def option(group: Group, flag: str, cls: type, name: str, **kwargs: Any) -> argparse.Action:
+    """Declare `flag` as the command-line form of `cls.name` (see the module docstring)."""
+    default = field_default(cls, name)
+    if isinstance(default, bool) and "action" not in kwargs:
+        kwargs["action"] = "store_false" if default else "store_true"
+    else:
+        if default is not None and "type" not in kwargs and "action" not in kwargs:
+            kwargs["type"] = type(default)
+        kwargs.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+        if default not in ("", None):
+            kwargs["help"] = (kwargs.get("help", "") + " (default: %(default)s)").strip()
+    action = group.add_argument(flag, dest=name, default=default, **kwargs)
+    action.field = (cls, name)  # type: ignore[attr-defined]
+    return action
+
+
+def build(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
+    """`cls` from the parsed flags that fill its fields, plus `given` (which wins); the
+    dataclass validates itself."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {n: getattr(args, n) for n in names if hasattr(args, n) and n not in given}
+    return cls(**values, **given)
+
+
+def forward(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
+    """The flags that give a child process the values parsed for `actions` (those left at
+    their default are left out: the child has the same default)."""
+    argv: list[str] = []
+    for a in actions:
+        value = getattr(args, a.dest)
+        if value == a.default:
+            continue
+        if isinstance(a, argparse._StoreTrueAction | argparse._StoreFalseAction):
+            argv.append(a.option_strings[0])
+        else:
+            argv += [a.option_strings[0], str(value)]
+    return argv
+
+
+# ---- groups every service takes ----------------------------------------------------------
+
+
+def add_model_flag(group: Group) -> None:
+    group.add_argument(
+        "--model",
+        help="local Hugging Face checkpoint directory (default: the embedded demo model, whose "
+        "text is meaningless)",
+    )
+
+
+def model_config(model: str | None) -> ModelConfig:
+    """The model a `--model` names; without one, the embedded demo model (built on first use)."""
+    if model:
+        return ModelConfig.from_hf(model)
+    from afd.demo import demo_model_dir
+
+    return ModelConfig.from_hf(demo_model_dir())
+
+
+def served_name(model: str | None) -> str:
+    """The model's name in the API: its directory's name, or the demo model's."""
+    from afd.demo import SERVED_NAME
+
+    return Path(model).name if model else SERVED_NAME
+
+
+def add_security_flags(p: argparse.ArgumentParser, curve: bool = True) -> None:
+    """Keys and certificates of the data plane (the control plane's TLS for the gateway,
+    which has no ZeroMQ side: curve=False)."""
+    g = p.add_argument_group("authentication (flags fall back to AFD_* environment variables)")
+    if curve:
+        option(g, "--curve-dir", Security, "curve_dir", help="ZeroMQ CURVE key directory")
+    option(g, "--tls-cert", Security, "tls_cert", help="TLS certificate chain (PEM)")
+    option(g, "--tls-key", Security, "tls_key", help="TLS private key (PEM)")
+    option(
+        g,
+        "--tls-ca",
+        Security,
+        "tls_ca",
+        help="CA bundle that verifies the peer; on a server it demands client certs",
+    )
+
+
+def add_side_port_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP side port")
+    option(g, "--metrics-host", SidePortConfig, "metrics_host", help="its interface")
+    option(
+        g,
+        "--metrics-port",
+        SidePortConfig,
+        "metrics_port",
+        help="/metrics, /health, /ready (0: off)",
+    )
+
+
+def security(args: argparse.Namespace) -> Security:
+    return build(Security, args).with_env()
+
+
+def env_default(name: str, fallback: str = "") -> str:
+    """A secret's default from the environment, which keeps it out of the process list."""
+    return os.environ.get(name, fallback)

@@ -1,0 +1,293 @@
+"""The local cluster behind `afd serve`: its child processes, started and stopped in order.
+
+Starts M FFN servers, N attention servers and the gateway as separate child processes
+(`python -m afd_cli ffn|attention|gateway ...`), waits until the gateway's /ready answers 200,
+prints the URL, and on Ctrl-C or SIGTERM stops the children in stages, each with SIGTERM, then
+SIGKILL after a grace period: the gateway first (it drains: new requests get 503 while those in
+flight finish, up to --drain-timeout), then the attention servers (which drain the same way),
+then the FFN servers, which the requests in flight needed until the end. Each child runs in its own process group (so one terminal Ctrl-C reaches only
+this process, which then stops the children in order) and is asked by the kernel
+(PR_SET_PDEATHSIG) to die with its parent, so even `kill -9` of this process leaves no orphans.
+Every line a child writes comes out prefixed with its name: `[ffn-0]`, `[attention-1]`, ...
+Each attention and FFN server gets a free HTTP side port for /metrics (and /health, /ready);
+the launcher prints where every service's /metrics is once the cluster is ready.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from afd.config import check
+from afd.errors import AfdError
+from afd.flags import served_name
+
+log = logging.getLogger("afd.serve")
+
+TRANSPORTS = ("tcp", "ipc", "grpc", "inproc")
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str | None = None  # None: the embedded demo model
+    attention: int = 1  # N attention servers
+    ffn: int = 1  # M FFN servers (expert shards)
+    # attention -> FFN data plane (inproc: the FFN shards inside each attention process)
+    transport: str = "tcp"
+    host: str = "127.0.0.1"  # the gateway's; every internal socket binds to 127.0.0.1
+    port: int = 8000  # the gateway's; 0: any free port
+    api_key: str = ""  # required on the HTTP API; empty: none
+    threads: int = 0  # torch threads per compute process; 0: share the cores out
+    ready_timeout_s: float = 300.0  # for /ready to answer 200
+    stop_timeout_s: float = 10.0  # beyond the drain, per stage
+    # On Ctrl-C / SIGTERM: how long the gateway and attention servers let requests in flight
+    # finish (new ones get 503).
+    drain_timeout_s: float = 30.0
+    engine_args: tuple[str, ...] = ()  # engine flags for every attention server
+    api_args: tuple[str, ...] = ()  # HTTP API flags for the gateway
+
+    def __post_init__(self) -> None:
+        check(self.transport in TRANSPORTS, f"--transport must be one of {', '.join(TRANSPORTS)}")
+        check(
+            self.attention >= 1 and self.ffn >= 1,
+            "--attention and --ffn must be >= 1",
+        )
+        check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
+        check(self.ready_timeout_s > 0 and self.stop_timeout_s > 0, "timeouts must be > 0")
+        check(self.drain_timeout_s >= 0, "the drain timeout must be >= 0")
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+    proc: subprocess.Popen | None = None
+    pump: threading.Thread | None = None
+    metrics_url: str = ""  # where its Prometheus metrics are
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the child binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent(parent: int) -> None:
+    """preexec_fn: ask the kernel to SIGTERM this child when its parent exits."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _pump(name: str, stream, out) -> None:
+    """Copy a child's output line by line, each prefixed with the child's name."""
+    prefix = f"[{name}] ".encode()
+    for line in iter(stream.readline, b""):
+        # A progress bar redraws itself with \r: keep what a terminal would end up showing.
+        shown = [p for p in line.rstrip(b"\r\n").split(b"\r") if p.strip()]
+        if not shown:
+            continue
+        try:
+            out.write(prefix + shown[-1] + b"\n")
+            out.flush()
+        except (OSError, ValueError):
+            pass  # our own stderr went away; keep draining so the child never blocks
+    stream.close()
+
+
+class Cluster:
+    """The child processes of one local cluster. Use as a context manager, or start()/stop()."""
+
+    def __init__(self, cfg: ClusterConfig, log_sink=None):
+        self.cfg = cfg
+        self._sink = log_sink or sys.stderr.buffer
+        self._tmp: str | None = None
+        self.children: list[Child] = []
+        self.port = cfg.port or free_port(cfg.host)
+        self.attention_addresses: list[str] = []
+        self.ffn_addresses: list[str] = []
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Every child's /metrics, by child name (gateway, attention-i, ffn-i)."""
+        return {c.name: c.metrics_url for c in self.children if c.metrics_url}
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}/v1"
+
+    @property
+    def model_name(self) -> str:
+        return served_name(self.cfg.model)
+
+    def _threads(self) -> int:
+        if self.cfg.threads:
+            return self.cfg.threads
+        heavy = self.cfg.attention + (0 if self.cfg.transport == "inproc" else self.cfg.ffn)
+        return max(1, (os.cpu_count() or 1) // heavy)
+
+    def _ffn_address(self, i: int) -> str:
+        t = self.cfg.transport
+        if t == "inproc":
+            return f"inproc://ffn-{i}"  # shards inside each attention process
+        if t == "ipc":
+            if self._tmp is None:
+                self._tmp = tempfile.mkdtemp(prefix="afd-serve-")
+            return f"ipc://{self._tmp}/ffn-{i}.sock"
+        return f"{t}://127.0.0.1:{free_port()}"
+
+    def plan(self) -> list[Child]:
+        """The children to start, in start order (FFN, attention, gateway)."""
+        c = self.cfg
+        py = [sys.executable, "-m", "afd_cli"]
+        model = ["--model", c.model] if c.model else []
+        threads = ["--threads", str(self._threads())]
+        self.ffn_addresses = [self._ffn_address(i) for i in range(c.ffn)]
+        children = []
+        if c.transport != "inproc":
+            for i, addr in enumerate(self.ffn_addresses):
+                argv = [*py, "ffn", *model, *threads, "--shard", f"{i}/{c.ffn}", "--listen", addr]
+                # stopped last, once no attention server is left to send them anything
+                argv += ["--drain-timeout", "0"]
+                children.append(_with_metrics_port(Child(f"ffn-{i}", argv)))
+        for i in range(c.attention):
+            addr = f"127.0.0.1:{free_port()}"
+            self.attention_addresses.append(addr)
+            argv = [*py, "attention", *model, *threads, *c.engine_args, "--listen", addr]
+            argv += ["--drain-timeout", str(c.drain_timeout_s)]
+            argv += ["--ffn", ",".join(self.ffn_addresses)]
+            children.append(_with_metrics_port(Child(f"attention-{i}", argv)))
+        gw = [*py, "gateway", *model, "--attention", ",".join(self.attention_addresses)]
+        gw += ["--host", c.host, "--port", str(self.port)]
+        gw += [*c.api_args, "--drain-timeout", str(c.drain_timeout_s)]
+        # The key travels in the environment: a command line is readable by every local user.
+        env = {"AFD_API_KEY": c.api_key} if c.api_key else {}
+        host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "") else c.host
+        children.append(Child("gateway", gw, env, metrics_url=f"http://{host}:{self.port}/metrics"))
+        return children
+
+    def start(self) -> None:
+        if not self.cfg.model:
+            from afd.demo import demo_model_dir
+
+            demo_model_dir()  # build it once here, not raced by every child
+        env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+        parent = os.getpid()
+        for child in self.plan():
+            child.proc = subprocess.Popen(
+                child.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env={**env, **child.env},
+                process_group=0,
+                preexec_fn=lambda: _die_with_parent(parent),
+            )
+            child.pump = threading.Thread(
+                target=_pump, args=(child.name, child.proc.stdout, self._sink), daemon=True
+            )
+            child.pump.start()
+            self.children.append(child)
+            log.info("started %s (pid %d)", child.name, child.proc.pid)
+
+    def dead(self) -> Child | None:
+        """A child that has exited, if any."""
+        return next((c for c in self.children if c.proc and c.proc.poll() is not None), None)
+
+    def wait_ready(self, stop: threading.Event | None = None) -> None:
+        """Block until /ready answers 200; raise if a child dies or time runs out."""
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
+        probe = f"http://{host}:{self.port}/ready"
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        while time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                raise AfdError("stopped before the cluster was ready")
+            gone = self.dead()
+            if gone is not None:
+                raise AfdError(
+                    f"{gone.name} exited with code {gone.proc.returncode} during start-up "
+                    "(its log lines above say why)"
+                )
+            try:
+                with urllib.request.urlopen(probe, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet, or 503 until every attention server is ready
+            time.sleep(0.25)
+        raise AfdError(f"the cluster was not ready within {self.cfg.ready_timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        """Stop the children in stages: the gateway, then the attention servers (both drain
+        first), then the FFN servers; each stage SIGTERM, then SIGKILL past its time."""
+        for role in ("gateway", "attention", "ffn"):
+            stage = [
+                c
+                for c in self.children
+                if c.name.split("-")[0] == role and c.proc and c.proc.poll() is None
+            ]
+            drains = role != "ffn"
+            self._stop_stage(stage, self.cfg.stop_timeout_s + (self.cfg.drain_timeout_s * drains))
+        for c in self.children:
+            _signal_group(c.proc, signal.SIGKILL)  # stragglers in a child's group
+            if c.pump is not None:
+                c.pump.join(timeout=2)
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @staticmethod
+    def _stop_stage(children: list[Child], timeout: float) -> None:
+        for c in children:
+            _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for c in children:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s; killing it", c.name, timeout)
+                _signal_group(c.proc, signal.SIGKILL)
+                c.proc.wait()
+
+
+def _with_metrics_port(child: Child) -> Child:
+    """The child with a free side port for /metrics (internal: bound to 127.0.0.1)."""
+    port = free_port()
+    child.argv += ["--metrics-port", str(port)]
+    child.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    return child
+
+
+def _signal_group(proc: subprocess.Popen | None, sig: int) -> None:
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, sig)  # the child leads its own group (process_group=0)
+    except (ProcessLookupError, PermissionError):
+        pass

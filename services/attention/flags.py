@@ -1,0 +1,142 @@
+"""`afd attention`'s flags, and the engine's flag group (also taken by `afd generate` and
+`afd serve`, which passes it on to its attention servers). Each flag is declared against the
+config field it fills (afd/flags.py), so its default is that field's default."""
+
+from __future__ import annotations
+
+import argparse
+
+from afd import flags
+from afd.config import CacheConfig, EngineConfig, SchedulerConfig
+from afd.flags import build, option
+from afd.sidecar import SidePortConfig
+from services.attention.server import AttentionServerConfig
+from services.attention.stragglers import StragglerConfig
+
+
+def add_compute_flags(p: argparse.ArgumentParser) -> None:
+    e = EngineConfig
+    option(p, "--dtype", e, "dtype", choices=["bfloat16", "float32"], help="compute dtype")
+    option(p, "--threads", e, "threads", help="torch threads (0: torch's default)")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The engine's own settings (not the model, the compute, the FFN pool or security);
+    returns the actions so that a launcher can pass the values on (afd.flags.forward)."""
+    g = p.add_argument_group("engine")
+    e, c, s = EngineConfig, CacheConfig, SchedulerConfig
+    return [
+        option(
+            g,
+            "--micro-batches",
+            e,
+            "micro_batches",
+            help="S: micro-batches in flight per step (1 = serial). S >= 2 overlaps attention "
+            "and FFN; it pays when the FFN side is compute-bound (large batches); on a small CPU "
+            "box the experts are weight-bandwidth-bound and each micro-batch re-reads them "
+            "(see `afd bench pipeline`)",
+        ),
+        option(
+            g,
+            "--a2f-dtype",
+            e,
+            "a2f_dtype",
+            choices=["fp8", "bf16", "fp32"],
+            help="hidden states on the wire attention -> FFN",
+        ),
+        option(g, "--max-num-seqs", s, "max_num_seqs", help="requests in one step, at most"),
+        option(g, "--max-num-batched-tokens", s, "max_num_batched_tokens"),
+        option(
+            g,
+            "--max-waiting-requests",
+            s,
+            "max_waiting_requests",
+            help="backpressure: refuse new requests (429) past this many waiting",
+        ),
+        option(
+            g,
+            "--max-waiting-tokens",
+            s,
+            "max_waiting_tokens",
+            help="backpressure: ... or past this many waiting prompt tokens",
+        ),
+        option(g, "--max-model-len", s, "max_model_len", help="0: the model's context length"),
+        option(g, "--block-size", c, "block_size", help="tokens per KV block"),
+        option(g, "--kv-cache-gb", c, "kv_cache_memory_gb", help="memory for the KV pool"),
+        option(g, "--ffn-timeout", e, "ffn_timeout_s", help="deadline of one FFN call, s"),
+        option(
+            g,
+            "--ffn-failover-timeout",
+            e,
+            "ffn_failover_s",
+            help="with replicas of a shard: how long one replica may take to answer before the "
+            "message goes to another, s (0: the FFN timeout split between the replicas)",
+        ),
+    ]
+
+
+def engine_config(args: argparse.Namespace, **given) -> EngineConfig:
+    return build(
+        EngineConfig,
+        args,
+        model=flags.model_config(args.model),
+        cache=build(CacheConfig, args),
+        scheduler=build(SchedulerConfig, args),
+        **given,
+    )
+
+
+def add_straggler_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("straggler detection (FFN peers)")
+    s = StragglerConfig
+    option(
+        g,
+        "--straggler-factor",
+        s,
+        "factor",
+        help="flag an FFN peer whose round-trip p99 exceeds the rest of the pool's median "
+        "by this factor",
+    )
+    option(g, "--straggler-checks", s, "checks", help="... at this many consecutive checks")
+    option(g, "--straggler-window", s, "window_s", help="sliding window, s")
+    option(g, "--straggler-interval", s, "interval_s", help="seconds between checks")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("attention", help="serve the attention side (KV cache, scheduler, sampler)")
+    flags.add_model_flag(p)
+    add_compute_flags(p)
+    add_engine_flags(p)
+    p.add_argument(
+        "--ffn",
+        required=True,
+        help="FFN servers, comma-separated; the i-th holds expert shard i of N; 'A|B' names "
+        "replicas of one shard (a failed one's messages go to the other)",
+    )
+    a = AttentionServerConfig
+    option(p, "--listen", a, "listen", help="control-plane gRPC host:port")
+    option(
+        p,
+        "--drain-timeout",
+        a,
+        "drain_timeout_s",
+        help="on SIGTERM: refuse new requests and let those in flight finish for up to this "
+        "many seconds, then exit 0",
+    )
+    flags.add_side_port_flags(p)
+    add_straggler_flags(p)
+    flags.add_security_flags(p)
+    return p
+
+
+def config(args: argparse.Namespace) -> AttentionServerConfig:
+    ffn = tuple(a.strip() for a in args.ffn.split(",") if a.strip())
+    engine = engine_config(args, ffn_addresses=ffn, security=flags.security(args))
+    return build(
+        AttentionServerConfig,
+        args,
+        engine=engine,
+        model_name=flags.served_name(args.model),
+        side=build(SidePortConfig, args),
+        stragglers=build(StragglerConfig, args),
+    )

@@ -1,0 +1,110 @@
+"""`afd gateway`'s flags, each declared against the config field it fills (afd/flags.py). The
+API group is also taken by `afd serve`, which passes it on to its gateway."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from afd import flags
+from afd.flags import build, option
+from services.gateway.app import GatewayConfig
+from services.gateway.latency import SLA
+
+API_KEY_ENV = "AFD_API_KEY"  # the key from the environment keeps it out of the process list
+
+
+def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """What the HTTP API accepts and promises; returns the actions (afd.flags.forward)."""
+    g = p.add_argument_group("HTTP API")
+    c = GatewayConfig
+    return [
+        option(
+            g, "--private-metrics", c, "public_metrics", help="require the API key for /metrics too"
+        ),
+        option(g, "--max-body-bytes", c, "max_body_bytes", help="largest request body"),
+        option(g, "--request-timeout", c, "generate_timeout_s", help="deadline per request, s"),
+        option(
+            g,
+            "--template-timeout",
+            c,
+            "template_timeout_s",
+            help="chat-template rendering time limit, s (a slower render is a 400)",
+        ),
+        option(
+            g,
+            "--max-tokens-limit",
+            c,
+            "max_tokens_limit",
+            help="largest max_tokens accepted (0: whatever the context leaves after the prompt)",
+        ),
+        option(g, "--sla-ttft", SLA, "ttft_s", help="TTFT target, s, for goodput (0: none)"),
+        option(
+            g,
+            "--sla-tpot",
+            SLA,
+            "tpot_s",
+            help="time-per-output-token target, s, for goodput (0: none)",
+        ),
+    ]
+
+
+def add_api_key_flag(p: argparse.ArgumentParser) -> None:
+    option(
+        p,
+        "--api-key",
+        GatewayConfig,
+        "api_key",
+        help=f"require this key (Authorization: Bearer); default: ${API_KEY_ENV}, which keeps "
+        "the key out of the process list",
+    )
+
+
+def api_key(args: argparse.Namespace) -> str:
+    return args.api_key or os.environ.get(API_KEY_ENV, "")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("--model", help="model directory for the tokenizer (default: the demo model)")
+    p.add_argument(
+        "--attention",
+        required=True,
+        help="attention servers' control-plane addresses, HOST:PORT, comma-separated",
+    )
+    p.add_argument("--served-model-name", help="the model's name in the API (default: dir name)")
+    option(p, "--host", GatewayConfig, "host", help="interface to serve HTTP on")
+    option(p, "--port", GatewayConfig, "port")
+    add_api_key_flag(p)
+    add_api_flags(p)
+    option(
+        p,
+        "--drain-timeout",
+        GatewayConfig,
+        "drain_timeout_s",
+        help="on SIGTERM: answer new requests 503 and let those in flight finish for up to "
+        "this many seconds, then exit 0",
+    )
+    flags.add_security_flags(p, curve=False)
+    return p
+
+
+def config(args: argparse.Namespace) -> GatewayConfig:
+    notice = ""
+    if args.model:
+        model_dir = args.model
+    else:
+        from afd.demo import DEMO_NOTICE, demo_model_dir
+
+        model_dir, notice = str(demo_model_dir()), DEMO_NOTICE
+    return build(
+        GatewayConfig,
+        args,
+        model_dir=model_dir,
+        attention=tuple(a.strip() for a in args.attention.split(",") if a.strip()),
+        model_name=args.served_model_name or flags.served_name(args.model),
+        api_key=api_key(args),
+        notice=notice,
+        sla=build(SLA, args),
+        security=flags.security(args),
+    )

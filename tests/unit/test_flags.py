@@ -1,0 +1,97 @@
+"""Every flag of every serving command is declared against the config field it fills, and its
+default is that field's default: the parsers are walked here, against the dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from afd.config import CacheConfig, EngineConfig, SchedulerConfig
+from afd.errors import ConfigError
+from afd.flags import field_default, forward
+from afd_cli.main import build_parser
+
+SERVING = ("serve", "attention", "ffn", "gateway", "generate")
+# Flags that fill no field verbatim: a path or list parsed into one, or the job's input.
+NOT_A_FIELD = {
+    "--model",  # a directory: ModelConfig.from_hf reads it (or the demo model)
+    "--ffn",  # "a|b,c": EngineConfig.ffn_addresses
+    "--shard",  # "i/N": FFNServerConfig.shard, given the model's expert count
+    "--attention",  # gateway: "host:port,...": GatewayConfig.attention
+    "--served-model-name",  # GatewayConfig.model_name, which defaults to the directory's name
+    "--prompt",  # generate's prompts
+    "--prompts-file",
+}
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+@pytest.mark.parametrize("command", SERVING)
+def test_every_flag_default_is_its_config_default(command):
+    parser = _subparsers(build_parser())[command]
+    checked = 0
+    for action in _flags(parser):
+        name = action.option_strings[0]
+        if not hasattr(action, "field"):
+            assert name in NOT_A_FIELD, f"afd {command} {name} is not declared against a field"
+            continue
+        cls, field = action.field
+        assert action.default == field_default(cls, field), f"afd {command} {name}"
+        assert action.dest == field
+        checked += 1
+    assert checked >= 5
+
+
+def test_the_walk_can_fail():
+    p = argparse.ArgumentParser()
+    p.add_argument("--micro-batches", type=int, default=2)  # the drift this rules out
+    (action,) = _flags(p)
+    assert not hasattr(action, "field")
+    assert action.default != field_default(EngineConfig, "micro_batches")
+
+
+def test_serve_passes_on_what_it_was_given():
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--micro-batches", "2", "--sla-tpot", "0.1"])
+    assert forward(args, args.engine_actions) == ["--micro-batches", "2"]
+    assert forward(args, args.api_actions) == ["--sla-tpot", "0.1"]
+    args = parser.parse_args(["serve", "--private-metrics"])
+    assert forward(args, args.api_actions) == ["--private-metrics"]
+    # and what it passes on parses back to the same values in the child's parser
+    child = parser.parse_args(["attention", "--ffn", "tcp://x:1", "--micro-batches", "2"])
+    assert child.micro_batches == 2
+
+
+@pytest.mark.parametrize(
+    ("cls", "bad"),
+    [
+        (EngineConfig, {"micro_batches": 0}),
+        (EngineConfig, {"a2f_dtype": "fp16"}),
+        (EngineConfig, {"ffn_addresses": ("tcp://a:1|",)}),
+        (EngineConfig, {"ffn_timeout_s": 0.0}),
+        (CacheConfig, {"block_size": 0}),
+        (SchedulerConfig, {"max_num_seqs": 0}),
+    ],
+)
+def test_configs_validate_themselves(cls, bad, tiny_model_config):
+    base = {"model": tiny_model_config} if cls is EngineConfig else {}
+    with pytest.raises(ConfigError):
+        cls(**base, **bad)
+    assert dataclasses.is_dataclass(cls(**base))
+
+
+@pytest.fixture
+def tiny_model_config():
+    from afd.config import ModelConfig
+    from afd.demo import TINY_CONFIG
+
+    return ModelConfig.from_dict(TINY_CONFIG)
