@@ -32,7 +32,7 @@ class ModelConfig:
     # The kinds each service builds its layers from, named by the family (afd/families):
     # "gqa" (q/k/v projections, optional q/k RMSNorm) or "mfa" (low-rank query, shared K/V head)
     attention: str
-    router: str  # "softmax_topk" (services/attention/router.py)
+    router: str  # "softmax_topk" (services/attention/moe_router.py)
     ffn: str  # "swiglu": experts, shared expert and dense MLPs
     q_lora_dim: int  # MFA only: rank of the low-rank query (Step-3 `share_q_dim`)
     qk_norm: bool

@@ -36,7 +36,7 @@ class Family:
         (see afd/checkpoint.py for the canonical names, afd/families/names.py for the map).
     attention: the attention kind, a key of the attention service's own registry
         (services/attention/kinds: "gqa", "mfa").
-    router: the router kind, a key of services/attention/router.py's ROUTERS
+    router: the router kind, a key of services/attention/moe_router.py's ROUTERS
         ("softmax_topk").
     ffn: the FFN kind of its experts, shared expert and dense MLPs ("swiglu").
     """

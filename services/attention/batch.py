@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.attention.attention import AttnMeta, PrefillSeq
+from services.attention.paged_attention import AttnMeta, PrefillSeq
 from services.attention.scheduler import ScheduledSeq
 
 

@@ -1,4 +1,4 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks, reference counts and a free list.
+"""Paged KV-cache bookkeeping: fixed-size blocks and a free list.
 
 Plain Python, no torch: the block manager only hands out integer block ids. The KV pool (a
 tensor owned by the runner) is indexed by these ids; this module never sees it.
@@ -19,9 +19,9 @@ class OutOfBlocksError(AfdError):
 class BlockManager:
     """A pool of `num_blocks` KV blocks of `block_size` token slots each.
 
-    Blocks are reference counted so that a block can be shared (`fork`, e.g. a common prefix);
-    it returns to the free list when its last holder frees it. Allocation always hands out the
-    lowest free ids first, so a run is reproducible and tests can predict block tables.
+    Each block has one holder (sharing a common prefix's blocks is the prefix cache's work,
+    still to come). Allocation always hands out the lowest free ids first, so a run is
+    reproducible and tests can predict block tables.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -31,7 +31,7 @@ class BlockManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self._num_blocks = num_blocks
         self._block_size = block_size
-        self._ref_counts = [0] * num_blocks
+        self._used = [False] * num_blocks
         # a min-heap rather than a FIFO so the order does not depend on the free history
         self._free: list[int] = list(range(num_blocks))
 
@@ -66,7 +66,7 @@ class BlockManager:
         return 0 <= n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (refcount 1 each); raises OutOfBlocksError if there are fewer."""
+        """Take `n` free blocks; raises OutOfBlocksError if there are fewer."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self._free):
@@ -75,41 +75,22 @@ class BlockManager:
             )
         ids = [heapq.heappop(self._free) for _ in range(n)]
         for b in ids:
-            self._ref_counts[b] = 1
+            self._used[b] = True
         return ids
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference to each block; a block whose count reaches 0 becomes free."""
+        """Return blocks to the free list."""
         ids = list(block_ids)
         # validate everything first so a bad id leaves the pool untouched rather than half-freed
-        pending: dict[int, int] = {}
+        seen: set[int] = set()
         for b in ids:
             self._check_id(b)
-            pending[b] = pending.get(b, 0) + 1
-            if pending[b] > self._ref_counts[b]:
-                raise ValueError(
-                    f"block {b} freed more times than it is referenced "
-                    f"(refcount {self._ref_counts[b]}): double free"
-                )
+            if not self._used[b] or b in seen:
+                raise ValueError(f"block {b} is not allocated: double free")
+            seen.add(b)
         for b in ids:
-            self._ref_counts[b] -= 1
-            if self._ref_counts[b] == 0:
-                heapq.heappush(self._free, b)
-
-    def fork(self, block_ids: Iterable[int]) -> list[int]:
-        """Share blocks with a new holder: one more reference each; returns the same ids."""
-        ids = list(block_ids)
-        for b in ids:
-            self._check_id(b)
-            if self._ref_counts[b] == 0:
-                raise ValueError(f"cannot fork block {b}: it is not allocated")
-        for b in ids:
-            self._ref_counts[b] += 1
-        return ids
-
-    def ref_count(self, block_id: int) -> int:
-        self._check_id(block_id)
-        return self._ref_counts[block_id]
+            self._used[b] = False
+            heapq.heappush(self._free, b)
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self._num_blocks:

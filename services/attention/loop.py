@@ -47,8 +47,12 @@ class EngineLoop:
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: Sink):
         self._cmds.put(("add", request_id, prompt, sampling, sink))
 
-    def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
+    def abort(self, request_id: str) -> Future:
+        """Abort on the engine thread; the future says whether the request was still there
+        (False for an unknown or finished one)."""
+        fut: Future = Future()
+        self._cmds.put(("abort", request_id, fut))
+        return fut
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run `fn` on the engine thread between steps (the transports are not thread-safe)."""
@@ -122,9 +126,11 @@ class EngineLoop:
             except Exception as e:
                 fut.set_exception(e)
         elif cmd[0] == "abort":
-            rid = cmd[1]
-            if self.engine.abort(rid):  # unknown or finished ids are ignored
+            _, rid, fut = cmd
+            found = self.engine.abort(rid)  # unknown or finished ids are ignored
+            if found:
                 self._emit_final(rid, TokenEvent(rid, [], finish_reason="abort"))
+            fut.set_result(found)
 
     def _publish(self, updated: list[Request]) -> None:
         for req in updated:

@@ -15,11 +15,11 @@ from afd.checkpoint import load_weights
 from afd.config import ModelConfig
 from afd.kernels.decode_layer import NativeDecodeLayer
 from afd.ops import Linear, native_bf16, rms_norm
-from services.attention.attention import AttnMeta, paged_attention
 from services.attention.kinds import ATTENTION_KINDS, AttentionKind
 from services.attention.kv_cache import KVCache
+from services.attention.moe_router import ROUTERS
+from services.attention.paged_attention import AttnMeta, paged_attention
 from services.attention.rope import Rope
-from services.attention.router import ROUTERS
 
 
 @dataclass(frozen=True)

@@ -88,10 +88,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def get_request(self, request_id: str) -> Request | None:
-        """The unfinished request with this id, or None (unknown or finished)."""
-        return self._requests.get(request_id)
-
     # ---- requests in and out ------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:

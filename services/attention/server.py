@@ -107,8 +107,8 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
                 self.loop.abort(rid)
 
     async def Abort(self, request, context):
-        self.loop.abort(request.request_id)
-        return pb.AbortReply(found=True)
+        found = await asyncio.wrap_future(self.loop.abort(request.request_id))
+        return pb.AbortReply(found=found)
 
     async def Health(self, request, context):
         ready, reason = await self._readiness()

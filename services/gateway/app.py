@@ -24,6 +24,7 @@ from afd.security import Security
 from afd.tokenizer import ModelTokenizer
 from services.gateway import handlers as h
 from services.gateway.auth import APIKeyMiddleware
+from services.gateway.balancer import Balancer
 from services.gateway.client import AttentionClient
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, error_body
@@ -31,7 +32,6 @@ from services.gateway.latency import SLA, publish_sla
 from services.gateway.lifecycle import DrainingServer, DrainMiddleware
 from services.gateway.middleware import BodyLimitMiddleware, CountingMiddleware, RequestIdMiddleware
 from services.gateway.openapi import openapi
-from services.gateway.router import Router
 from services.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -96,7 +96,7 @@ def build_state(cfg: GatewayConfig) -> h.GatewayState:
     return h.GatewayState(
         tokenizer=tokenizer,
         token_bytes=TokenBytes(tokenizer),
-        router=Router(clients),
+        balancer=Balancer(clients),
         model_name=cfg.model_name,
         vocab_size=ModelConfig.from_hf(cfg.model_dir).vocab_size,
         notice=cfg.notice,
@@ -118,9 +118,9 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        await state.router.start()
+        await state.balancer.start()
         yield
-        await state.router.close()
+        await state.balancer.close()
 
     app = FastAPI(title="afd", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     _add_error_handlers(app)
@@ -183,7 +183,7 @@ def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> None:
 async def _model_card(state: h.GatewayState) -> dict:
     card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "afd"}
     try:
-        card["max_model_len"] = await state.router.max_model_len()
+        card["max_model_len"] = await state.balancer.max_model_len()
     except APIError:
         pass  # not known until an attention server answers; the card is still useful
     if state.notice:
@@ -200,11 +200,11 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
     async def ready():
         """Ready while at least one attention server is ready and this gateway is not
         draining; the body gives every server's state (ready, not ready, draining, down)."""
-        ok, reasons = await state.router.readiness()
+        ok, reasons = await state.balancer.readiness()
         if state.lifecycle.draining:
             ok, reasons = False, ["this gateway is draining (shutting down)", *reasons]
         status = "draining" if state.lifecycle.draining else "ready" if ok else "not ready"
-        body = {"status": status, "reasons": reasons, "servers": state.router.servers()}
+        body = {"status": status, "reasons": reasons, "servers": state.balancer.servers()}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     spec = openapi()
@@ -231,7 +231,7 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
             ids = state.tokenizer.encode(req.prompt or "")
         out = {"tokens": ids, "count": len(ids)}
         try:
-            out["max_model_len"] = await state.router.max_model_len()
+            out["max_model_len"] = await state.balancer.max_model_len()
         except APIError:
             pass
         return out

@@ -43,7 +43,7 @@ def error_body(
 
 class PeerUnavailable(APIError):
     """An attention server that could not be reached (its process is gone or the connection
-    broke), as opposed to one that answered with an error of its own: the router marks it
+    broke), as opposed to one that answered with an error of its own: the balancer marks it
     down, and a choice that got nothing from it yet may go to another server."""
 
     def __init__(self, message: str):

@@ -14,11 +14,11 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from afd.control import Logprob, SamplingParams
+from services.gateway.balancer import Balancer
 from services.gateway.client import AttentionClient
 from services.gateway.detok import IncrementalDetokenizer, StopMatcher
 from services.gateway.errors import APIError, internal
 from services.gateway.latency import ChoiceTiming
-from services.gateway.router import Router
 
 
 @dataclass(frozen=True)
@@ -44,15 +44,15 @@ class ChoiceRun:
     """One choice: a Generate call on the least-loaded attention server, as text deltas.
 
     A server that turns out to be down or draining before it sent anything is reported to the
-    router and the call goes to another one; once tokens have flowed, a broken stream is the
+    balancer and the call goes to another one; once tokens have flowed, a broken stream is the
     choice's error (503, or an error event on a stream already started).
     """
 
     def __init__(
-        self, spec: ChoiceSpec, router: Router, decoder, timing: ChoiceTiming | None = None
+        self, spec: ChoiceSpec, balancer: Balancer, decoder, timing: ChoiceTiming | None = None
     ) -> None:
         self.spec = spec
-        self._router = router
+        self._balancer = balancer
         self._decoder = decoder  # afd.tokenizer.ModelTokenizer
         self._timing = timing
         self.prompt_tokens = len(spec.prompt_ids)
@@ -65,18 +65,18 @@ class ChoiceRun:
         if self.spec.prefix:
             emit(Delta(self.spec.index, self.spec.prefix))
         tried: tuple[AttentionClient, ...] = ()
-        client = self._router.pick()
+        client = self._balancer.pick()
         while True:
             tried += (client,)
             self._started = False
             try:
                 return await self._run_on(client, emit)
             except APIError as e:
-                retry = await self._router.failed(client, e)
+                retry = await self._balancer.failed(client, e)
                 if self._started or not retry:
                     raise
                 try:
-                    client = self._router.pick(exclude=tried)
+                    client = self._balancer.pick(exclude=tried)
                 except APIError:
                     raise e from None
 
@@ -86,7 +86,7 @@ class ChoiceRun:
         stop = StopMatcher(spec.stop)
         ids: list[int] = []
         lps: list[Logprob] = []
-        with self._router.lease(client):
+        with self._balancer.lease(client):
             stream = client.generate(spec.request_id, spec.prompt_ids, spec.params)
             async with aclosing(stream) as events:  # closing early cancels the call
                 async for ev in events:

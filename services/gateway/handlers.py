@@ -18,6 +18,7 @@ from afd import metrics
 from afd.control import SamplingParams
 from afd.errors import AfdError
 from afd.tokenizer import ModelTokenizer
+from services.gateway.balancer import Balancer
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, invalid, validation_message
 from services.gateway.generation import ChoiceRun, ChoiceSpec, ChoiceStreams, Delta
@@ -30,7 +31,6 @@ from services.gateway.responses import (
     sse,
     usage,
 )
-from services.gateway.router import Router
 from services.gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 
 _INT64 = 2**63
@@ -42,7 +42,7 @@ class GatewayState:
 
     tokenizer: ModelTokenizer
     token_bytes: TokenBytes
-    router: Router
+    balancer: Balancer
     model_name: str
     vocab_size: int  # token ids must be below this (the model's embedding rows)
     notice: str = ""  # shown on the model card (the demo model says its text is meaningless)
@@ -143,7 +143,7 @@ async def plan(
             f"max_tokens is {req.max_new_tokens}; this server allows at most {limit}",
             "max_tokens",
         )
-    max_len = await state.router.max_model_len()
+    max_len = await state.balancer.max_model_len()
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     nonce = secrets.token_hex(3)  # attention-side ids stay unique if a client reuses its id
     specs = []
@@ -200,7 +200,7 @@ async def respond(
     )
     t_arrival = getattr(request.state, "t_arrival", None) or time.perf_counter()
     runs = [
-        ChoiceRun(s, state.router, state.tokenizer, ChoiceTiming(t_arrival, state.sla))
+        ChoiceRun(s, state.balancer, state.tokenizer, ChoiceTiming(t_arrival, state.sla))
         for s in specs
     ]
     streams = ChoiceStreams(runs, req.n)

@@ -60,9 +60,10 @@ def test_abort_of_a_running_and_a_waiting_request_frees_their_blocks(loop):
     assert _first(running_q).token_ids  # generating: holds blocks
     loop.submit("wait", list(range(1, 40)), LONG, waiting_sink)
     time.sleep(0.05)
-    assert loop.engine.scheduler.num_waiting == 1 and loop.engine.blocks.num_used_blocks
-    loop.abort("wait")
-    loop.abort("run")
+    load = loop.engine.load()
+    assert load.waiting == 1 and load.kv_usage > 0
+    assert loop.abort("wait").result(5) is True  # Abort answers whether it found the request
+    assert loop.abort("run").result(5) is True
     finals = []
     for q in (waiting_q, running_q):
         ev = _first(q)
@@ -80,7 +81,7 @@ def test_late_unknown_and_repeated_ids_are_ignored(loop):
         pass
     assert ev.finish_reason == "length"
     for rid in ("short", "short", "never-seen", ""):  # late (finished), twice, unknown
-        loop.abort(rid)
+        assert loop.abort(rid).result(5) is False
     # A readiness call whose caller gave up before it ran must not take the loop down either.
     gone: Future = loop.call(lambda: None)
     gone.cancel()

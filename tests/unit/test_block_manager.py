@@ -1,4 +1,4 @@
-"""BlockManager: allocation order, refcounts, fork, exhaustion and error cases."""
+"""BlockManager: allocation order, exhaustion and error cases."""
 
 from __future__ import annotations
 
@@ -29,8 +29,6 @@ def test_allocate_lowest_ids_first_and_counts() -> None:
     assert bm.num_free_blocks == 3
     assert bm.num_used_blocks == 5
     assert bm.usage == pytest.approx(5 / 8)
-    assert all(bm.ref_count(x) == 1 for x in a + b)
-    assert bm.ref_count(7) == 0
 
 
 def test_free_returns_blocks_and_they_are_reused_deterministically() -> None:
@@ -39,7 +37,6 @@ def test_free_returns_blocks_and_they_are_reused_deterministically() -> None:
     bm.allocate(2)  # 3 4
     bm.free([a[2], a[0]])
     assert bm.num_free_blocks == 3
-    assert bm.ref_count(0) == 0 and bm.ref_count(2) == 0
     # lowest free id first, whatever order they were freed in
     assert bm.allocate(3) == [0, 2, 5]
     assert bm.num_free_blocks == 0
@@ -67,21 +64,6 @@ def test_failed_allocate_changes_nothing() -> None:
     assert bm.allocate(2) == [2, 3]
 
 
-def test_fork_shares_blocks_until_the_last_holder_frees() -> None:
-    bm = BlockManager(num_blocks=4, block_size=4)
-    a = bm.allocate(2)
-    shared = bm.fork(a)
-    assert shared == a
-    assert [bm.ref_count(x) for x in a] == [2, 2]
-    assert bm.num_free_blocks == 2  # sharing costs no blocks
-    bm.free(a)
-    assert [bm.ref_count(x) for x in a] == [1, 1]
-    assert bm.num_free_blocks == 2  # still held by the fork
-    bm.free(shared)
-    assert bm.num_free_blocks == 4
-    assert [bm.ref_count(x) for x in a] == [0, 0]
-
-
 def test_double_free_raises_and_leaves_pool_untouched() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     a = bm.allocate(2)
@@ -89,21 +71,20 @@ def test_double_free_raises_and_leaves_pool_untouched() -> None:
     with pytest.raises(ValueError, match="double free"):
         bm.free([a[0]])
     b = bm.allocate(1)
-    # the same id twice in one call is one free too many for a refcount of 1; nothing changes
+    # the same id twice in one call is one free too many; nothing changes
     with pytest.raises(ValueError, match="double free"):
         bm.free([b[0], b[0]])
-    assert bm.ref_count(b[0]) == 1
     assert bm.num_free_blocks == 3
 
 
-def test_fork_of_free_block_and_bad_ids_raise() -> None:
+def test_bad_ids_raise() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="not allocated"):
-        bm.fork([0])
+        bm.free([0])
     with pytest.raises(ValueError, match="outside the pool"):
         bm.free([4])
     with pytest.raises(ValueError, match="outside the pool"):
-        bm.ref_count(-1)
+        bm.free([-1])
     with pytest.raises(ValueError):
         bm.allocate(-1)
 

@@ -21,7 +21,7 @@ from afd.config import ModelConfig
 from afd.errors import ConfigError
 from afd.families import FAMILIES, family, register
 from services.attention.kinds import ATTENTION_KINDS
-from services.attention.router import ROUTERS
+from services.attention.moe_router import ROUTERS
 from tests.helpers.checkpoints import DENSE_REFERENCES, REFERENCE_CHECKPOINTS
 
 NOT_FAMILIES = {"base", "fields", "names"}  # the package's own modules

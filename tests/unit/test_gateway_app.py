@@ -11,10 +11,10 @@ from afd.control import Health, Logprob, Stats, TokenEvent
 from afd.demo import write_tokenizer
 from afd.tokenizer import ModelTokenizer
 from services.gateway.app import GatewayConfig, create_app
+from services.gateway.balancer import Balancer
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import from_attention
 from services.gateway.handlers import GatewayState
-from services.gateway.router import Router
 
 TEXT = "hello world, all good"
 KEY = "sk-unit"
@@ -69,7 +69,7 @@ def tokenizer(tmp_path_factory):
 
 
 def make(tokenizer, clients, **cfg):
-    state = GatewayState(tokenizer, TokenBytes(tokenizer), Router(clients), "m", 320, "demo!")
+    state = GatewayState(tokenizer, TokenBytes(tokenizer), Balancer(clients), "m", 320, "demo!")
     app = create_app(state, GatewayConfig("unused", ("fake:1",), "m", **cfg))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
 

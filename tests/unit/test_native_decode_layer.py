@@ -13,9 +13,9 @@ import torch
 from afd.config import ModelConfig
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
 from afd.ops import native_bf16
-from services.attention.attention import AttnMeta
 from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
+from services.attention.paged_attention import AttnMeta
 
 pytestmark = pytest.mark.skipif(
     not native_bf16(), reason="the fused layer runs where afd's own kernels carry bf16"

@@ -135,7 +135,7 @@ def test_decode_attention_matches_the_torch_path(kvh, g, d, lens, num_blocks, th
     blocks, bmm with bf16 rounding, fp32 softmax) on a shuffled block table: the same to
     bf16 rounding, and the same bits almost everywhere."""
     from afd.kernels.attention import decode_attention
-    from services.attention.attention import _attend
+    from services.attention.paged_attention import _attend
 
     gen = torch.Generator().manual_seed(kvh * 100 + g)
     bs = 16

@@ -19,10 +19,10 @@ from afd_cli.bench import serve as bench
 from services.attention.stragglers import StragglerConfig, StragglerDetector, Verdict
 from services.attention.telemetry import breakdown
 from services.gateway.app import GatewayConfig, create_app
+from services.gateway.balancer import Balancer
 from services.gateway.detok import TokenBytes
 from services.gateway.handlers import GatewayState
 from services.gateway.latency import SLA
-from services.gateway.router import Router
 from tests.unit.test_gateway_app import FakeClient
 
 # ------------------------------------------------------------------ round-trip breakdown
@@ -164,7 +164,7 @@ def tokenizer(tmp_path_factory):
 
 
 def _gateway(tokenizer, sla: SLA):
-    state = GatewayState(tokenizer, TokenBytes(tokenizer), Router([FakeClient()]), "m", 320)
+    state = GatewayState(tokenizer, TokenBytes(tokenizer), Balancer([FakeClient()]), "m", 320)
     app = create_app(state, GatewayConfig("unused", ("fake:1",), "m", sla=sla))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
 

@@ -127,7 +127,7 @@ def test_prefill_then_decode() -> None:
     assert r.finished and r.finish_reason == "length" and len(r.output_token_ids) == 3
     assert r.first_scheduled_time == t0
     assert r.block_ids == [] and s.block_manager.num_free_blocks == 64
-    assert not s.has_unfinished() and s.get_request("a") is None
+    assert not s.has_unfinished() and not s.abort("a")  # unknown by now
 
 
 def test_decode_takes_a_new_block_at_the_boundary() -> None:

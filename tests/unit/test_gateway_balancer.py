@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from afd.control import Health, Stats
+from services.gateway.balancer import Balancer
 from services.gateway.errors import APIError, unavailable
-from services.gateway.router import Router
 
 
 class Fake:
@@ -29,14 +29,14 @@ class Fake:
 
 def test_least_loaded_wins_after_a_poll():
     a, b, c = Fake("a", 5), Fake("b", 1), Fake("c", 3)
-    r = Router([a, b, c])
+    r = Balancer([a, b, c])
     asyncio.run(r.poll_once())
     assert r.pick() is b
 
 
 def test_ties_rotate_and_own_streams_count():
     a, b = Fake("a"), Fake("b")
-    r = Router([a, b])
+    r = Balancer([a, b])
     asyncio.run(r.poll_once())
     assert {r.pick(), r.pick()} == {a, b}  # round-robin among equals
     with r.lease(a), r.lease(a):
@@ -47,7 +47,7 @@ def test_ties_rotate_and_own_streams_count():
 
 def test_dead_server_is_skipped_until_it_answers():
     a, b = Fake("a", 0), Fake("b", 9)
-    r = Router([a, b])
+    r = Balancer([a, b])
     a.alive = False
     asyncio.run(r.poll_once())
     assert all(r.pick() is b for _ in range(3))
@@ -63,7 +63,7 @@ def test_dead_server_is_skipped_until_it_answers():
 
 def test_context_length_is_the_smallest_and_readiness_needs_one():
     a, b = Fake("a", max_len=128), Fake("b", max_len=64)
-    r = Router([a, b], ready_cache_s=0)
+    r = Balancer([a, b], ready_cache_s=0)
     assert asyncio.run(r.max_model_len()) == 64
     assert asyncio.run(r.readiness()) == (True, [])
     b.alive = False

@@ -2,7 +2,7 @@
 
 A background task polls every server's Stats (running + waiting requests, KV usage, draining)
 a few times a second, and its Health (ready: its FFN pool covers every expert) about once a
-second; between polls the router also counts the streams it has itself sent to each server, so
+second; between polls the balancer also counts the streams it has itself sent to each server, so
 a burst of requests spreads out instead of all landing on whichever server looked idlest at the
 last poll. A server whose last poll failed, or whose stream broke (`failed`), is marked down and
 skipped until a poll finds it answering again; a draining one is skipped; ready ones are
@@ -53,7 +53,7 @@ class _Server:
         return "ready" if self.ready else "not ready"
 
 
-class Router:
+class Balancer:
     """Chooses the least-loaded attention server and tracks readiness and context length."""
 
     def __init__(
@@ -79,7 +79,7 @@ class Router:
         return [s.client for s in self._servers]
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._poll_forever(), name="router-poll")
+        self._task = asyncio.create_task(self._poll_forever(), name="balancer-poll")
 
     async def close(self) -> None:
         if self._task:
@@ -219,5 +219,5 @@ class Router:
             try:
                 await self.poll_once()
             except Exception:  # never let the poller die: routing would freeze
-                log.exception("router poll failed")
+                log.exception("balancer poll failed")
             await asyncio.sleep(self._poll_s)
