@@ -88,3 +88,13 @@ def test_the_gateway_loads_no_torch():
     res = _load_all("services.gateway", "sys.modules['torch'] = None")
     assert res.returncode == 0, res.stderr
     assert "services.gateway.app" in res.stdout.split()
+
+
+def test_no_product_file_is_over_the_limit():
+    long = [
+        f"{p.relative_to(REPO)}: {n} lines"
+        for root in ("afd", "services", "afd_cli")
+        for p in _modules(root)
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    ]
+    assert not long

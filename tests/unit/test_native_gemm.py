@@ -76,9 +76,18 @@ def test_leading_dims_and_non_contiguous_input():
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2**-8, atol=1e-3)
 
 
-def test_linear_uses_it_only_where_onednn_cannot_pack():
-    lin = Linear(torch.randn(16, 32).to(torch.bfloat16))
-    assert not (lin.packed and lin.native)
+def test_linear_computes_the_linear_on_whichever_path_it_takes():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 32, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 32, generator=g).to(torch.bfloat16)
+    lin = Linear(w)
+    ref = F.linear(x, w)
+    if lin.packed:  # oneDNN's re-laid-out weight: F.linear's bits exactly
+        assert torch.equal(lin(x), ref)
+    else:  # afd's kernel (or F.linear itself): fp32 accumulation, rounded once
+        torch.testing.assert_close(
+            lin(x).float(), F.linear(x.float(), w.float()), rtol=2**-7, atol=1e-3
+        )
     assert Linear(torch.randn(16, 12).to(torch.bfloat16)).native is False  # K % 8 != 0
     assert Linear(torch.randn(16, 32)).native is False  # fp32 weights: torch's matmul
 

@@ -15,7 +15,7 @@ from afd.errors import ConfigError
 from afd.messages import Trace
 from afd.metrics import ROUNDTRIP_PARTS
 from afd.tokenizer import ModelTokenizer
-from afd_cli.bench import serve as bench
+from afd_cli.bench import serve_report as report
 from services.attention.stragglers import StragglerConfig, StragglerDetector, Verdict
 from services.attention.telemetry import breakdown
 from services.gateway.app import GatewayConfig, create_app
@@ -243,12 +243,12 @@ def _args(**kw):
 
 def test_bench_summary_percentiles_goodput_and_failures():
     ok = [
-        bench.Result(True, ttft=0.05, e2e=0.05 + 0.01 * 9, itl=[0.01] * 9, output_tokens=10),
-        bench.Result(True, ttft=0.20, e2e=0.20 + 0.01 * 9, itl=[0.01] * 9, output_tokens=10),
-        bench.Result(True, ttft=0.05, e2e=0.05 + 0.03 * 9, itl=[0.03] * 9, output_tokens=10),
+        report.Result(True, ttft=0.05, e2e=0.05 + 0.01 * 9, itl=[0.01] * 9, output_tokens=10),
+        report.Result(True, ttft=0.20, e2e=0.20 + 0.01 * 9, itl=[0.01] * 9, output_tokens=10),
+        report.Result(True, ttft=0.05, e2e=0.05 + 0.03 * 9, itl=[0.03] * 9, output_tokens=10),
     ]
-    bad = bench.Result(False, error="HTTP 503: busy")
-    s = bench.summarize([*ok, bad], 2.0, _args(), "m")
+    bad = report.Result(False, error="HTTP 503: busy")
+    s = report.summarize([*ok, bad], 2.0, _args(), "m")
     assert (s["completed"], s["failed"], s["errors"]) == (3, 1, ["HTTP 503: busy"])
     assert s["good_requests"] == 1  # one TTFT too slow, one TPOT too slow
     assert s["goodput"] == pytest.approx(0.5)
@@ -256,6 +256,6 @@ def test_bench_summary_percentiles_goodput_and_failures():
     assert s["output_throughput"] == pytest.approx(15.0)
     assert s["ttft_s"]["p50"] == pytest.approx(0.05)
     assert s["tpot_s"]["mean"] == pytest.approx((0.01 + 0.01 + 0.03) / 3)
-    assert "TTFT" in bench.table(s) and "goodput" in bench.table(s)
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
+    assert "TTFT" in report.table(s) and "goodput" in report.table(s)
+    assert report.percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert report.percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
