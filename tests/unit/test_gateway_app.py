@@ -159,6 +159,22 @@ def test_n_choices_get_distinct_ids_and_consecutive_seeds(tokenizer):
     assert body["usage"]["completion_tokens"] == 18
 
 
+def test_stop_token_ids_reach_the_engine_and_bad_ones_are_a_400(tokenizer):
+    fake = FakeClient()
+
+    async def go(body):
+        async with make(tokenizer, [fake]) as c:
+            return await post(c, "/v1/completions", {"prompt": "a", "max_tokens": 2, **body})
+
+    assert run(go({"stop_token_ids": [7, 9]})).status_code == 200
+    assert fake.calls[-1][2].stop_token_ids == (7, 9)
+    assert run(go({})).status_code == 200
+    assert fake.calls[-1][2].stop_token_ids == ()
+    bad = run(go({"stop_token_ids": [-1]}))
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("stop_token_ids")
+    assert len(fake.calls) == 2
+
+
 def test_logprobs_shapes(tokenizer):
     async def go():
         async with make(tokenizer, [FakeClient()]) as c:
