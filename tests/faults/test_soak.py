@@ -5,8 +5,8 @@ request ends answered in full, with a typed error, or hung up by its own client)
 may stay in use, and the long-lived processes' open file descriptors and memory stay within
 stated bounds.
 
-CI runs it for SOAK_SECONDS (20 s); set AFD_SOAK_SECONDS (and AFD_SOAK_CLIENTS) for a longer
-run, e.g. `AFD_SOAK_SECONDS=600 pytest -s tests/faults/test_soak.py`.
+The default suite runs it for AFD_SOAK_SECONDS (20 s); the slow set (`python -m pytest -q -m
+slow`) runs it for 5 minutes; AFD_SOAK_CLIENTS sets the clients (16).
 """
 
 from __future__ import annotations
@@ -58,8 +58,21 @@ def _hang_up(url: str) -> str:
     return "hung up"
 
 
-@pytest.mark.timeout(SECONDS * 3 + 120)
-def test_soak_with_ffn_restarts(tmp_path):
+LONG_SECONDS = 300.0  # the slow set's soak: `python -m pytest -q -m slow`
+
+
+@pytest.mark.parametrize(
+    "seconds",
+    [
+        pytest.param(SECONDS, id="ci", marks=pytest.mark.timeout(SECONDS * 3 + 120)),
+        pytest.param(
+            LONG_SECONDS,
+            id="long",
+            marks=[pytest.mark.slow, pytest.mark.timeout(LONG_SECONDS * 3 + 120)],
+        ),
+    ],
+)
+def test_soak_with_ffn_restarts(tmp_path, seconds):
     procs = Procs(tmp_path)
     try:
         cluster = Cluster(procs, tiny_model(tmp_path)).start()
@@ -69,21 +82,21 @@ def test_soak_with_ffn_restarts(tmp_path):
         pids = {n: procs.procs[n].pid for n in steady}
         start = {n: (_fds(p), _rss_mb(p)) for n, p in pids.items()}
 
-        stop_at = time.monotonic() + SECONDS
+        stop_at = time.monotonic() + seconds
         samples: list[tuple[float, dict]] = []  # (seconds in, {process: RSS MB})
 
         def sample() -> None:
             t0 = time.monotonic()
             while time.monotonic() < stop_at:
                 samples.append((time.monotonic() - t0, {n: _rss_mb(p) for n, p in pids.items()}))
-                time.sleep(max(1.0, SECONDS / 20))
+                time.sleep(max(1.0, seconds / 20))
 
         threading.Thread(target=sample, daemon=True).start()
         outcomes: Counter = Counter()
         ok_after_outage = [0]  # full answers to requests started once every expert was back
         errors: list[tuple[float, float, str]] = []  # (seconds in at start, at end, detail)
         t_zero = time.monotonic()
-        outage = [SECONDS, 0.0]  # seconds in: ffn1 killed, every expert covered again
+        outage = [seconds, 0.0]  # seconds in: ffn1 killed, every expert covered again
         slowest = [0.0]
         tokens = [0]
         lock = threading.Lock()
@@ -111,16 +124,16 @@ def test_soak_with_ffn_restarts(tmp_path):
 
         with ThreadPoolExecutor(CLIENTS) as ex:
             futs = [ex.submit(client, i) for i in range(CLIENTS)]
-            time.sleep(SECONDS * 0.25)
+            time.sleep(seconds * 0.25)
             before = {n: (_fds(p), _rss_mb(p)) for n, p in pids.items()}  # warmed up
-            time.sleep(SECONDS * 0.05)
+            time.sleep(seconds * 0.05)
             outage[0] = time.monotonic() - t_zero
             cluster.kill("ffn1")  # the shard without a spare: its requests fail, typed
             time.sleep(1.0)
             cluster.restart("ffn1")
             cluster.wait_ready(30, servers=2)
             outage[1] = time.monotonic() - t_zero  # every expert covered again
-            time.sleep(max(0.0, t_zero + SECONDS * 0.5 - time.monotonic()))
+            time.sleep(max(0.0, t_zero + seconds * 0.5 - time.monotonic()))
             cluster.kill("ffn0a")  # a replica: failover, nothing lost
             time.sleep(1.0)
             cluster.restart("ffn0a")
@@ -139,10 +152,10 @@ def test_soak_with_ffn_restarts(tmp_path):
             if not (t0 <= outage[1] and t1 >= outage[0])
         ]
         print(
-            f"\nsoak: {SECONDS:.0f} s, {CLIENTS} clients, {total} requests "
+            f"\nsoak: {seconds:.0f} s, {CLIENTS} clients, {total} requests "
             f"(ffn1 down from {outage[0]:.1f} s to {outage[1]:.1f} s; {len(errors)} typed errors, "
             f"{len(late)} outside that window; {ok_after_outage[0]} full answers after it): "
-            f"({total / SECONDS:.1f}/s, {tokens[0] / SECONDS:.0f} tokens/s): {dict(outcomes)}; "
+            f"({total / seconds:.1f}/s, {tokens[0] / seconds:.0f} tokens/s): {dict(outcomes)}; "
             f"slowest {slowest[0]:.1f} s; fds/RSS MB at start {start}, warmed up {before}, at the end {after}; "
             f"RSS MB over time {[(round(t), {k: round(v) for k, v in r.items()}) for t, r in samples]}"
         )
