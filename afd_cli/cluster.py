@@ -5,8 +5,9 @@ Starts M FFN servers, N attention servers and the gateway as separate child proc
 prints the URL, and on Ctrl-C or SIGTERM stops the children in stages, each with SIGTERM, then
 SIGKILL after a grace period: the gateway first (it drains: new requests get 503 while those in
 flight finish, up to --drain-timeout), then the attention servers (which drain the same way),
-then the FFN servers, which the requests in flight needed until the end. Each child runs in its own process group (so one terminal Ctrl-C reaches only
-this process, which then stops the children in order) and is asked by the kernel
+then the FFN servers, which the requests in flight needed until the end. Each child runs in its
+own process group (so one terminal Ctrl-C reaches only this process, which then stops the
+children in order) and is asked by the kernel
 (PR_SET_PDEATHSIG) to die with its parent, so even `kill -9` of this process leaves no orphans.
 Every line a child writes comes out prefixed with its name: `[ffn-0]`, `[attention-1]`, ...
 Each attention and FFN server gets a free HTTP side port for /metrics (and /health, /ready);

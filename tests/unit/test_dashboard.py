@@ -57,7 +57,10 @@ def dashboard():
 
 
 def test_metric_name_parser():
-    e = 'histogram_quantile(0.99, sum by (peer, le) (rate(afd_x_bucket{a="b,c"}[$__rate_interval])))'
+    e = (
+        "histogram_quantile(0.99, "
+        'sum by (peer, le) (rate(afd_x_bucket{a="b,c"}[$__rate_interval])))'
+    )
     assert metric_names(e) == {"afd_x_bucket"}
     assert metric_names("sum(rate(a_total[5m])) / sum(rate(b_total[5m])) > 1e-3") == {
         "a_total",

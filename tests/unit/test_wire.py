@@ -214,7 +214,8 @@ def test_random_mutations_never_crash():
         _decode_or_wire_error([rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(0, 6))])
 
 
-try:  # property-based fuzzing where hypothesis is installed (the test extra); the loop above always runs
+# property-based fuzzing where hypothesis is installed (the test extra); the loop above always runs
+try:
     import hypothesis
     from hypothesis import strategies as st
 except ImportError:  # pragma: no cover
