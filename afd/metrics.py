@@ -40,9 +40,10 @@ PEER_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0)
 
 class EngineHistogram:
     """A labelled histogram for the engine thread's per-message observations: observe() is a
-    bisect and two additions, without prometheus_client's lock (about 5x cheaper), because one
-    thread writes it. A scrape from another thread may see an observation's bucket before its
-    sum; the count is the buckets' total, so the two always agree."""
+    bisect and two additions, without prometheus_client's lock (which would cost more than the
+    observation itself), because one thread writes it. A scrape from another thread may see an
+    observation's bucket before its sum; the count is the buckets' total, so the two always
+    agree."""
 
     _type = "histogram"
 

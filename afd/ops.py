@@ -10,8 +10,8 @@ from afd.kernels import gemm, norm_rope
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim; statistics in float32, the scale applied in x's dtype.
-    One native call where the kernels are built (the torch ops below cost ~30 us at decode
-    sizes, the call ~3 us); the result is contiguous either way."""
+    One native call where the kernels are built (at decode sizes the torch ops below are mostly
+    dispatch); the result is contiguous either way."""
     if weight.dtype == torch.bfloat16 and norm_rope.usable(x, 8):
         return norm_rope.rms_norm(x, weight, eps)
     xf = x.float()
@@ -46,7 +46,7 @@ def native_bf16() -> bool:
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.bmm with bf16's result (fp32 accumulation, rounded to bf16), computed in fp32 on
-    CPUs without a bf16 matmul path (where oneDNN cannot pack bf16, torch's bf16 bmm is ~10x
+    CPUs without a bf16 matmul path (where oneDNN cannot pack bf16, torch's bf16 bmm is much
     slower than converting both sides and multiplying in fp32)."""
     if _PACK or a.dtype != torch.bfloat16 or a.device.type != "cpu":
         return torch.bmm(a, b)
@@ -57,10 +57,11 @@ class Linear:
     """y = x @ W.T for a fixed weight W [N, K]. bf16 on the CPU takes the fastest path there is:
 
     - AVX-512 CPUs: the weight is re-laid out once for oneDNN's matmul: bit-identical to
-      F.linear, and skinny decode matmuls stream the weight ~1.4x faster than row-major;
-    - AVX2-only CPUs, where oneDNN cannot pack bf16 and torch's bf16 matmul is 3-20x slower
-      than fp32: afd's own kernel (afd/kernels/gemm.c), fp32 accumulation, on the weight
-      re-laid out once as it reads it (gemm.pack: 4 rows as one sequential run);
+      F.linear, and skinny decode matmuls stream the blocked weight faster than row-major;
+    - AVX2-only CPUs, where oneDNN cannot pack bf16 and torch's bf16 matmul falls back to a
+      scalar path far slower than fp32: afd's own kernel (afd/kernels/gemm.c), fp32
+      accumulation, on the weight re-laid out once as it reads it (gemm.pack: 4 rows as one
+      sequential run);
     - anything else: F.linear.
     """
 

@@ -19,8 +19,8 @@ def tune_allocator() -> bool:
 
     Every decode step allocates the same large temporaries (gathered K/V, activations). By
     default glibc serves blocks over 128 KiB-32 MiB with mmap and unmaps them on free, so each
-    step page-faults all of them in again: measured here, a 32 MiB gather took 25 ms that way
-    and 7 ms with reuse. Returns whether the setting took effect (glibc only).
+    step page-faults all of them in again, and for a large gather the faults cost more than the
+    copy itself (docs/benchmarks.md). Returns whether the setting took effect (glibc only).
     """
     name = ctypes.util.find_library("c")
     if not name:

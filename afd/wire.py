@@ -227,8 +227,8 @@ def _check_values(
     limits: WireLimits,
     where: dict,
 ) -> None:
-    # The checks read the small tensors through numpy views: a few microseconds each, where
-    # the same torch ops cost ~10 (op dispatch), and they run for every message of every layer.
+    # The checks read the small tensors through numpy views: on tensors this small the same
+    # torch ops are mostly op dispatch, and they run for every message of every layer.
     if scales is not None:
         sc = scales.numpy()
         _check_finite("scales", sc, where)

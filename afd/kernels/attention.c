@@ -11,14 +11,11 @@
  * over threads.
  *
  * Each K row is converted to fp32 once for all g query heads (8 positions at a time, their 8
- * dot products reduced together), the softmax's max and exponentials are vectorised (the max
- * was a scalar loop of dependent compares: ~3 cycles a score, a third of an in-cache task at
- * a 2048 context; 79-85 -> 51-54 us per (sequence, head) there), and each V row is read
- * once per 16 output columns for 4 query heads at a time. Batch 32 at a 2048-token context
- * (4 K/V heads of 4 query heads, D = 64), one Zen 3 core: 52.7 ms per layer with one
- * scalar-reduced dot product per (position, head), 13.5 ms this way; then with V prefetched
- * where it is read (weighted_sum) and the max in lanes, from 11.0 to 8.8 ms (block tables in
- * order; shuffled 17.2 -> 12.3 ms; medians of 11, bit-identical). */
+ * dot products reduced together), the softmax's max and exponentials are vectorised (a scalar
+ * max is a chain of dependent compares, latency-bound, and at long contexts a large share of
+ * an in-cache task), and each V row is read once per 16 output columns for 4 query heads at a
+ * time, instead of one scalar-reduced dot product per (position, head). The max in lanes and
+ * the prefetches (below) change no bits. Per-layer figures: docs/benchmarks.md. */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -34,9 +31,9 @@ static inline __m256 sum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a
 }
 
 /* Rows sit in 16-position blocks scattered over the pool, so the hardware prefetcher sees
- * only short runs: ask for K rows two 8-position groups ahead (1.3x faster on one core, 1.8x
- * on two). V is asked for later, in weighted_sum: fetched here, beside K, a long sequence's V
- * (256 KB at 2048 positions) had left L2 again by the time the softmax was done. */
+ * only short runs: ask for K rows two 8-position groups ahead. V is asked for later, in
+ * weighted_sum: fetched here, beside K, a long sequence's V (256 KB at 2048 positions) had left
+ * L2 again by the time the softmax was done. */
 static inline void prefetch_k(const uint16_t *k_cache, const int64_t *row, int l0, int len,
                               int D) {
   for (int i = 0; i < 8; i++)
@@ -44,7 +41,8 @@ static inline void prefetch_k(const uint16_t *k_cache, const int64_t *row, int l
       if (l0 + 16 + i < len) _mm_prefetch((const char *)(k_cache + row[l0 + 16 + i] + d), _MM_HINT_T0);
 }
 
-/* How far ahead weighted_sum asks for V rows (8-24 measured alike). */
+/* How far ahead weighted_sum asks for V rows (not a sensitive choice: nearby distances measured
+ * alike). */
 #define V_AHEAD 16
 
 /* s[j, l] = bf16(q_j . k_l) * scale for l in 0..len-1; kt is scratch for 8 rows [8, D]. */

@@ -85,14 +85,15 @@ static inline __m256 exp8(__m256 x) {
  * stored as K/8 runs of 4 x 8 values (row r's values 8s..8s+7 at 32 s + 8 r from the group's
  * start, which is row 4i's row-major offset); the N % 4 rows after the last group stay
  * row-major. A decode matmul reads each group as one sequential run instead of 4 interleaved
- * rows: on one Zen 3 core a weight-streaming loop went from ~15 to ~18 GB/s from DRAM (two
- * cores ~26 -> ~29), where a plain read loop gets ~20. Each row's values still meet x in the
+ * rows: one stream for the hardware prefetcher instead of four, which brings a weight-streaming
+ * loop closer to what a plain read loop gets from DRAM. Each row's values still meet x in the
  * same order, so results are the same bits as row-major. gemm.py's pack() lays a weight out. */
 
 /* y[M, N] (bf16) = xf[M, K] (fp32) @ W[n0..n1, K]^T (bf16, packed; n0 a multiple of 4); wt is
- * scratch for 4 rows of W in fp32, used when M >= WIDE_M (gemm.c). The thresholds come from
- * one Zen 3 core, 1024x1024 weights in cache: the pair path beats the old 2- and 4-row loops
- * at 3, 5 and 7 rows (25 -> 31, 29 -> 35, 24 -> 30 G FMA/s) and ties the fp32 tile from 12. */
+ * scratch for 4 rows of W in fp32, used when M >= WIDE_M (gemm.c). The thresholds were
+ * measured with the weights in cache (docs/benchmarks.md): from PAIR_M rows of x the pair path,
+ * each weight vector converted once per chunk of rows, beats 2- and 4-row loops, and by WIDE_M
+ * converting 4 weight rows once into fp32 has caught up with it. */
 #define PAIR_M 3  /* from 3 rows of x: pair_rows, weights converted once per chunk of rows */
 #define WIDE_M 13 /* from 13: 4 weight rows converted once into wt, 3 rows of x at a time */
 void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,

@@ -1,6 +1,6 @@
 /* The per-token FP8 wire codec (loaded with ctypes by afd/kernels/fp8.py), one pass per row
- * where afd/quant.py's torch path spends ~7 ops (tens of microseconds of dispatch for a
- * decode micro-batch, on every layer of both sides):
+ * where afd/quant.py's torch path spends ~7 ops (mostly dispatch at a decode micro-batch's
+ * size, on every layer of both sides):
  *
  *   quantize:   scale = max(amax(|x|) / 448, 2^-126);  q = e4m3fn(x / scale)
  *   dequantize: y = bf16(fp32(q) * scale)

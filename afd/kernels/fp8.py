@@ -1,6 +1,6 @@
 """The per-token FP8 codec in one native call each way (fp8.c), bit for bit the torch path of
-afd/quant.py: a decode micro-batch's quantize or dequantize is ~7 torch ops there (tens of
-microseconds of dispatch, on every layer of both sides), one pass over the row here."""
+afd/quant.py: a decode micro-batch's quantize or dequantize is ~7 torch ops there (mostly
+dispatch at that size, on every layer of both sides), one pass over the row here."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 /* y[M, N] = x[M, K] @ W[N, K]^T for bf16 x, W and y, accumulated in fp32: the decode matmul of
  * every projection and expert, for x86-64 CPUs with AVX2 and FMA but no bf16 arithmetic (e.g.
  * AMD Zen 2/3, Intel before Cooper Lake), where PyTorch's bf16 matmul falls back to a scalar path
- * that is 3-20x slower than fp32.
+ * far slower than fp32.
  *
  * Three paths. With 1-2 rows of x (decode at small batch) the matmul is weight-streaming
  * bound: each weight row is read once, 4 rows at a time converted in registers (bf16 -> fp32 is
@@ -68,8 +68,8 @@ static inline __attribute__((always_inline)) void pair_rows(const float *xf, con
   for (int k = 0; k < K; k += 8) {
     __m256 va = load_bf16(wa + 4 * k), vb = load_bf16(wa + 4 * k + 8);
     /* Compute-heavier than the 1-row loop, this one (and the 2-row one) lets the hardware
-     * prefetcher fall behind: ask for the line 4 KiB on (one Zen 3 core, 16-32 tokens over
-     * 32 experts: 5-10% faster; the 1-row loop is faster without). */
+     * prefetcher fall behind: ask for the line 4 KiB on (the 1-row loop, streaming-bound, is
+     * faster without). */
     _mm_prefetch((const char *)(wa + 4 * k + 2048), _MM_HINT_T0);
     for (int i = 0; i < R; i++) {
       __m256 c = _mm256_loadu_ps(xf + (size_t)(m + i) * K + k);

@@ -1,5 +1,5 @@
 /* The small per-layer ops of the attention side, one native call each where torch issues 6-12
- * tiny ops (each ~4 us of dispatch at decode sizes: ~2 ms of a 17 ms batch-1 step):
+ * tiny ops (at decode sizes each costs more in dispatch than in arithmetic, in every layer):
  *
  *   afd_bf16_rms_norm   y = w * bf16(x * rsqrt(mean(x^2) + eps)), stats in fp32 (afd/ops.py)
  *   afd_bf16_rope       neox RoPE over heads: bf16(bf16(x * cos) + bf16(rotate_half(x) * sin))
