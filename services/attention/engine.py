@@ -73,9 +73,10 @@ class Engine:
         """Every FFN replica this engine sends to."""
         return [p.address for p in self.replicas.peers]
 
-    def load(self, draining: bool = False) -> Stats:
+    def load(self) -> Stats:
+        """How busy the engine is (the control plane's Stats; draining is the server's)."""
         s = self.scheduler
-        return Stats(s.num_running, s.num_waiting, self.blocks.usage, s.num_preemptions, draining)
+        return Stats(s.num_running, s.num_waiting, self.blocks.usage, s.num_preemptions)
 
     def check_ffn(self, timeout: float) -> None:
         """Readiness: raises TransportError unless every expert shard has a live replica."""

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -118,7 +118,7 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
         )
 
     async def Stats(self, request, context):
-        return stats_to_pb(self.loop.engine.load(self.draining))
+        return stats_to_pb(replace(self.loop.engine.load(), draining=self.draining))
 
     async def drain(self, timeout: float) -> int:
         """Refuse new requests and wait (up to `timeout`) for those in flight; returns how
