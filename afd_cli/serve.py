@@ -14,8 +14,10 @@ import threading
 from afd import flags
 from afd.flags import build, forward, option
 from afd_cli.cluster import TRANSPORTS, Cluster, ClusterConfig
-from services.attention.flags import add_engine_flags
+from services.attention.flags import add_engine_flags, engine_config
+from services.gateway.app import GatewayConfig
 from services.gateway.flags import add_api_flags, add_api_key_flag, api_key
+from services.gateway.latency import SLA
 
 log = logging.getLogger("afd.serve")
 
@@ -52,6 +54,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def config(args: argparse.Namespace) -> ClusterConfig:
+    # What the children would refuse is refused here, before anything starts.
+    engine_config(args, ffn_addresses=("inproc://check",))
+    build(
+        GatewayConfig,
+        args,
+        model_dir="",
+        attention=("check:1",),
+        model_name="",
+        sla=build(SLA, args),
+    )
     return build(
         ClusterConfig,
         args,

@@ -95,3 +95,16 @@ def tiny_model_config():
     from afd.demo import TINY_CONFIG
 
     return ModelConfig.from_dict(TINY_CONFIG)
+
+
+def test_serve_refuses_what_its_children_would_before_starting_them():
+    from afd_cli.serve import config
+
+    parser = build_parser()
+    for argv, problem in (
+        (["--micro-batches", "0"], "micro-batches"),
+        (["--sla-tpot", "-1"], "SLA"),
+        (["--transport", "inproc", "--kv-cache-gb", "0"], "KV cache"),
+    ):
+        with pytest.raises(ConfigError, match=problem):
+            config(parser.parse_args(["serve", *argv]))
