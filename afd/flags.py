@@ -61,7 +61,8 @@ def option(group: Group, flag: str, cls: type, name: str, **kwargs: Any) -> argp
 
 def build(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
     """`cls` from the parsed flags that fill its fields, plus `given` (which wins); the
-    dataclass validates itself."""
+    dataclass validates itself. A flag's value lands under its field's name, so fields of one
+    name in two configs (`threads`, `drain_timeout_s`) take one flag: keep their meaning one."""
     names = {f.name for f in dataclasses.fields(cls)}
     values = {n: getattr(args, n) for n in names if hasattr(args, n) and n not in given}
     return cls(**values, **given)
