@@ -44,7 +44,8 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 ready, reason = self.ready_fn()
             except Exception as e:  # a probe must answer, never hang or crash the server
-                ready, reason = False, f"readiness check failed: {e}"
+                log.warning("readiness check failed: %s: %s", type(e).__name__, e)
+                ready, reason = False, "readiness check failed (see this service's log)"
             doc = {"ready": True} if ready else {"ready": False, "reason": reason}
             body = (json.dumps(doc) + "\n").encode()
             self._send(200 if ready else 503, body, "application/json")

@@ -72,6 +72,9 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0
     template_timeout_s: float = 2.0  # chat-template rendering, at most (slower: a 400)
     max_tokens_limit: int = 0  # max_tokens, at most (0: whatever the context leaves)
+    # A request that arrives while the cluster is starting (no attention server ready yet)
+    # waits this long for one, then gets a 503 'starting'.
+    startup_wait_s: float = 60.0
     security: Security = field(default_factory=Security)  # TLS to the attention servers
 
     def __post_init__(self) -> None:
@@ -85,6 +88,7 @@ class GatewayConfig:
         check(self.drain_timeout_s >= 0, "the drain timeout must be >= 0")
         check(self.template_timeout_s > 0, "the template timeout must be > 0")
         check(self.max_tokens_limit >= 0, "the max_tokens limit must be >= 0 (0: none)")
+        check(self.startup_wait_s >= 0, "the start-up wait must be >= 0")
 
 
 def build_state(cfg: GatewayConfig) -> h.GatewayState:
@@ -114,6 +118,7 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
         sla=cfg.sla,
         template_timeout_s=cfg.template_timeout_s,
         max_tokens_limit=cfg.max_tokens_limit,
+        startup_wait_s=cfg.startup_wait_s,
     )
 
     @asynccontextmanager
@@ -181,11 +186,14 @@ def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> None:
 
 
 async def _model_card(state: h.GatewayState) -> dict:
+    """The model as /v1/models lists it; a 503 'starting' until an attention server is ready,
+    so that a client polling for 200 never then meets a 503 for "not ready"."""
+    await state.balancer.wait_started(0.0)
     card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "afd"}
     try:
         card["max_model_len"] = await state.balancer.max_model_len()
     except APIError:
-        pass  # not known until an attention server answers; the card is still useful
+        pass  # every server went away since it started; the card is still true
     if state.notice:
         card["description"] = state.notice
     return card

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from services.gateway.client import AttentionClient, Health
-from services.gateway.errors import APIError, PeerUnavailable, unavailable
+from services.gateway.errors import APIError, PeerUnavailable, starting, unavailable
 
 log = logging.getLogger("afd.gateway")
 
@@ -73,6 +73,7 @@ class Balancer:
         self._ready: tuple[float, bool, list[str]] = (0.0, False, [])
         self._turn = itertools.count()
         self._task: asyncio.Task | None = None
+        self.started = False  # some server has been ready, with its context length, once
 
     @property
     def clients(self) -> list[AttentionClient]:
@@ -128,6 +129,22 @@ class Balancer:
             yield
         finally:
             server.inflight -= 1
+
+    async def wait_started(self, timeout: float) -> None:
+        """Return once some attention server has been ready (and said its context length);
+        while the cluster is starting, wait for that up to `timeout`, then raise a 503
+        'starting' error. Once started this returns at once, whatever happens later."""
+        deadline = time.monotonic() + timeout
+        while not self.started:
+            await self._refresh_health()
+            if self.started:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise starting(
+                    "the cluster is starting: no attention server is ready yet; retry shortly"
+                )
+            await asyncio.sleep(min(0.25, left))
 
     async def max_model_len(self) -> int:
         """The context length every server can serve (the smallest), asking now if unknown."""
@@ -185,9 +202,10 @@ class Balancer:
                     log.info("attention server %s is back", s.client.address)
                 s.up, s.ready, s.draining = True, r.ready, r.draining
                 s.reason = "" if r.ready else (r.reason or "not ready")
+                self.started |= r.ready and not r.draining and r.max_model_len > 0
                 out.append(r)
             else:
-                err = r if isinstance(r, APIError) else unavailable(str(r))
+                err = r if isinstance(r, APIError) else _unexpected(s, r)
                 s.up, s.reason = False, err.message
                 out.append(err)
         return out
@@ -201,7 +219,7 @@ class Balancer:
                 if s.seen and s.up:
                     log.warning("attention server %s stopped answering: %s", s.client.address, r)
                 s.up = False
-                s.reason = r.message if isinstance(r, APIError) else str(r)
+                s.reason = (r if isinstance(r, APIError) else _unexpected(s, r)).message
                 continue
             if not (s.seen and s.up):
                 log.info("attention server %s is up", s.client.address)
@@ -221,3 +239,12 @@ class Balancer:
             except Exception:  # never let the poller die: routing would freeze
                 log.exception("balancer poll failed")
             await asyncio.sleep(self._poll_s)
+
+
+def _unexpected(s: _Server, e: BaseException) -> APIError:
+    """An error the client did not turn into an APIError: logged here, and named by the
+    server it came from (not by its text, which /ready would otherwise echo)."""
+    log.warning(
+        "attention server %s: unexpected %s", s.client.address, type(e).__name__, exc_info=e
+    )
+    return unavailable(f"attention server {s.client.address} is unavailable (unexpected error)")

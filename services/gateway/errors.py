@@ -59,6 +59,11 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, "service_unavailable", None, "unavailable")
 
 
+def starting(message: str) -> APIError:
+    """A 503 while no attention server has been ready yet: the cluster is still starting."""
+    return APIError(503, message, "service_unavailable", None, "starting", {"Retry-After": "1"})
+
+
 def overloaded(message: str) -> APIError:
     # Retry-After: the waiting queue drains in seconds on any sane deployment.
     return APIError(429, message, "rate_limit_error", None, "overloaded", {"Retry-After": "1"})

@@ -38,6 +38,14 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "max_tokens_limit",
             help="largest max_tokens accepted (0: whatever the context leaves after the prompt)",
         ),
+        option(
+            g,
+            "--startup-wait",
+            c,
+            "startup_wait_s",
+            help="a request that arrives while the cluster is starting waits this long for an "
+            "attention server to be ready (then a 503 'starting'), s",
+        ),
         option(g, "--sla-ttft", SLA, "ttft_s", help="TTFT target, s, for goodput (0: none)"),
         option(
             g,

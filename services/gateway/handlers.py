@@ -49,6 +49,7 @@ class GatewayState:
     sla: SLA = SLA()  # latency targets the SLA-attainment counters check
     template_timeout_s: float = 2.0  # chat-template rendering, at most
     max_tokens_limit: int = 0  # max_tokens, at most (0: whatever the context leaves)
+    startup_wait_s: float = 0.0  # a request while the cluster starts waits this long for it
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # draining on SIGTERM
 
 
@@ -143,6 +144,7 @@ async def plan(
             f"max_tokens is {req.max_new_tokens}; this server allows at most {limit}",
             "max_tokens",
         )
+    await state.balancer.wait_started(state.startup_wait_s)
     max_len = await state.balancer.max_model_len()
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     nonce = secrets.token_hex(3)  # attention-side ids stay unique if a client reuses its id

@@ -222,6 +222,39 @@ def test_error_mid_stream_is_an_event_then_done(tokenizer):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == TEXT[:3]
 
 
+def test_while_starting_models_is_a_503_and_requests_wait_for_readiness(tokenizer):
+    """A client polling /v1/models until it answers 200 and then sending a completion never
+    meets a 503 for "not ready"; a request that arrives while the cluster is starting waits
+    for it (up to --startup-wait) instead of failing at once."""
+
+    class Starting(FakeClient):
+        def __init__(self, ready_after):
+            super().__init__(ready=False)
+            self.polls, self.ready_after = 0, ready_after
+
+        async def health(self):
+            self.polls += 1
+            self.ready = self.polls > self.ready_after
+            return await super().health()
+
+    async def go(fake, wait):
+        async with make(tokenizer, [fake], startup_wait_s=wait) as c:
+            models = await c.get("/v1/models")
+            done = await post(c, "/v1/completions", {"prompt": "abc", "max_tokens": 3})
+            models_after = await c.get("/v1/models")
+            return models, done, models_after
+
+    models, done, models_after = run(go(Starting(ready_after=3), wait=10.0))
+    assert models.status_code == 503 and models.json()["error"]["code"] == "starting"
+    assert done.status_code == 200 and done.json()["choices"][0]["text"] == TEXT[:3]
+    assert models_after.status_code == 200
+    assert models_after.json()["data"][0]["max_model_len"] == 64
+    never = Starting(ready_after=10**6)
+    _, refused, _ = run(go(never, wait=0.3))
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "starting"
+    assert refused.headers["retry-after"] == "1" and not never.calls
+
+
 def test_context_checks_happen_before_any_call(tokenizer):
     fake = FakeClient()
 
