@@ -96,6 +96,11 @@ class WireLimits:
     # empty: any k up to top_k on any layer
     moe_layers: tuple[bool, ...] = ()
 
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame a valid request has: the hidden states in fp32 (or the header)."""
+        return max(MAX_HEADER_BYTES, self.max_tokens * self.hidden_size * 4)
+
     @classmethod
     def for_model(cls, cfg: ModelConfig, max_tokens: int) -> WireLimits:
         return cls(

@@ -134,6 +134,9 @@ class ZmqListener(Listener):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         _common_options(self._sock)
+        # A peer that sends a frame no valid request has is disconnected by ZeroMQ itself, so
+        # it cannot make this server buffer an arbitrary amount of memory.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, serving.limits.max_frame_bytes)
         self._auth = None
         if security is not None and security.curve:
             self._auth = _curve_server(self._ctx, self._sock, security)

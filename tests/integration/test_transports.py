@@ -336,3 +336,37 @@ def test_every_transport_serves_through_the_same_checks(scheme, tmp_path):
     finally:
         client.close()
         listener.close()
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "ipc"])
+def test_an_oversized_zeromq_frame_is_dropped_by_the_socket(scheme, tmp_path):
+    """A frame larger than any valid request's is refused by ZeroMQ itself (MAXMSGSIZE: the
+    peer is disconnected before the frame is buffered); the listener keeps serving, and the
+    client's reconnection carries on."""
+    computed = []
+
+    def compute(layer, reqs):
+        computed.extend(r.seq for r in reqs)
+        return [_expected(r) for r in reqs]
+
+    listener = listen(_address(scheme, tmp_path), FFNServing(compute, LIMITS))
+    client = connect(listener.address)
+    try:
+        huge = bytes(LIMITS.max_frame_bytes + 1)
+        header = bytes(encode_request(_request(1, 0))[0])
+        client.send_frames([header, huge, b"", b"", b""])
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # reconnected after the drop: a valid request is answered again
+            ok = _request(2, 0)
+            client.send(replace(ok, deadline=time.time() + 1))
+            try:
+                _check(client.wait(2, 1.5), ok)
+                break
+            except TransportError:
+                client.reset(below=0)
+                assert time.monotonic() < deadline, "the listener stopped serving"
+        assert 1 not in computed
+        assert client.poll(1, 0.5) is None  # no reply at all: the socket dropped it unread
+    finally:
+        client.close()
+        listener.close()
