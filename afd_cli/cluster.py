@@ -53,6 +53,10 @@ class ClusterConfig:
     api_key: str = ""  # required on the HTTP API; empty: none
     threads: int = 0  # torch threads per compute process; 0: share the cores out
     ready_timeout_s: float = 300.0  # for /ready to answer 200
+    # A child that dies once the cluster is up is restarted (backing off); one that dies more
+    # than this many times within restart_window_s is crash-looping: the cluster stops.
+    max_restarts: int = 5
+    restart_window_s: float = 60.0
     stop_timeout_s: float = 10.0  # beyond the drain, per stage
     # On Ctrl-C / SIGTERM: how long the gateway and attention servers let requests in flight
     # finish (new ones get 503).
@@ -69,6 +73,8 @@ class ClusterConfig:
         check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
         check(self.ready_timeout_s > 0 and self.stop_timeout_s > 0, "timeouts must be > 0")
         check(self.drain_timeout_s >= 0, "the drain timeout must be >= 0")
+        check(self.max_restarts >= 0, "--max-restarts must be >= 0 (0: stop on any death)")
+        check(self.restart_window_s > 0, "--restart-window must be > 0")
 
 
 @dataclass
@@ -188,24 +194,28 @@ class Cluster:
             from afd.demo import demo_model_dir
 
             demo_model_dir()  # build it once here, not raced by every child
-        env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
-        parent = os.getpid()
         for child in self.plan():
-            child.proc = subprocess.Popen(
-                child.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env={**env, **child.env},
-                process_group=0,
-                preexec_fn=lambda: _die_with_parent(parent),
-            )
-            child.pump = threading.Thread(
-                target=_pump, args=(child.name, child.proc.stdout, self._sink), daemon=True
-            )
-            child.pump.start()
+            self.launch(child)
             self.children.append(child)
-            log.info("started %s (pid %d)", child.name, child.proc.pid)
+
+    def launch(self, child: Child) -> None:
+        """Start (or start again) one child, with the same command line: the same ports."""
+        env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **child.env}
+        parent = os.getpid()
+        child.proc = subprocess.Popen(
+            child.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            process_group=0,
+            preexec_fn=lambda: _die_with_parent(parent),
+        )
+        child.pump = threading.Thread(
+            target=_pump, args=(child.name, child.proc.stdout, self._sink), daemon=True
+        )
+        child.pump.start()
+        log.info("started %s (pid %d)", child.name, child.proc.pid)
 
     def dead(self) -> Child | None:
         """A child that has exited, if any."""

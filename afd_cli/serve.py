@@ -14,6 +14,7 @@ import threading
 from afd import flags
 from afd.flags import build, forward, option
 from afd_cli.cluster import TRANSPORTS, Cluster, ClusterConfig
+from afd_cli.supervisor import Supervisor
 from services.attention.flags import add_engine_flags, engine_config
 from services.gateway.app import GatewayConfig
 from services.gateway.flags import add_api_flags, add_api_key_flag, api_key
@@ -40,6 +41,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     option(p, "--port", c, "port", help="the gateway's port (0: any free)")
     option(p, "--threads", c, "threads", help="torch threads per server (0: share the cores)")
     option(p, "--ready-timeout", c, "ready_timeout_s", help="seconds to wait for /ready")
+    option(
+        p,
+        "--max-restarts",
+        c,
+        "max_restarts",
+        help="a child that dies once the cluster is up is restarted, backing off; past this "
+        "many restarts within --restart-window it is crash-looping and the cluster stops "
+        "(0: stop on any death)",
+    )
+    option(p, "--restart-window", c, "restart_window_s", help="see --max-restarts, s")
     option(
         p,
         "--drain-timeout",
@@ -74,7 +85,7 @@ def config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`afd serve`: start, announce, wait for a signal or a dead child, stop."""
+    """`afd serve`: start, announce, restart what dies until a signal or a crash loop, stop."""
     cfg = config(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -84,12 +95,11 @@ def run(args: argparse.Namespace) -> int:
         for name, url in cluster.metrics_urls.items():
             print(f"metrics of {name}: {url}", flush=True)
         print(f"afd is ready: {cluster.url} (model {cluster.model_name})", flush=True)
-        while not stop.wait(0.5):
-            gone = cluster.dead()
-            if gone is not None:
-                log.error(
-                    "%s exited with code %s; stopping the cluster", gone.name, gone.proc.returncode
-                )
+        supervisor = Supervisor(cluster, cfg.max_restarts, cfg.restart_window_s)
+        while not stop.wait(0.25):
+            why = supervisor.check()
+            if why is not None:
+                log.error("%s", why)
                 return 1
         log.info("stopping the cluster")
     return 0

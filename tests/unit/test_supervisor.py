@@ -1,0 +1,92 @@
+"""`afd serve`'s supervisor against fake children: a death is restarted after a backoff that
+doubles, a crash loop stops the cluster with a message naming the child and why it ended."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from afd_cli import supervisor as sup
+from afd_cli.cluster import Child
+from afd_cli.supervisor import Supervisor, cause
+
+
+class FakeProc:
+    def __init__(self):
+        self.code = None
+
+    def poll(self):
+        return self.code
+
+
+class FakeCluster:
+    def __init__(self, *names):
+        self.children = [Child(n, ["x"], proc=FakeProc()) for n in names]
+        self.launched: list[str] = []
+
+    def launch(self, child):
+        self.launched.append(child.name)
+        child.proc = FakeProc()
+
+
+@pytest.fixture(autouse=True)
+def fast(monkeypatch):
+    monkeypatch.setattr(sup, "FIRST_BACKOFF_S", 0.02)
+    monkeypatch.setattr(sup, "MAX_BACKOFF_S", 0.08)
+
+
+def _until(s: Supervisor, cluster: FakeCluster, n: int, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while len(cluster.launched) < n:
+        assert s.check() is None
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def test_a_dead_child_is_restarted_after_a_backoff_and_the_others_are_left_alone():
+    cluster = FakeCluster("ffn-0", "attention-0", "gateway")
+    s = Supervisor(cluster, max_restarts=5, window_s=60)
+    assert s.check() is None and not cluster.launched
+    cluster.children[0].proc.code = -9
+    t0 = time.monotonic()
+    assert s.check() is None and not cluster.launched  # not at once: after the backoff
+    _until(s, cluster, 1)
+    assert time.monotonic() - t0 >= 0.02
+    assert cluster.launched == ["ffn-0"] and s.restarted == {"ffn-0": 1}
+    cluster.children[0].proc.code = 1  # again: the backoff doubles
+    t1 = time.monotonic()
+    _until(s, cluster, 2)
+    assert time.monotonic() - t1 >= 0.04
+
+
+def test_a_crash_loop_stops_the_cluster_and_says_why():
+    cluster = FakeCluster("ffn-0", "gateway")
+    s = Supervisor(cluster, max_restarts=2, window_s=60)
+    for n in (1, 2):
+        cluster.children[0].proc.code = -9
+        _until(s, cluster, n)
+    cluster.children[0].proc.code = 3
+    why = s.check()
+    assert why is not None and "ffn-0" in why and "exit code 3" in why and "crash-looping" in why
+
+
+def test_restarts_older_than_the_window_do_not_count():
+    cluster = FakeCluster("attention-0")
+    s = Supervisor(cluster, max_restarts=1, window_s=0.05)
+    cluster.children[0].proc.code = -15
+    _until(s, cluster, 1)
+    time.sleep(0.06)  # the restart has left the window
+    cluster.children[0].proc.code = -15
+    _until(s, cluster, 2)
+
+
+def test_no_restarts_means_the_first_death_stops_the_cluster():
+    cluster = FakeCluster("gateway")
+    cluster.children[0].proc.code = -9
+    why = Supervisor(cluster, max_restarts=0, window_s=60).check()
+    assert why is not None and "killed by SIGKILL" in why and not cluster.launched
+
+
+def test_cause_names_signals_and_exit_codes():
+    assert cause(-9) == "killed by SIGKILL" and cause(2) == "exit code 2"
