@@ -10,6 +10,10 @@ Contract, shared by every backend:
   deadline passes: a dead peer is an error for the request that needed it, never a hang.
 - `send` may return False when the message certainly did not leave (no connected peer), so a
   caller with a spare replica need not wait out the deadline; None or True: it was queued.
+- `lost_since(t)` says when the connection to the peer broke after monotonic time `t` (the peer
+  died, or stopped answering the transport's own heartbeats): the replies to what was sent
+  before then will never come, so the caller need not wait out its deadline. A blocking `poll`
+  returns early when the connection breaks. Backends that cannot tell return "".
 - Messages are never pickled; network backends use `afd.wire`.
 """
 
@@ -27,6 +31,8 @@ class FFNClient(ABC):
         self.address = address
         self._early: dict[int, FFNReply] = {}
         self._floor = 0  # replies to messages below this seq are stale: dropped on arrival
+        self._lost_at = 0.0  # monotonic: when the connection last broke (0: never)
+        self._lost_why = ""
 
     @abstractmethod
     def send(self, req: FFNRequest) -> bool | None:
@@ -42,6 +48,18 @@ class FFNClient(ABC):
         """The next reply from the peer, or None if none came within `timeout` seconds (0: do
         not wait); its trace.a_recv is stamped when it was received."""
 
+    def lost_since(self, t: float) -> str:
+        """Why the connection broke after monotonic time `t`, or "" if it has not."""
+        self._watch()
+        return self._lost_why if self._lost_at > t else ""
+
+    def _watch(self) -> None:  # noqa: B027 - a backend that can see its connection reads it here
+        """Take note of connection events that have happened (never blocks)."""
+
+    def _connection_lost(self, why: str) -> None:
+        """For backends: the connection broke now."""
+        self._lost_at, self._lost_why = time.monotonic(), why
+
     def wait(self, seq: int, timeout: float) -> FFNReply:
         reply = self.poll(seq, timeout)
         if reply is None:
@@ -55,14 +73,15 @@ class FFNClient(ABC):
         Replies to other messages that arrive meanwhile are kept for their own wait/poll."""
         if seq in self._early:
             return self._early.pop(seq)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         while True:
             reply = self._recv(max(0.0, deadline - time.monotonic()))
             if reply is not None and reply.seq >= self._floor:
                 if reply.seq == seq:
                     return reply
                 self._early[reply.seq] = reply
-            elif time.monotonic() >= deadline:
+            elif time.monotonic() >= deadline or self.lost_since(start):
                 return None
 
     @property

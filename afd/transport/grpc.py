@@ -86,7 +86,7 @@ class GrpcClient(FFNClient):
         ]
         self._channel = channel(_target(address), options, security)
         self._stub = pb_grpc.FFNServiceStub(self._channel)
-        self._replies: queue.SimpleQueue[FFNReply] = queue.SimpleQueue()
+        self._replies: queue.SimpleQueue[FFNReply | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stream: _Stream | None = None
         self._closed = False
@@ -115,6 +115,9 @@ class GrpcClient(FFNClient):
         finally:
             stream.dead = True
             stream.requests.put(None)  # ends the request iterator gRPC is draining
+            if not self._closed:  # what was sent on this stream will not be answered
+                self._connection_lost(f"the stream to {self.address} ended")
+                self._replies.put(None)  # wakes a poll waiting on it
 
     def send(self, req: FFNRequest) -> None:
         self.send_frames(encode_request(req))

@@ -14,6 +14,7 @@ import threading
 import time
 
 import zmq
+import zmq.utils.monitor
 
 from afd.errors import TransportError
 from afd.messages import FFNReply, FFNRequest
@@ -27,8 +28,10 @@ log = logging.getLogger(__name__)
 HWM = 1024  # messages queued per peer before sends fail (sender) or replies drop (server)
 RECONNECT_IVL_MS = 50
 RECONNECT_IVL_MAX_MS = 500  # retry a restarted peer at least twice a second
-HEARTBEAT_IVL_MS = 1000  # ZMTP pings find a peer that vanished without closing its socket
-HEARTBEAT_TIMEOUT_MS = 3000
+# ZMTP pings find a peer that hangs or vanished without closing its socket within ~1.5 s. They
+# are answered by ZeroMQ's own I/O thread, so a peer busy computing (a long prefill) still does.
+HEARTBEAT_IVL_MS = 500
+HEARTBEAT_TIMEOUT_MS = 1500
 _DRAIN = 256  # messages taken per wake-up, so one burst cannot starve the reply path
 _POLL_MS = 50  # how often the serving thread checks for close()
 
@@ -76,9 +79,13 @@ class ZmqClient(FFNClient):
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        # The socket's own events say when the peer went away: a closed connection (the
+        # process died) or missed heartbeats (it hangs), within about a second.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(address)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
 
     def send(self, req: FFNRequest) -> bool:
         """Send one request. Its tensors are sent zero-copy: do not modify them until the reply
@@ -110,8 +117,17 @@ class ZmqClient(FFNClient):
         log.debug("FFN peer %s not connected; message dropped", self.address)
         return False
 
+    def _watch(self) -> None:
+        while self._monitor.poll(0):
+            event = self._monitor.recv_multipart()
+            if zmq.utils.monitor.parse_monitor_message(event)["event"] == zmq.EVENT_DISCONNECTED:
+                self._connection_lost(f"the connection to {self.address} closed")
+
     def _recv(self, timeout: float) -> FFNReply | None:
-        if not self._poller.poll(max(0, int(timeout * 1000))):
+        ready = dict(self._poller.poll(max(0, int(timeout * 1000))))
+        if ready.get(self._monitor):
+            self._watch()
+        if not ready.get(self._sock):
             return None
         frames = self._sock.recv_multipart(copy=False)
         try:
@@ -122,6 +138,8 @@ class ZmqClient(FFNClient):
         return stamp_received(reply)
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 

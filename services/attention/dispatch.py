@@ -184,7 +184,12 @@ class FFNDispatcher:
                 return
             now = time.monotonic()
             for part in missing:
-                if part.reply is None and now >= self._attempt_end(part, start, deadline):
+                lost = part.reply is None and part.peer.client.lost_since(part.started)
+                if lost:  # its reply will never come: no need to wait out the attempt time
+                    self.replicas.mark_down(
+                        part.peer, f"FFN peer {part.peer.address} is gone ({lost})"
+                    )
+                elif part.reply is None and now >= self._attempt_end(part, start, deadline):
                     attempt = min(self.replicas.attempt_s(part.shard), self.replicas.timeout_s)
                     self.replicas.mark_down(
                         part.peer,

@@ -183,3 +183,42 @@ def _stream(addr: str, prompt: list[int], max_tokens: int):
             sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         )
         yield from pb_grpc.AttentionServiceStub(ch).Generate(req, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "transport,how", [("tcp", "kill"), ("tcp", "stop"), ("grpc", "kill")], ids=lambda v: v
+)
+def test_a_dead_or_hung_ffn_is_noticed_in_seconds_not_at_the_ffn_timeout(
+    qwen3_dir, tmp_path, transport, how
+):
+    """kill -9 (the connection closes) or, over ZeroMQ, SIGSTOP (its heartbeats go
+    unanswered) of the one FFN server while a generation streams through it, with the default
+    30 s FFN timeout: the stream ends with a typed error within seconds, named by the lost
+    connection, not by a deadline waited out; a restarted server is taken back. (A SIGSTOPped
+    gRPC peer is still found only by the FFN timeout: grpcio stops sending its keepalive pings
+    once the peer stops answering them.)"""
+    procs = Procs(tmp_path)
+    try:
+        ffn, att = _start_cluster(procs, qwen3_dir, transport, 1, 1, 1, tmp_path, timeout="30")
+        tokens, t0, last = [], 0.0, None
+        for ev in _stream(att[0], PROMPTS[0], LONG):
+            tokens += list(ev.token_ids)
+            last = ev
+            if not t0 and len(tokens) >= 10:
+                t0 = time.monotonic()
+                sig = signal.SIGKILL if how == "kill" else signal.SIGSTOP
+                procs.procs["ffn0"].send_signal(sig)
+        took = time.monotonic() - t0
+        assert t0 and last.finish_reason == "error" and last.error_code
+        assert "is gone" in last.error, last.error  # the lost connection, not a deadline
+        assert took < 8, took  # the closed connection, or ZeroMQ's heartbeats (~1.5 s); not 30 s
+        if how == "stop":
+            procs.procs["ffn0"].send_signal(signal.SIGKILL)
+        procs.procs["ffn0"].wait(timeout=10)
+        procs.start(
+            "ffn0", "ffn", "--model", str(qwen3_dir), "--listen", ffn[0], "--dtype", "float32"
+        )
+        wait_attention_ready(att[0], timeout=60, procs=procs, name="att0")
+        assert generate(att[0], PROMPTS[2], NEW)[1].finish_reason == "length"
+    finally:
+        procs.stop_all()
