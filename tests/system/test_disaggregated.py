@@ -186,7 +186,13 @@ def _stream(addr: str, prompt: list[int], max_tokens: int):
 
 
 @pytest.mark.parametrize(
-    "transport,how", [("tcp", "kill"), ("tcp", "stop"), ("grpc", "kill")], ids=lambda v: v
+    "transport,how",
+    [
+        ("tcp", "kill"),
+        pytest.param("tcp", "stop", marks=pytest.mark.slow),  # the slow set: -m slow
+        pytest.param("grpc", "kill", marks=pytest.mark.slow),
+    ],
+    ids=lambda v: v,
 )
 def test_a_dead_or_hung_ffn_is_noticed_in_seconds_not_at_the_ffn_timeout(
     qwen3_dir, tmp_path, transport, how

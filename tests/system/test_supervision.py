@@ -82,6 +82,7 @@ def test_killed_children_are_restarted_and_the_cluster_serves_again(model):
         served.stop()
 
 
+@pytest.mark.slow  # the crash-loop rule itself is unit-tested (tests/unit/test_supervisor.py)
 def test_a_crash_loop_stops_the_cluster_with_its_cause(model):
     served = serve(model, "--transport", "tcp", "--max-restarts", "1")
     try:
