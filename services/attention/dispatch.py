@@ -36,6 +36,9 @@ from services.attention.replicas import Peer, Replicas
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _SWEEP_S = 0.001  # while several replies are out: how often every peer is polled
+# At least this often the wait looks again at every peer's connection (a loss between that look
+# and the wait would otherwise be noticed only at the attempt's end).
+_WAKE_S = 0.5
 # Errors that say our message was bad: another replica would refuse it too, so no failover.
 _MESSAGE_ERRORS = ("bad_request", "bad_header", "bad_version", "bad_size", "bad_value")
 
@@ -212,7 +215,8 @@ class FFNDispatcher:
             # Replies from this peer are taken as they come while we block on it; with
             # messages out on other peers, wake up often to take (and stamp) theirs too.
             others = any(p.up and p.outstanding > p.client.buffered for p in peers if p is not peer)
-            reply = peer.client.poll(part.seq, max(0.0, min(left, _SWEEP_S) if others else left))
+            wait = min(left, _SWEEP_S if others else _WAKE_S)
+            reply = peer.client.poll(part.seq, max(0.0, wait))
             if reply is not None:
                 self._take(part, reply)
 
