@@ -166,6 +166,9 @@ class EngineConfig:
     ffn_addresses: tuple[str, ...] = ("inproc://ffn0",)
     ffn_timeout_s: float = 30.0  # deadline of one FFN call
     ffn_failover_s: float = 0.0  # one replica's time to answer before failover; 0: timeout/replicas
+    # How long requests wait, paused with their KV cache, for an expert shard that lost its last
+    # replica to come back before they fail; 0: fail at once.
+    ffn_grace_s: float = 20.0
     security: Security = field(default_factory=Security)  # data-plane CURVE / TLS
 
     def __post_init__(self) -> None:
@@ -190,3 +193,4 @@ class EngineConfig:
             self.ffn_failover_s >= 0,
             f"the failover timeout must be >= 0, got {self.ffn_failover_s}",
         )
+        check(self.ffn_grace_s >= 0, f"the FFN grace period must be >= 0, got {self.ffn_grace_s}")

@@ -231,6 +231,12 @@ STRAGGLER = Gauge(
     [PEER_LABEL],
     registry=None,
 )
+FFN_PAUSED = Gauge(
+    "afd_ffn_paused",
+    "1 while the engine holds its requests for an expert shard with no live FFN replica "
+    "(within --ffn-grace)",
+    registry=None,
+)
 
 # ------------------------------------------------------------------ FFN server
 
@@ -304,6 +310,7 @@ ATTENTION = (
     FFN_ROUNDTRIP,
     FFN_ROUNDTRIP_PART,
     STRAGGLER,
+    FFN_PAUSED,
 )
 FFN = (
     FFN_MESSAGES,

@@ -4,12 +4,21 @@
 step's stats); `load()` says how busy the engine is; the FFN pool's readiness and upkeep go
 through `check_ffn` and `maintain_ffn`. Nothing outside reaches into the scheduler, the block
 manager or the dispatcher.
+
+An FFN outage pauses the engine rather than failing its requests. Every MoE layer sends each
+token to every expert shard, so no step can finish while a shard has no live replica. Until one
+is back (and for at most `ffn_grace_s`) steps are held: requests keep their KV blocks and their
+place, new ones queue. A step that was in flight when the last replica went is run again from
+its start: the scheduler advances a request only in `update()`, after a step that completed,
+and re-running the step rewrites the same K/V into the same slots. After the grace period the
+requests fail with the typed error, as they would with no grace.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +50,7 @@ class StepResult:
     requests: list[Request] = field(default_factory=list)
     tokens: int = 0
     timing: StepTiming = field(default_factory=StepTiming)
+    paused: bool = False  # held for an expert shard with no live replica (nothing was computed)
 
 
 class Engine:
@@ -67,6 +77,7 @@ class Engine:
         self.dispatcher = FFNDispatcher(mc, self.replicas, cfg.a2f_dtype, dtype)
         self.runner = ModelRunner(self.model, self.cache, self.dispatcher, cfg.micro_batches)
         self._ids = itertools.count()
+        self._outage_since: float | None = None  # monotonic: a shard lost its last replica
 
     @property
     def ffn_addresses(self) -> list[str]:
@@ -113,8 +124,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> StepResult:
-        """One engine step: schedule -> execute -> update."""
+        """One engine step: schedule -> execute -> update (or a pause, see the module's doc)."""
         self.dispatcher.begin_step()
+        if self._hold():
+            return StepResult(paused=True)
         plan = self.scheduler.schedule()
         tokens = sum(s.num_new_tokens for s in plan.scheduled)
         if not plan.scheduled:
@@ -122,12 +135,47 @@ class Engine:
         try:
             sampled, logprobs = self.runner.execute(plan)
         except TransportError as e:
+            if self._hold():  # the step is planned again once the shard is back
+                return StepResult(paused=True)
             return StepResult(self._fail(plan, e), tokens, self.dispatcher.timing)
         updated = self.scheduler.update(plan, sampled, logprobs)
         for req in updated:
             if req.finished:
                 self.runner.release(req.request_id)
         return StepResult(updated, tokens, self.dispatcher.timing)
+
+    @property
+    def paused(self) -> bool:
+        """Steps are held for an expert shard with no live replica."""
+        return self._outage_since is not None and self._within_grace()
+
+    def _within_grace(self) -> bool:
+        assert self._outage_since is not None
+        return time.monotonic() - self._outage_since < self.cfg.ffn_grace_s
+
+    def _hold(self) -> bool:
+        """Whether steps must wait for the FFN pool: some shard has no live replica and the
+        grace period, counted from when the pool lost it, is not over."""
+        missing = self.replicas.uncovered()
+        if not missing:
+            if self._outage_since is not None:
+                log.warning(
+                    "every expert shard has a live FFN replica again after %.1fs: resuming",
+                    time.monotonic() - self._outage_since,
+                )
+                self._outage_since = None
+            return False
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+            if self.cfg.ffn_grace_s > 0:
+                log.warning(
+                    "FFN shard %s has no live replica: pausing %d requests for up to %.0fs "
+                    "(--ffn-grace)",
+                    ", ".join(map(str, missing)),
+                    self.scheduler.num_running + self.scheduler.num_waiting,
+                    self.cfg.ffn_grace_s,
+                )
+        return self._within_grace()
 
     def _fail(self, plan, error: TransportError) -> list[Request]:
         """A step the FFN pool could not serve: its requests end with a typed error, the engine

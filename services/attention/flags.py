@@ -72,6 +72,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             help="with replicas of a shard: how long one replica may take to answer before the "
             "message goes to another, s (0: the FFN timeout split between the replicas)",
         ),
+        option(
+            g,
+            "--ffn-grace",
+            e,
+            "ffn_grace_s",
+            help="when an expert shard loses its last FFN server: how long its requests wait, "
+            "paused with their KV cache, for it to come back before they fail, s (0: fail at once)",
+        ),
     ]
 
 

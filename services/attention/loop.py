@@ -25,6 +25,8 @@ log = logging.getLogger("afd.attention")
 
 
 Sink = Callable[[TokenEvent], None]
+_IDLE_WAIT_S = 0.5  # idle: how long to wait for a command before the FFN pool's upkeep
+_PAUSED_WAIT_S = 0.05  # paused for the FFN pool: how often to look at its probes again
 
 
 class Telemetry(Protocol):
@@ -67,8 +69,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished()
-            self._drain(block=not busy)
+            self._drain(0.0 if self.engine.has_unfinished() else _IDLE_WAIT_S)
             if self.engine.has_unfinished():
                 try:
                     t0 = time.perf_counter()
@@ -81,6 +82,8 @@ class EngineLoop:
                     continue
                 if self.telemetry is not None:
                     self.telemetry.after_step(result, seconds, self.engine.load())
+                if result.paused:  # waiting for the FFN pool: look again soon, without spinning
+                    self._drain(_PAUSED_WAIT_S)
             else:
                 self._idle()
 
@@ -92,9 +95,10 @@ class EngineLoop:
         if self.telemetry is not None:
             self.telemetry.idle(self.engine.load())
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, wait: float) -> None:
+        """Apply the commands queued; with `wait`, wait up to that long for the first."""
         try:
-            cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
+            cmd = self._cmds.get(timeout=wait) if wait > 0 else self._cmds.get_nowait()
         except queue.Empty:
             return
         while True:

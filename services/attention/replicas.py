@@ -5,7 +5,7 @@ A shard may be served by several FFN servers (`--ffn a|b,c`: shard 0 on a or b, 
 c). A shard's messages go to its first live replica. A replica marked down (by the dispatcher,
 when it did not answer in time, answered with an error of its own or could not take a
 message) is probed with an empty message (non-blocking, between steps, backing off from 0.2 s
-to 2 s) and taken back when it answers. Readiness is a ping of every live replica: false only
+to 1 s) and taken back when it answers. Readiness is a ping of every live replica: false only
 while some shard has no live replica. Sequence numbers are per replica, and a replica marked
 down drops the replies still to come to what it was sent, so a late reply is never taken for
 another.
@@ -28,7 +28,9 @@ from afd.transport.base import FFNClient
 
 log = logging.getLogger("afd.attention")
 
-_BACKOFF_S = (0.2, 2.0)  # first and longest wait between probes of a replica marked down
+# First and longest wait between probes of a replica marked down. A probe of a peer with no
+# connection costs nothing (it is refused locally), and requests may be paused for it.
+_BACKOFF_S = (0.2, 1.0)
 _PROBE_S = 2.0  # how long a probe may take (at most the FFN timeout)
 
 
@@ -75,6 +77,10 @@ class Replicas:
     @property
     def all_up(self) -> bool:
         return all(p.up for p in self.peers)
+
+    def uncovered(self) -> list[int]:
+        """The shards with no live replica: no step can run until each has one again."""
+        return [i for i, reps in enumerate(self.shards) if not any(p.up for p in reps)]
 
     def attempt_s(self, shard: int) -> float:
         """How long one replica of `shard` may take before its message goes to another."""
@@ -215,7 +221,7 @@ class Replicas:
         for peer in self.peers:  # probes answered while the pings were out
             if not peer.up and peer.probe is not None:
                 self._check_probe(peer, 0.0)
-        down = [i for i, reps in enumerate(self.shards) if not any(p.up for p in reps)]
+        down = self.uncovered()
         if down:
             raise TransportError(
                 "; ".join(

@@ -66,9 +66,11 @@ class EngineTelemetry:
     def idle(self, load: Stats) -> None:
         """Between steps while idle: refresh the gauges (aborts change them too)."""
         self._gauges(load)
+        metrics.FFN_PAUSED.set(0)  # nothing is held while nothing is to run
 
     def _after_step(self, result: StepResult, seconds: float, load: Stats) -> None:
         self._gauges(load)
+        metrics.FFN_PAUSED.set(1 if result.paused else 0)
         if not result.tokens:
             return  # nothing was scheduled: no step to speak of
         timing = result.timing

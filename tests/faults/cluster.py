@@ -10,16 +10,19 @@ import re
 import signal
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import httpx
 
+from afd.config import EngineConfig
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
 from services.gateway.client import AttentionClient
 from tests.helpers.procs import Procs, free_port
 
 FFN_TIMEOUT_S = 2.0  # the attention servers' deadline per FFN round trip
+# The default --ffn-grace: how long a shard with no live replica may pause the streams.
+GRACE_S = next(f.default for f in fields(EngineConfig) if f.name == "ffn_grace_s")
 # A request in flight when a peer fails ends within this: the FFN deadline, plus a readiness
 # ping that may hold the engine as long, plus the time the tiny model needs on a busy 2-core box.
 HANG_BOUND_S = 3 * FFN_TIMEOUT_S + 6

@@ -1,9 +1,9 @@
 """Soak: many concurrent streaming clients for a fixed time against a real local cluster, with
-an FFN server killed and restarted in the middle (the one shard without a replica) and a
-replica killed and restarted too; some clients hang up mid-stream. Nothing may be lost (every
-request ends answered in full, with a typed error, or hung up by its own client), no KV block
-may stay in use, and the long-lived processes' open file descriptors and memory stay within
-stated bounds.
+an FFN server killed and restarted in the middle (the one shard without a replica: its streams
+pause until it is back) and a replica killed and restarted too; some clients hang up
+mid-stream. Nothing may be lost (every request ends answered in full, with a typed error, or
+hung up by its own client), no KV block may stay in use, and the long-lived processes' open file
+descriptors and memory stay within stated bounds.
 
 The default suite runs it for AFD_SOAK_SECONDS (20 s); the slow set (`python -m pytest -q -m
 slow`) runs it for 5 minutes; AFD_SOAK_CLIENTS sets the clients (16).
@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.faults.cluster import HANG_BOUND_S, Cluster, stream, tiny_model
+from tests.faults.cluster import GRACE_S, HANG_BOUND_S, Cluster, stream, tiny_model
 from tests.helpers.procs import Procs
 
 SECONDS = float(os.environ.get("AFD_SOAK_SECONDS", "20"))
@@ -129,7 +129,7 @@ def test_soak_with_ffn_restarts(tmp_path, seconds):
             before = {n: (_fds(p), _rss_mb(p)) for n, p in pids.items()}  # warmed up
             time.sleep(seconds * 0.05)
             outage[0] = time.monotonic() - t_zero
-            cluster.kill("ffn1")  # the shard without a spare: its requests fail, typed
+            cluster.kill("ffn1")  # the shard without a spare: its requests pause
             time.sleep(1.0)
             cluster.restart("ffn1")
             cluster.wait_ready(30, servers=2)
@@ -175,14 +175,16 @@ def test_soak_with_ffn_restarts(tmp_path, seconds):
         )
         bad = {k: v for k, v in outcomes.items() if k.startswith("bad")}
         assert not bad, bad
-        # A typed error is the answer only for a request in flight while the one unreplicated
-        # shard is down: one that ends before the kill or starts after the pool covers every
-        # expert again (and any request while a replica is down) is answered in full. Counting
-        # errors against successes would say nothing: a 503 returns at once, so a client sees
-        # many of them per second.
+        # While the one unreplicated shard is down its streams pause (--ffn-grace): back within
+        # the grace period, no request fails at all. Past it, a typed error is the answer only
+        # for a request in flight during the outage: one that ends before the kill or starts
+        # after the pool covers every expert again (and any request while a replica is down)
+        # is answered in full.
+        if outage[1] - outage[0] < GRACE_S:
+            assert not errors, errors[:10]
         assert not late, late[:10]
         assert ok_after_outage[0] > CLIENTS, (ok_after_outage[0], outcomes)
-        assert slowest[0] < HANG_BOUND_S + 64 / 10
+        assert slowest[0] < HANG_BOUND_S + 64 / 10 + GRACE_S  # paused for ffn1 at most that
         for n in steady:
             fds, rss = after[n][0] - before[n][0], after[n][1] - before[n][1]
             assert fds <= FD_GROWTH, (n, before[n], after[n])

@@ -1,19 +1,23 @@
 """`afd serve` supervises its children (real processes): a `kill -9` of an FFN server or an
 attention server once the cluster is up is logged with its cause and restarted on the same
-ports, and the cluster answers again with no outside action; a child that keeps dying is a
+ports, and the cluster answers again with no outside action (streams through a killed FFN
+server pause and finish once it is back); a child that keeps dying is a
 crash loop, and the cluster stops saying so."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
+from tests.faults.cluster import GRACE_S
 from tests.system.metrics_helpers import serve
 
 pytestmark = pytest.mark.timeout(240)
@@ -26,8 +30,9 @@ def model(tmp_path_factory):
     )
 
 
-def _child(parent: int, role: str) -> int:
-    """The pid of `afd serve`'s child running `afd <role>` (its direct child)."""
+def _children(parent: int, role: str) -> list[int]:
+    """The pids of `afd serve`'s children running `afd <role>` (its direct children)."""
+    found = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -37,8 +42,15 @@ def _child(parent: int, role: str) -> int:
         except (OSError, IndexError, ValueError):
             continue
         if ppid == parent and role.encode() in argv:
-            return int(d.name)
-    raise AssertionError(f"no {role} child of {parent}")
+            found.append(int(d.name))
+    return found
+
+
+def _child(parent: int, role: str) -> int:
+    """The pid of one of `afd serve`'s children running `afd <role>`."""
+    found = _children(parent, role)
+    assert found, f"no {role} child of {parent}"
+    return found[0]
 
 
 def _answers(url: str, timeout: float) -> float:
@@ -56,7 +68,42 @@ def _answers(url: str, timeout: float) -> float:
         time.sleep(0.25)
 
 
+STREAMS = 16
+
+
+def _stream(url: str, i: int, stamps: list[float]) -> str:
+    """One streaming completion's text; the arrival time of each chunk goes to `stamps`."""
+    body = {"prompt": f"story {i}:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    text = []
+    with httpx.stream("POST", f"{url}/completions", json={**body, "stream": True}, timeout=90) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text.append(chunk["choices"][0]["text"])
+                stamps.append(time.monotonic())
+    return "".join(text)
+
+
+def _streams(url: str, kill: int | None = None) -> tuple[list[str], list[list[float]]]:
+    """STREAMS concurrent streaming completions; with `kill`, SIGKILL that pid once they are
+    all generating."""
+    stamps: list[list[float]] = [[] for _ in range(STREAMS)]
+    with ThreadPoolExecutor(STREAMS) as ex:
+        futs = [ex.submit(_stream, url, i, stamps[i]) for i in range(STREAMS)]
+        if kill is not None:
+            while not all(len(s) >= 3 for s in stamps):
+                assert not any(f.done() for f in futs), [f.result() for f in futs if f.done()]
+                time.sleep(0.01)
+            os.kill(kill, signal.SIGKILL)
+        return [f.result() for f in futs], stamps
+
+
 def test_killed_children_are_restarted_and_the_cluster_serves_again(model):
+    """An FFN child killed under 16 streams (default flags): the streams pause until the
+    supervisor's restart is back and end with the text of an undisturbed run; an attention
+    child killed: the cluster answers again once it is restarted."""
     served = serve(model, "--transport", "tcp", "--ffn", "2")
     try:
         reference = httpx.post(
@@ -64,11 +111,18 @@ def test_killed_children_are_restarted_and_the_cluster_serves_again(model):
             json={"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
             timeout=30,
         ).json()["choices"][0]["text"]
-        for role in ("ffn", "attention"):
-            pid = _child(served.proc.pid, role)
-            os.kill(pid, signal.SIGKILL)
-            _answers(served.url, timeout=90)
-            assert _child(served.proc.pid, role) != pid  # a new process, same command line
+        undisturbed, _ = _streams(served.url)
+        pid = _child(served.proc.pid, "ffn")
+        texts, stamps = _streams(served.url, kill=pid)
+        assert texts == undisturbed
+        stall = max(b - a for s in stamps for a, b in zip(s, s[1:], strict=False))
+        assert 0.5 < stall < GRACE_S, stall  # they did stop, and not for longer than the grace
+        ffn = _children(served.proc.pid, "ffn")
+        assert len(ffn) == 2 and pid not in ffn  # a new process, same command line
+        pid = _child(served.proc.pid, "attention")
+        os.kill(pid, signal.SIGKILL)
+        _answers(served.url, timeout=90)
+        assert _child(served.proc.pid, "attention") != pid
         assert served.proc.poll() is None  # the cluster kept running
         again = httpx.post(
             f"{served.url}/completions",
