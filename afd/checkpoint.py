@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,11 @@ class _Entry:
     key: str
     stack_index: int | None = None
 
+
+def bars(progress: bool) -> bool:
+    """Whether to show progress bars: asked for, and not turned off by TQDM_DISABLE (which tqdm
+    itself reads only when `disable` is not passed, and it always is here)."""
+    return progress and os.environ.get("TQDM_DISABLE", "").lower() in ("", "0", "false")
 
 def _strip_prefix(key: str, prefix: str) -> str:
     for p in (prefix, "model.language_model.", "language_model."):
@@ -119,7 +125,8 @@ def load_weights(
     entries = _plan(cfg, files, want)
     out: dict[str, torch.Tensor] = {}
     handles: dict[Path, object] = {}
-    bar = tqdm(entries, desc=f"loading {role} weights", unit="t", disable=not progress, leave=False)
+    desc = f"loading {role} weights"
+    bar = tqdm(entries, desc=desc, unit="t", disable=not bars(progress), leave=False)
     try:
         for ent in bar:
             fpath = files[ent.key]

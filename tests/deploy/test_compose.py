@@ -135,7 +135,8 @@ def test_two_attention_servers_over_two_ffn_shards(services):
         att_addrs.append(f"attention-{i}:{f['--listen'].rsplit(':', 1)[1]}")
     g = _flags(services["gateway"]["command"])
     assert g["--attention"].split(",") == att_addrs
-    assert services["gateway"]["ports"] == [f"8000:{g['--port']}"]
+    # published on this host only by default
+    assert services["gateway"]["ports"] == [f"127.0.0.1:8000:{g['--port']}"]
     for name in AFD:  # no argument given: every service on the demo model
         assert _flags(services[name]["command"])["--model"] == ""
 
@@ -146,7 +147,8 @@ def test_start_order_is_gated_on_health(services):
         url = services[name]["environment"]["AFD_HEALTH_URL"]
         port = _flags(services[name]["command"]).get("--metrics-port") or "8000"
         assert url == f"http://127.0.0.1:{port}/ready", name
-        assert hc["test"][:2] == ["CMD", "python"]
+        # CMD-SHELL: podman's Docker API splits a CMD list's arguments on spaces
+        assert hc["test"][0] == "CMD-SHELL" and hc["test"][1].startswith('python -c "')
     for i in range(2):
         deps = services[f"attention-{i}"]["depends_on"]
         assert deps == {f"ffn-{j}": {"condition": "service_healthy"} for j in range(2)}
@@ -154,6 +156,50 @@ def test_start_order_is_gated_on_health(services):
         f"attention-{j}": {"condition": "service_healthy"} for j in range(2)
     }
     assert services["grafana"]["depends_on"] == {"prometheus": {"condition": "service_healthy"}}
+
+
+def test_monitoring_is_a_profile_local_and_behind_a_login(services):
+    """Prometheus and Grafana come up only with `--profile monitoring` (so the afd services
+    start where their images cannot be pulled), publish on this host only, stop in bounded
+    time, and Grafana has neither admin/admin nor anonymous access by default."""
+    for name in ("prometheus", "grafana"):
+        svc = services[name]
+        assert svc["profiles"] == ["monitoring"], name
+        assert all(p.startswith("127.0.0.1:") for p in svc["ports"]), name
+        assert svc["stop_grace_period"], name
+        if "healthcheck" in svc:
+            assert svc["healthcheck"]["test"][0] == "CMD-SHELL", name
+    for name in AFD:
+        assert "profiles" not in services[name], name
+    env = services["grafana"]["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env and env["AFD_GRAFANA_PASSWORD"] == ""
+    script = services["grafana"]["entrypoint"][-1]
+    assert "/dev/urandom" in script and script.rstrip().endswith("exec /run.sh")
+    given = compose_file({"GRAFANA_ADMIN_PASSWORD": "s3cret"})["services"]["grafana"]
+    assert given["environment"]["AFD_GRAFANA_PASSWORD"] == "s3cret"
+
+
+@pytest.mark.parametrize("password", ["", "s3cret"])
+def test_grafana_entrypoint_sets_the_admin_password(password):
+    """The entrypoint script as compose hands it to the container's shell, with the image's
+    /run.sh replaced by a print of what Grafana would see."""
+    svc = compose_file({"GRAFANA_ADMIN_PASSWORD": password})["services"]["grafana"]
+    shell, flag, script = svc["entrypoint"]
+    script = script.replace(
+        "exec /run.sh", 'echo "seen=$GF_SECURITY_ADMIN_PASSWORD|$AFD_GRAFANA_PASSWORD"'
+    )
+    out = subprocess.run(
+        [shell, flag, script], capture_output=True, text=True, timeout=10, check=True,
+        env={"PATH": "/usr/bin:/bin", **svc["environment"]},
+    ).stdout  # fmt: skip
+    seen = out.rsplit("seen=", 1)[1].strip()
+    chosen, leftover = seen.split("|")
+    assert leftover == ""  # not left in Grafana's environment
+    if password:
+        assert chosen == password and "admin password is" not in out
+    else:
+        assert len(chosen) >= 20 and f"the admin password is {chosen}" in out
 
 
 def test_models_mount_and_model_flag_follow_the_environment():

@@ -6,6 +6,7 @@ through the gateway's published port and a scrape of every Prometheus target."""
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from graphlib import TopologicalSorter
@@ -89,9 +90,11 @@ def run_compose(tmp_path, user_env: dict[str, str]) -> dict:
         env[n] = {k: localize_text(v, p, resolve) for k, v in p.env.items()}
 
     def healthy(n: str) -> bool:
-        test = services[n]["healthcheck"]["test"]
-        assert test[0] == "CMD" and test[1] == "python", test
-        return command_ok([sys.executable, *test[2:]], {**os.environ, **env[n]})
+        kind, line = services[n]["healthcheck"]["test"]
+        assert kind == "CMD-SHELL" and line.startswith("python "), (kind, line)
+        # the container's `python`, here this test's interpreter
+        line = shlex.quote(sys.executable) + line.removeprefix("python")
+        return command_ok(["/bin/sh", "-c", line], {**os.environ, **env[n]})
 
     order = TopologicalSorter({n: set(s.get("depends_on", {})) for n, s in services.items()})
     base = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -64,6 +64,11 @@ def test_torch_comes_from_the_cpu_index_unless_told_otherwise():
     assert all(rest.startswith("${BASE}") for instr, rest in INSTR if instr == "FROM")
 
 
+def test_no_syntax_line_that_would_pull_a_frontend_offline():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE | re.IGNORECASE)
+
+
 def test_entrypoint_is_the_afd_console_script():
     (entry,) = [json.loads(r) for i, r in INSTR if i == "ENTRYPOINT"]
     assert entry == ["afd"]
@@ -77,9 +82,14 @@ def test_runs_as_a_non_root_user_with_a_health_check():
     runtime = _stages()[-1]
     (user,) = [r for i, r in runtime if i == "USER"]
     assert user.split(":")[0] not in ("0", "root")
+    assert user == "10001:10001"
+    (add,) = [r for i, r in runtime if i == "RUN" and "useradd" in r]
+    # the group the Kubernetes manifests' runAsGroup/fsGroup name, not one useradd picks
+    assert "groupadd --system --gid 10001 afd" in add and "--uid 10001 --gid 10001" in add
     (hc,) = [r for i, r in runtime if i == "HEALTHCHECK"]
-    test = json.loads(hc[hc.index("CMD") + 3 :].strip())
-    assert test[:2] == ["python", "-c"] and "AFD_HEALTH_URL" in test[2]
+    test = hc[hc.index("CMD") + 3 :].strip()
+    # the shell form (podman's Docker API splits the exec form's arguments on spaces)
+    assert test.startswith('python -c "') and "AFD_HEALTH_URL" in test
     # By default the gateway's liveness endpoint on the port its default command serves.
     (cmd,) = [json.loads(r) for i, r in INSTR if i == "CMD"]
     port = cmd[cmd.index("--port") + 1]

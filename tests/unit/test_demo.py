@@ -224,3 +224,15 @@ def test_reference_greedy_generate(tiny_dir: Path) -> None:
     assert full[len(prompt) - 1 :].argmax(-1).tolist() == out
     stop_cfg = {**cfg, "eos_token_id": out[1]}
     assert ref.greedy_generate(state, stop_cfg, prompt, 6) == out[: out.index(out[1]) + 1]
+
+
+@pytest.mark.parametrize("env,shown", [("1", False), ("", True), ("0", True)])
+def test_tqdm_disable_turns_the_loading_bar_off(tiny_dir, monkeypatch, capsys, env, shown):
+    """Containers set TQDM_DISABLE=1 to keep bars out of their logs; tqdm reads it only when
+    its caller does not pass `disable`, which the loader always does."""
+    from afd.checkpoint import load_weights
+
+    monkeypatch.setenv("TQDM_DISABLE", env)
+    cfg = ModelConfig.from_hf(tiny_dir)
+    load_weights(cfg, "attention", torch.float32, progress=True)
+    assert ("loading attention weights" in capsys.readouterr().err) == shown
