@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from afd import flags
+from afd.errors import ConfigError
 from afd.flags import build, option
 from services.gateway.app import GatewayConfig
 from services.gateway.latency import SLA
 
 API_KEY_ENV = "AFD_API_KEY"  # the key from the environment keeps it out of the process list
+API_KEY_FILE_ENV = "AFD_API_KEY_FILE"  # or from a file: a mounted Secret
 
 
 def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -66,10 +69,31 @@ def add_api_key_flag(p: argparse.ArgumentParser) -> None:
         help=f"require this key (Authorization: Bearer); default: ${API_KEY_ENV}, which keeps "
         "the key out of the process list",
     )
+    p.add_argument(
+        "--api-key-file",
+        default="",
+        help=f"read the key from this file (a mounted Secret); default: ${API_KEY_FILE_ENV}",
+    )
 
 
 def api_key(args: argparse.Namespace) -> str:
-    return args.api_key or os.environ.get(API_KEY_ENV, "")
+    """The key: --api-key, else --api-key-file, else $AFD_API_KEY, else $AFD_API_KEY_FILE's
+    file; empty: no authentication. Raises ConfigError for a file that cannot be read or holds
+    no key (a typo must not turn authentication off)."""
+    if args.api_key:
+        return args.api_key
+    path = args.api_key_file or (
+        "" if os.environ.get(API_KEY_ENV) else os.environ.get(API_KEY_FILE_ENV, "")
+    )
+    if not path:
+        return os.environ.get(API_KEY_ENV, "")
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read the API key file {path!r}: {e.strerror}") from e
+    if not key:
+        raise ConfigError(f"the API key file {path!r} is empty")
+    return key
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

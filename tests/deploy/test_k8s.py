@@ -369,3 +369,66 @@ def test_only_the_attention_pool_reaches_the_ffn_data_port(docs):
     assert _allowed(docs, "attention", "grpc", labels["gateway"])
     assert not _allowed(docs, "attention", "grpc", {"app": "other"})
     assert _allowed(docs, "attention", "metrics", None)
+
+
+# ------------------------------------------------------------------ secure transport
+
+
+def _mounted_files(spec: dict, c: dict, secrets: dict[str, list[str]]) -> dict[str, str]:
+    """path in the container -> the Secret key behind it, for every Secret volume mounted
+    (`secrets`: each Secret's keys, as `kubectl create secret --from-file` would make them)."""
+    files = {}
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for m in c["volumeMounts"]:
+        secret = volumes[m["name"]].get("secret")
+        if secret is None:
+            continue
+        items = secret.get("items") or [
+            {"key": k, "path": k} for k in secrets[secret["secretName"]]
+        ]
+        for item in items:
+            assert item["key"] in secrets[secret["secretName"]], item
+            files[f"{m['mountPath']}/{item['path']}"] = item["key"]
+        assert oct(secret["defaultMode"]) == "0o440", "readable by the pod's fsGroup, no one else"
+    return files
+
+
+def test_secure_overlay_gives_each_service_the_keys_afd_reads(tmp_path):
+    """overlays/secure: every AFD_CURVE_DIR / AFD_TLS_* a service is given points at files its
+    Secret mounts provide, laid out as afd.security reads them: real keys from `afd keys`, put
+    where the Secret items would put them, load as the FFN (CURVE server) and the attention
+    server (CURVE client) load them."""
+    from afd.security import Security, write_curve_keys
+
+    docs = render("overlays/secure")
+    curve = write_curve_keys(tmp_path / "keys")
+    secrets = {
+        "afd-curve": ["server.key", "server.key_secret", "client.key", "client.key_secret"],
+        "afd-tls": ["tls.crt", "tls.key", "ca.crt"],
+    }
+    for role, wants in (("ffn", {"curve"}), ("attention", {"curve", "tls"}), ("gateway", {"tls"})):
+        spec, c = pod_spec(docs, role), container(docs, role)
+        files = _mounted_files(spec, c, secrets)
+        env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+        assert ("AFD_CURVE_DIR" in env) == ("curve" in wants), role
+        assert ("AFD_TLS_CA" in env) == ("tls" in wants), role
+        for name in ("AFD_TLS_CERT", "AFD_TLS_KEY", "AFD_TLS_CA"):
+            if name in env:
+                assert env[name] in files, (role, name)
+        if "curve" not in wants:
+            continue
+        root = tmp_path / role
+        for path, key in files.items():
+            if path.startswith(env["AFD_CURVE_DIR"] + "/"):
+                dest = root / path.removeprefix(env["AFD_CURVE_DIR"] + "/")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes((curve / key).read_bytes())
+        sec = Security(curve_dir=str(root))
+        if role == "ffn":
+            assert sec.curve_keys("server") == Security(curve_dir=str(curve)).curve_keys("server")
+            assert (Path(sec.authorized_dir) / "client.key").is_file()
+            assert not (root / "client.key_secret").exists()  # the server holds no client secret
+        else:
+            sec.curve_keys("client")
+            assert sec.server_public_key() == Security(curve_dir=str(curve)).server_public_key()
+            assert not (root / "server.key_secret").exists()

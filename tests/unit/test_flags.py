@@ -23,6 +23,7 @@ NOT_A_FIELD = {
     "--served-model-name",  # GatewayConfig.model_name, which defaults to the directory's name
     "--prompt",  # generate's prompts
     "--prompts-file",
+    "--api-key-file",  # read into GatewayConfig.api_key
 }
 
 
@@ -108,3 +109,29 @@ def test_serve_refuses_what_its_children_would_before_starting_them():
     ):
         with pytest.raises(ConfigError, match=problem):
             config(parser.parse_args(["serve", *argv]))
+
+
+def _gateway_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["gateway", "--attention", "a:1", *argv])
+
+
+def test_api_key_from_flag_file_or_environment(tmp_path, monkeypatch):
+    from services.gateway.flags import api_key
+
+    f = tmp_path / "key"
+    f.write_text("sk-file\n")  # as `kubectl create secret --from-file` keeps a newline
+    monkeypatch.delenv("AFD_API_KEY", raising=False)
+    monkeypatch.delenv("AFD_API_KEY_FILE", raising=False)
+    assert api_key(_gateway_args()) == ""
+    assert api_key(_gateway_args("--api-key-file", str(f))) == "sk-file"
+    assert api_key(_gateway_args("--api-key", "sk-flag", "--api-key-file", str(f))) == "sk-flag"
+    monkeypatch.setenv("AFD_API_KEY_FILE", str(f))
+    assert api_key(_gateway_args()) == "sk-file"
+    monkeypatch.setenv("AFD_API_KEY", "sk-env")
+    assert api_key(_gateway_args()) == "sk-env"
+    # a key file that cannot be used is an error, never authentication turned off
+    for bad, why in ((tmp_path / "missing", "cannot read"), (tmp_path / "empty", "is empty")):
+        if why == "is empty":
+            bad.write_text("\n")
+        with pytest.raises(ConfigError, match=why):
+            api_key(_gateway_args("--api-key-file", str(bad)))
