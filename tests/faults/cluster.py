@@ -198,10 +198,13 @@ class Cluster:
 
 @dataclass
 class Outcome:
-    kind: str  # "ok" | "error" (typed) | "bad" (anything else: hang, 5xx other than 503, junk)
+    # "ok" | "error" (typed) | "refused" (no connection: nothing was sent, the client may retry)
+    # | "bad" (anything else: hang, 5xx other than 503, junk)
+    kind: str
     tokens: int
     seconds: float
     detail: str = ""
+    stall: float = 0.0  # longest wait for the next event of the stream, s
 
 
 def stream(url: str, max_tokens: int, timeout: float = 60.0, prompt: str = "x") -> Outcome:
@@ -214,8 +217,8 @@ def stream(url: str, max_tokens: int, timeout: float = 60.0, prompt: str = "x") 
         "temperature": 0,
         "stream_options": {"include_usage": True},
     }
-    t0 = time.monotonic()
-    tokens, finish = 0, None
+    t0 = last = time.monotonic()
+    tokens, finish, stall = 0, None, 0.0
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
             if r.status_code != 200:
@@ -225,6 +228,8 @@ def stream(url: str, max_tokens: int, timeout: float = 60.0, prompt: str = "x") 
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
+                now = time.monotonic()
+                stall, last = max(stall, now - last), now
                 data = line[6:]
                 if data == "[DONE]":
                     break
@@ -232,13 +237,17 @@ def stream(url: str, max_tokens: int, timeout: float = 60.0, prompt: str = "x") 
                 if "error" in ev:
                     code = ev["error"].get("code")
                     kind = "error" if code in ("unavailable", "overloaded") else "bad"
-                    return Outcome(kind, tokens, time.monotonic() - t0, json.dumps(ev)[:200])
+                    detail = json.dumps(ev)[:200]
+                    return Outcome(kind, tokens, time.monotonic() - t0, detail, stall)
                 if ev.get("usage"):
                     tokens = ev["usage"]["completion_tokens"]
                 if ev["choices"]:
                     finish = ev["choices"][0].get("finish_reason") or finish
                     tokens = max(tokens, 1)  # it has started
+    except httpx.ConnectError as e:
+        return Outcome("refused", 0, time.monotonic() - t0, str(e))
     except httpx.HTTPError as e:
-        return Outcome("bad", tokens, time.monotonic() - t0, f"{type(e).__name__}: {e}")
+        return Outcome("bad", tokens, time.monotonic() - t0, f"{type(e).__name__}: {e}", stall)
     ok = finish == "length" and tokens == max_tokens
-    return Outcome("ok" if ok else "bad", tokens, time.monotonic() - t0, f"finish={finish}")
+    kind = "ok" if ok else "bad"
+    return Outcome(kind, tokens, time.monotonic() - t0, f"finish={finish}", stall)

@@ -93,14 +93,26 @@ def _clamp(body: bytes) -> bytes:
     return json.dumps(d).encode()
 
 
-@pytest.mark.timeout(120)
+FUZZ_SLOW = 500  # generated bodies per path in the slow set: 1,000 on the real cluster
+
+
+@pytest.mark.parametrize(
+    "examples",
+    [
+        pytest.param(40, id="ci", marks=pytest.mark.timeout(120)),
+        pytest.param(FUZZ_SLOW, id="slow", marks=[pytest.mark.slow, pytest.mark.timeout(1200)]),
+    ],
+)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-def test_fuzzed_requests_on_the_real_cluster_never_5xx(cluster, path):
+def test_fuzzed_requests_on_the_real_cluster_never_5xx(cluster, path, examples):
     spec = httpx.get(f"{cluster.url}/openapi.json", timeout=10).json()
     seen: Counter = Counter()
 
     @settings(
-        max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
     )
     @given(body_strategy(spec, path))
     def one(body: bytes):
@@ -115,7 +127,7 @@ def test_fuzzed_requests_on_the_real_cluster_never_5xx(cluster, path):
         check(r, body[:200])
 
     one()
-    print(f"\nfuzz {path} on the real cluster: statuses {dict(seen)}")
+    print(f"\nfuzz {path} on the real cluster: {sum(seen.values())} bodies, statuses {dict(seen)}")
     assert seen[200] and seen[400], seen
     cluster.wait_idle()  # nothing left allocated by any of them
 

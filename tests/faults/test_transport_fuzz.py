@@ -11,13 +11,20 @@ from afd.wire import encode_request
 from tests.integration.test_transports import TIMEOUT, Server, _address, _check, _request
 from tests.unit.test_wire import _mutate
 
-FRAMES = 600  # hostile messages per backend
+FRAMES = 600  # hostile messages per backend in the default suite
+FRAMES_SLOW = 10_000  # ... and in the slow set
 VALID_SEQ = 10**9  # far from any seq a mutation can produce from the templates (< 100)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "frames",
+    [
+        pytest.param(FRAMES, id="ci", marks=pytest.mark.timeout(60)),
+        pytest.param(FRAMES_SLOW, id="slow", marks=[pytest.mark.slow, pytest.mark.timeout(900)]),
+    ],
+)
 @pytest.mark.parametrize("scheme", ["tcp", "grpc"])
-def test_mutated_frames_beside_valid_traffic_keep_it_served(scheme, tmp_path):
+def test_mutated_frames_beside_valid_traffic_keep_it_served(scheme, tmp_path, frames):
     from afd.transport import connect
 
     srv = Server(_address(scheme, tmp_path))
@@ -28,7 +35,7 @@ def test_mutated_frames_beside_valid_traffic_keep_it_served(scheme, tmp_path):
     ]
     try:
         served = 0
-        for i in range(FRAMES):
+        for i in range(frames):
             if rng.random() < 0.2:
                 frames = [rng.randbytes(rng.randint(0, 48)) for _ in range(rng.randint(1, 6))]
             else:
@@ -39,7 +46,8 @@ def test_mutated_frames_beside_valid_traffic_keep_it_served(scheme, tmp_path):
                 client.send(req)
                 _check(client.wait(req.seq, TIMEOUT), req)
                 served += 1
-        assert served == FRAMES // 50
+        assert served == frames // 50
+        print(f"\ntransport fuzz {scheme}: {frames} hostile frames, {served} valid requests served")
     finally:
         client.close()
         srv.stop()

@@ -109,3 +109,20 @@ def generate(addr: str, prompt: list[int], max_tokens: int, timeout: float = 60.
             tokens += list(ev.token_ids)
             last = ev
         return tokens, last
+
+
+def children_of(parent: int, role: str) -> list[int]:
+    """The pids of `parent`'s direct children running `afd <role>` (e.g. `afd serve`'s), in
+    start order."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(fields[1]) == parent and role.encode() in argv:
+            found.append((int(fields[19]), int(d.name)))  # (start time, pid)
+    return [pid for _, pid in sorted(found)]

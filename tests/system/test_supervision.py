@@ -11,13 +11,13 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
 from tests.faults.cluster import GRACE_S
+from tests.helpers.procs import children_of
 from tests.system.metrics_helpers import serve
 
 pytestmark = pytest.mark.timeout(240)
@@ -30,25 +30,9 @@ def model(tmp_path_factory):
     )
 
 
-def _children(parent: int, role: str) -> list[int]:
-    """The pids of `afd serve`'s children running `afd <role>` (its direct children)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent and role.encode() in argv:
-            found.append(int(d.name))
-    return found
-
-
 def _child(parent: int, role: str) -> int:
     """The pid of one of `afd serve`'s children running `afd <role>`."""
-    found = _children(parent, role)
+    found = children_of(parent, role)
     assert found, f"no {role} child of {parent}"
     return found[0]
 
@@ -117,7 +101,7 @@ def test_killed_children_are_restarted_and_the_cluster_serves_again(model):
         assert texts == undisturbed
         stall = max(b - a for s in stamps for a, b in zip(s, s[1:], strict=False))
         assert 0.5 < stall < GRACE_S, stall  # they did stop, and not for longer than the grace
-        ffn = _children(served.proc.pid, "ffn")
+        ffn = children_of(served.proc.pid, "ffn")
         assert len(ffn) == 2 and pid not in ffn  # a new process, same command line
         pid = _child(served.proc.pid, "attention")
         os.kill(pid, signal.SIGKILL)
