@@ -86,9 +86,13 @@ def _torch_index(work: Path) -> Path:
     return work / "index"
 
 
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # one line per wheel fetched says nothing
+        pass
+
+
 def _serve(directory: Path) -> tuple[http.server.ThreadingHTTPServer, int]:
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
-    handler.log_message = lambda *a: None  # type: ignore[method-assign]
+    handler = functools.partial(_Quiet, directory=str(directory))
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv, srv.server_address[1]
