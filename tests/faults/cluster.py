@@ -199,6 +199,8 @@ class Cluster:
 @dataclass
 class Outcome:
     # "ok" | "error" (typed) | "refused" (no connection: nothing was sent, the client may retry)
+    # | "dropped" (connected, but closed before any response: a server closing its listener
+    # with the connection still in its backlog; never read, the client may retry)
     # | "bad" (anything else: hang, 5xx other than 503, junk)
     kind: str
     tokens: int
@@ -218,9 +220,10 @@ def stream(url: str, max_tokens: int, timeout: float = 60.0, prompt: str = "x") 
         "stream_options": {"include_usage": True},
     }
     t0 = last = time.monotonic()
-    tokens, finish, stall = 0, None, 0.0
+    tokens, finish, stall, answered = 0, None, 0.0, False
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
+            answered = True
             if r.status_code != 200:
                 r.read()
                 kind = "error" if r.status_code in (429, 503) else "bad"
@@ -246,6 +249,9 @@ def stream(url: str, max_tokens: int, timeout: float = 60.0, prompt: str = "x") 
                     tokens = max(tokens, 1)  # it has started
     except httpx.ConnectError as e:
         return Outcome("refused", 0, time.monotonic() - t0, str(e))
+    except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+        kind = "bad" if answered else "dropped"
+        return Outcome(kind, tokens, time.monotonic() - t0, f"{type(e).__name__}: {e}", stall)
     except httpx.HTTPError as e:
         return Outcome("bad", tokens, time.monotonic() - t0, f"{type(e).__name__}: {e}", stall)
     ok = finish == "length" and tokens == max_tokens

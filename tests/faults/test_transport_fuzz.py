@@ -17,14 +17,14 @@ VALID_SEQ = 10**9  # far from any seq a mutation can produce from the templates 
 
 
 @pytest.mark.parametrize(
-    "frames",
+    "hostile",
     [
         pytest.param(FRAMES, id="ci", marks=pytest.mark.timeout(60)),
         pytest.param(FRAMES_SLOW, id="slow", marks=[pytest.mark.slow, pytest.mark.timeout(900)]),
     ],
 )
 @pytest.mark.parametrize("scheme", ["tcp", "grpc"])
-def test_mutated_frames_beside_valid_traffic_keep_it_served(scheme, tmp_path, frames):
+def test_mutated_frames_beside_valid_traffic_keep_it_served(scheme, tmp_path, hostile):
     from afd.transport import connect
 
     srv = Server(_address(scheme, tmp_path))
@@ -35,7 +35,7 @@ def test_mutated_frames_beside_valid_traffic_keep_it_served(scheme, tmp_path, fr
     ]
     try:
         served = 0
-        for i in range(frames):
+        for i in range(hostile):
             if rng.random() < 0.2:
                 frames = [rng.randbytes(rng.randint(0, 48)) for _ in range(rng.randint(1, 6))]
             else:
@@ -46,8 +46,8 @@ def test_mutated_frames_beside_valid_traffic_keep_it_served(scheme, tmp_path, fr
                 client.send(req)
                 _check(client.wait(req.seq, TIMEOUT), req)
                 served += 1
-        assert served == frames // 50
-        print(f"\ntransport fuzz {scheme}: {frames} hostile frames, {served} valid requests served")
+        assert served == hostile // 50
+        print(f"\ntransport fuzz {scheme}: {hostile} hostile messages, {served} valid ones served")
     finally:
         client.close()
         srv.stop()
