@@ -45,6 +45,7 @@ def bars(progress: bool) -> bool:
     itself reads only when `disable` is not passed, and it always is here)."""
     return progress and os.environ.get("TQDM_DISABLE", "").lower() in ("", "0", "false")
 
+
 def _strip_prefix(key: str, prefix: str) -> str:
     for p in (prefix, "model.language_model.", "language_model."):
         if p and key.startswith(p):
