@@ -6,7 +6,8 @@ shared expert); a dense layer goes to shard 0 alone. The partial outputs are sum
 float32 and returned in the compute dtype.
 
 Failover: a replica that does not reply within its attempt time (the FFN timeout split
-between the shard's replicas, or `failover_s`), answers with an error of its own, or cannot
+between the shard's replicas, or `failover_s`; shorter once its usual round trip is known:
+deadlines.py), answers with an error of its own, or cannot
 take a message is marked down, and every message it held is sent again to another live
 replica of the shard, within the same deadline, so no request is lost while one replica is
 left. An error that says the message itself was bad is raised at once (another replica would
@@ -32,6 +33,7 @@ from afd.config import ModelConfig
 from afd.errors import ConfigError, TransportError
 from afd.messages import FFNReply, FFNRequest
 from afd.quant import quantize_fp8
+from services.attention.deadlines import RoundTripDeadlines
 from services.attention.replicas import Peer, Replicas
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -92,6 +94,7 @@ class FFNDispatcher:
         self.dtype = compute_dtype
         self.sender = sender
         self.timing = StepTiming()
+        self.deadlines = RoundTripDeadlines()  # each replica's usual answer time, learnt
         self._open: list[_Part] = []  # parts sent whose reply has not been taken
         self._in_flight = 0
         self._idle_since = 0.0  # perf_counter() when the pool last returned; 0: step start
@@ -193,7 +196,7 @@ class FFNDispatcher:
                         part.peer, f"FFN peer {part.peer.address} is gone ({lost})"
                     )
                 elif part.reply is None and now >= self._attempt_end(part, start, deadline):
-                    attempt = min(self.replicas.attempt_s(part.shard), self.replicas.timeout_s)
+                    attempt = min(self._attempt_s(part), self.replicas.timeout_s)
                     self.replicas.mark_down(
                         part.peer,
                         f"FFN peer {part.peer.address} did not reply to message {part.seq} "
@@ -221,7 +224,13 @@ class FFNDispatcher:
                 self._take(part, reply)
 
     def _attempt_end(self, part: _Part, start: float, deadline: float) -> float:
-        return min(deadline, max(part.started, start) + self.replicas.attempt_s(part.shard))
+        return min(deadline, max(part.started, start) + self._attempt_s(part))
+
+    def _attempt_s(self, part: _Part) -> float:
+        """The part's attempt time: what its replica usually needs for a message of its size
+        (deadlines.py), within the replica's share of the FFN timeout."""
+        bound = self.replicas.attempt_s(part.shard)
+        return self.deadlines.limit(part.peer.address, part.message.num_tokens, bound)
 
     def _take(self, part: _Part, reply: FFNReply) -> None:
         peer = part.peer
@@ -229,6 +238,8 @@ class FFNDispatcher:
         self._open.remove(part)
         if reply.ok:
             part.reply = reply
+            seconds = time.monotonic() - part.started
+            self.deadlines.observe(peer.address, seconds, part.message.num_tokens)
             return
         why = (
             f"FFN peer {peer.address} failed layer {reply.layer}: {reply.error_code}: {reply.error}"
