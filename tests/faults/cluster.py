@@ -257,3 +257,16 @@ def stream(url: str, max_tokens: int, timeout: float = 60.0, prompt: str = "x") 
     ok = finish == "length" and tokens == max_tokens
     kind = "ok" if ok else "bad"
     return Outcome(kind, tokens, time.monotonic() - t0, f"finish={finish}", stall)
+
+
+def hang_up(url: str) -> str:
+    """A client that leaves after the first event."""
+    body = {"prompt": "x", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    return "hung up"
+    except httpx.HTTPError:
+        pass
+    return "hung up"

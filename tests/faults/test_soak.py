@@ -18,13 +18,11 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.faults.cluster import GRACE_S, HANG_BOUND_S, Cluster, stream, tiny_model
-from tests.helpers.procs import Procs
+from tests.faults.cluster import GRACE_S, HANG_BOUND_S, Cluster, hang_up, stream, tiny_model
+from tests.helpers.procs import Procs, open_fds, rss_mb
 
 SECONDS = float(os.environ.get("AFD_SOAK_SECONDS", "20"))
 CLIENTS = int(os.environ.get("AFD_SOAK_CLIENTS", "16"))
@@ -33,30 +31,6 @@ CLIENTS = int(os.environ.get("AFD_SOAK_CLIENTS", "16"))
 # seconds of load (allocator caches sized by the largest batches seen) and then stays flat.
 FD_GROWTH = 16  # open descriptors
 RSS_GROWTH_MB = 64.0  # resident memory
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _hang_up(url: str) -> str:
-    """A client that leaves after the first event."""
-    body = {"prompt": "x", "max_tokens": 200, "stream": True, "ignore_eos": True}
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    return "hung up"
-    except httpx.HTTPError:
-        pass
-    return "hung up"
 
 
 LONG_SECONDS = 300.0  # the slow set's soak: `python -m pytest -q -m slow`
@@ -81,7 +55,7 @@ def test_soak_with_ffn_restarts(tmp_path, seconds):
         for _ in range(3):  # warm up every path (and the allocator) before measuring
             assert stream(cluster.url, 30).kind == "ok"
         pids = {n: procs.procs[n].pid for n in steady}
-        start = {n: (_fds(p), _rss_mb(p)) for n, p in pids.items()}
+        start = {n: (open_fds(p), rss_mb(p)) for n, p in pids.items()}
 
         stop_at = time.monotonic() + seconds
         done = threading.Event()  # the clients stop: the run's time is up and the outage is over
@@ -90,7 +64,7 @@ def test_soak_with_ffn_restarts(tmp_path, seconds):
         def sample() -> None:
             t0 = time.monotonic()
             while not done.is_set():
-                samples.append((time.monotonic() - t0, {n: _rss_mb(p) for n, p in pids.items()}))
+                samples.append((time.monotonic() - t0, {n: rss_mb(p) for n, p in pids.items()}))
                 time.sleep(max(1.0, seconds / 20))
 
         threading.Thread(target=sample, daemon=True).start()
@@ -108,7 +82,7 @@ def test_soak_with_ffn_restarts(tmp_path, seconds):
             while not done.is_set():
                 t = time.monotonic() - t_zero
                 if rng.random() < 0.1:
-                    kind = _hang_up(cluster.url)
+                    kind = hang_up(cluster.url)
                 else:
                     o = stream(cluster.url, rng.randint(8, 64))
                     kind = o.kind if o.kind != "bad" else f"bad: {o.detail}"
@@ -127,7 +101,7 @@ def test_soak_with_ffn_restarts(tmp_path, seconds):
         with ThreadPoolExecutor(CLIENTS) as ex:
             futs = [ex.submit(client, i) for i in range(CLIENTS)]
             time.sleep(seconds * 0.25)
-            before = {n: (_fds(p), _rss_mb(p)) for n, p in pids.items()}  # warmed up
+            before = {n: (open_fds(p), rss_mb(p)) for n, p in pids.items()}  # warmed up
             time.sleep(seconds * 0.05)
             outage[0] = time.monotonic() - t_zero
             cluster.kill("ffn1")  # the shard without a spare: its requests pause
@@ -156,7 +130,7 @@ def test_soak_with_ffn_restarts(tmp_path, seconds):
         cluster.wait_ready(30, servers=2)
         cluster.wait_idle()
         time.sleep(1.0)  # let closed connections settle before counting descriptors
-        after = {n: (_fds(p), _rss_mb(p)) for n, p in pids.items()}
+        after = {n: (open_fds(p), rss_mb(p)) for n, p in pids.items()}
         total = sum(outcomes.values())
         # in flight at some moment of the outage: started before it ended, failed after it began
         late = [

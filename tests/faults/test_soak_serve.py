@@ -28,14 +28,12 @@ import time
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
-from tests.faults.cluster import GRACE_S, HANG_BOUND_S, stream
-from tests.faults.test_soak import _hang_up
-from tests.helpers.procs import children_of
+from tests.faults.cluster import GRACE_S, HANG_BOUND_S, hang_up, stream
+from tests.helpers.procs import children_of, open_fds, rss_mb
 from tests.system.metrics_helpers import serve
 
 SECONDS = float(os.environ.get("AFD_SERVE_SOAK_SECONDS", "30"))
@@ -43,17 +41,6 @@ CLIENTS = int(os.environ.get("AFD_SERVE_SOAK_CLIENTS", "16"))
 LONG_SECONDS, LONG_CLIENTS = 600.0, 64
 FD_GROWTH = 16  # open descriptors, warmed up -> end, per process never restarted
 RSS_GROWTH_MB = 64.0
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _gauge(url: str, name: str) -> float | None:
@@ -108,7 +95,7 @@ def test_soak_on_afd_serve_with_every_kind_of_restart(tmp_path, seconds, clients
             while not done.is_set():
                 started = time.monotonic()
                 if rng.random() < 0.1:
-                    kind = _hang_up(base)
+                    kind = hang_up(base)
                 else:
                     o = stream(base, rng.randint(8, 64), timeout=120)
                     kind = o.kind
@@ -132,7 +119,7 @@ def test_soak_on_afd_serve_with_every_kind_of_restart(tmp_path, seconds, clients
 
         def sample() -> None:
             while not done.wait(max(1.0, seconds / 30)):
-                rss = {n: round(_rss_mb(p)) for n, p in steady.items()}
+                rss = {n: round(rss_mb(p)) for n, p in steady.items()}
                 samples.append((round(time.monotonic() - t0), rss))
 
         threading.Thread(target=sample, daemon=True).start()
@@ -145,7 +132,7 @@ def test_soak_on_afd_serve_with_every_kind_of_restart(tmp_path, seconds, clients
             at(0.15)
             os.kill(att[0], signal.SIGKILL)  # its streams end with a typed error
             at(0.35)  # restarted and taken back by the gateway by now
-            before = {n: (_fds(p), _rss_mb(p)) for n, p in steady.items()}
+            before = {n: (open_fds(p), rss_mb(p)) for n, p in steady.items()}
             at(0.4)
             os.kill(ffn[0], signal.SIGKILL)  # its streams pause until the restart is back
             at(0.6)
@@ -180,7 +167,7 @@ def test_soak_on_afd_serve_with_every_kind_of_restart(tmp_path, seconds, clients
             assert time.monotonic() < deadline, [(u, [_gauge(u, g) for g in names]) for u in urls]
             time.sleep(0.2)
         time.sleep(1.0)  # let closed connections settle before counting descriptors
-        after = {n: (_fds(p), _rss_mb(p)) for n, p in steady.items()}
+        after = {n: (open_fds(p), rss_mb(p)) for n, p in steady.items()}
         log = served.log.read_text()
         total = sum(outcomes.values())
         print(

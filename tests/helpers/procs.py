@@ -126,3 +126,16 @@ def children_of(parent: int, role: str) -> list[int]:
         if int(fields[1]) == parent and role.encode() in argv:
             found.append((int(fields[19]), int(d.name)))  # (start time, pid)
     return [pid for _, pid in sorted(found)]
+
+
+def open_fds(pid: int) -> int:
+    """Open file descriptors of a live process."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a live process, MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
