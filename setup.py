@@ -49,7 +49,15 @@ def _kernels() -> list[Extension]:
             "afd.kernels._native",
             sources=[
                 f"afd/kernels/{name}.c"
-                for name in ("gemm", "moe", "attention", "norm_rope", "decode_layer", "fp8")
+                for name in (
+                    "gemm",
+                    "gemm512",
+                    "moe",
+                    "attention",
+                    "norm_rope",
+                    "decode_layer",
+                    "fp8",
+                )
             ],
             depends=["afd/kernels/bf16.h"],
             # -mavx2/-mfma: gemm.py loads the library only where ATen dispatches AVX2 or above.

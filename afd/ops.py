@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from afd.kernels import gemm, norm_rope
+from afd.kernels import gemm, norm_rope, paths
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -19,67 +19,63 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def _can_pack() -> bool:
-    """Whether oneDNN can pack a bf16 weight here. It needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT:
-    on an AVX2-only CPU (e.g. some AMD EPYC VMs) the reorder raises, so try it once, tiny."""
-    try:
-        if not (
-            torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        ):
-            return False
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 16, dtype=torch.bfloat16), 1)
-        y = torch.ops.mkldnn._linear_pointwise(
-            torch.ones(2, 16, dtype=torch.bfloat16), w, None, "none", [], ""
-        )
-        return bool((y == 16).all())
-    except Exception:  # builds without oneDNN, or a CPU it has no bf16 path for
-        return False
-
-
-_PACK = _can_pack()
-
-
-def native_bf16() -> bool:
-    """afd's own AVX2 kernels carry bf16 compute here: no oneDNN bf16 path, kernels built."""
-    return not _PACK and gemm.available()
+def native() -> bool:
+    """afd's own fused kernels (decode layer, experts, paged attention) run on this path."""
+    return paths.active().native
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.bmm with bf16's result (fp32 accumulation, rounded to bf16), computed in fp32 on
     CPUs without a bf16 matmul path (where oneDNN cannot pack bf16, torch's bf16 bmm is much
     slower than converting both sides and multiplying in fp32)."""
-    if _PACK or a.dtype != torch.bfloat16 or a.device.type != "cpu":
+    if paths.onednn_bf16() or a.dtype != torch.bfloat16 or a.device.type != "cpu":
         return torch.bmm(a, b)
     return torch.bmm(a.float(), b.float()).to(a.dtype)
 
 
 class Linear:
-    """y = x @ W.T for a fixed weight W [N, K]. bf16 on the CPU takes the fastest path there is:
+    """y = x @ W.T for a fixed weight W [N, K], on the kernel path active when it is built
+    (afd/kernels/paths.py); bf16 on the CPU:
 
-    - AVX-512 CPUs: the weight is re-laid out once for oneDNN's matmul: bit-identical to
-      F.linear, and skinny decode matmuls stream the blocked weight faster than row-major;
-    - AVX2-only CPUs, where oneDNN cannot pack bf16 and torch's bf16 matmul falls back to a
-      scalar path far slower than fp32: afd's own kernel (afd/kernels/gemm.c), fp32
-      accumulation, on the weight re-laid out once as it reads it (gemm.pack: 4 rows as one
-      sequential run);
-    - anything else: F.linear.
+    - avx512bf16: afd's kernel on W as it is, up to the rows of x from which oneDNN's matmul
+      (F.linear, same W) is faster here (paths.onednn_from_rows);
+    - avx2: afd's kernel on W re-laid out once (gemm.pack), every batch size;
+    - onednn: W re-laid out once for oneDNN's matmul: bit-identical to F.linear;
+    - torch, and any other dtype or device: F.linear.
     """
 
     def __init__(self, w: torch.Tensor):
         self.out_features, self.in_features = w.shape
-        cpu_bf16 = w.dtype == torch.bfloat16 and w.device.type == "cpu"
-        self.packed = _PACK and cpu_bf16
-        self.native = not self.packed and cpu_bf16 and w.shape[1] % 8 == 0 and gemm.available()
-        if self.packed:
+        k = self.in_features
+        matmul = paths.active().matmul if w.dtype == torch.bfloat16 else "torch"
+        # afd's kernels need K % 8 == 0 (AVX2) or even K (AVX-512 BF16)
+        if w.device.type != "cpu" or k % {"avx2": 8, "avx512bf16": 2}.get(matmul, 1):
+            matmul = "torch"
+        self.matmul = matmul
+        self.isa = matmul if matmul in gemm.ISAS else None  # afd's kernel, on this layout
+        # from how many rows of x F.linear takes over (never for avx2: it has no fast bf16 path)
+        threads = torch.get_num_threads()
+        self.onednn_from = (
+            paths.onednn_from_rows(threads) if matmul == "avx512bf16" else paths.NEVER
+        )
+        if matmul == "onednn":
             self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+        elif matmul == "avx2":
+            self.w = gemm.pack(w)
         else:
-            self.w = gemm.pack(w) if self.native else w
+            self.w = w.contiguous() if matmul == "avx512bf16" else w
+
+    @property
+    def native(self) -> bool:
+        """Its weight is laid out for afd's kernels (fused layer, fused experts)."""
+        return self.isa is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        if self.packed:
+        if self.matmul == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [], "")
-        if self.native and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return gemm.bf16_linear(x, self.w)
+        if self.isa and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            if x.numel() < self.onednn_from * self.in_features:
+                return gemm.bf16_linear(x, self.w, self.isa)
         return F.linear(x, self.w)
 
 

@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-from tests.helpers import checkpoints
+from afd.kernels import paths
+from tests.helpers import checkpoints, kernels
 
 # Tests are sized for a 2-core machine; keep torch from oversubscribing it.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -17,3 +18,20 @@ def qwen3_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mixtral_dir(tmp_path_factory):
     return checkpoints.mixtral(tmp_path_factory.mktemp("mixtral"))
+
+
+@pytest.fixture(params=kernels.NATIVE or [pytest.param(None, marks=kernels.NO_NATIVE)])
+def native_path(request, monkeypatch):
+    """Each of afd's own kernel paths this machine runs (AVX2, AVX-512 BF16), active for the
+    test, with afd's matmul at every batch size (oneDNN's takes none over), so a fused kernel
+    and the per-op path it replaces run the same matmuls."""
+    monkeypatch.setenv("AFD_ONEDNN_FROM_ROWS", "0")
+    with paths.use(request.param) as p:
+        yield p
+
+
+@pytest.fixture(params=kernels.ALL)
+def kernel_path(request):
+    """Every kernel path this machine runs, as AFD_KERNELS would force it."""
+    with paths.use(request.param) as p:
+        yield p

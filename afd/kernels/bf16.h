@@ -1,4 +1,4 @@
-/* Helpers shared by afd's AVX2 kernels (gemm.c, moe.c, attention.c): bf16 <-> fp32 and the
+/* Helpers shared by afd's kernels (gemm.c, gemm512.c, moe.c, attention.c, ...): bf16 <-> fp32 and the
  * weight-streaming matmul the other two build on. */
 #ifndef AFD_BF16_H
 #define AFD_BF16_H
@@ -99,9 +99,16 @@ static inline __m256 exp8(__m256 x) {
 void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,
               int n1, float *wt);
 
+/* The same for the AVX-512 BF16 matmul (gemm512.c): x bf16, W row-major; rows n0..n1 of W,
+ * n0 a multiple of 4. Call only where afd_cpu_avx512bf16() is true. */
+void afd_rows512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,
+                 int n1);
+
 /* The library's entry points that decode_layer.c composes (gemm.c, norm_rope.c, attention.c). */
 int afd_bf16_gemm(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
                   int threads);
+int afd_bf16_gemm512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
+                     int threads);
 int afd_bf16_rms_norm(const uint16_t *x, long sa, long sb, const uint16_t *w, uint16_t *y, int A,
                       int B, int D, float eps);
 int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, const uint16_t *cos,

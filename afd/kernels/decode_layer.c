@@ -18,10 +18,15 @@
 
 #include "bf16.h"
 
+/* A matmul on the instruction set (and weight layout) the caller chose. */
+#define GEMM(x, w, y, M, N, K) \
+  ((isa ? afd_bf16_gemm512 : afd_bf16_gemm)(x, w, y, M, N, K, threads))
+
 /* h [T, H] in; h_out [T, H] and x_out [T, H] out. Weights: attn_norm, ffn_norm [H];
  * w_qkv [(qin + 2 kvh D), H] with qin = nh D, or for MFA the query rank with inter_norm [qin]
  * and w_q [nh D, qin]; q_norm, k_norm [D] or NULL (no q/k norm); w_o [H, nh D].
  * cos, sin [P, D]; pos, slots [T]; k/v cache [kvh, NB, bs, D]; blocks [T, nb]; lens [T].
+ * isa: the matmuls' instruction set and weight layout, as afd_bf16_moe's.
  * Returns 0, or -1 (bad sizes, memory short, a length past the block table). */
 int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const uint16_t *attn_norm, const uint16_t *ffn_norm,
@@ -31,7 +36,7 @@ int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const int64_t *slots, uint16_t *k_cache, uint16_t *v_cache,
                           const int64_t *blocks, const int64_t *lens, int T, int H, int qin,
                           int nh, int kvh, int D, int NB, int bs, int nb, float eps, float scale,
-                          int threads) {
+                          int threads, int isa) {
   if (T <= 0 || H % 8 != 0 || D % 16 != 0 || kvh <= 0 || nh % kvh != 0 || qin % 8 != 0) return -1;
   if (!w_q && qin != nh * D) return -1;
   const int Q = nh * D, KV = kvh * D, W = qin + 2 * KV;
@@ -44,7 +49,7 @@ int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
   int rc = -1;
   if (!xn || !qkv || !tmp || !q || !att) goto done;
   if (afd_bf16_rms_norm(h, H, 0, attn_norm, xn, T, 1, H, eps)) goto done;
-  if (afd_bf16_gemm(xn, w_qkv, qkv, T, W, H, threads)) goto done;
+  if (GEMM(xn, w_qkv, qkv, T, W, H)) goto done;
   /* k first (rope'd into q's buffer, then scattered to the cache), then q */
   const uint16_t *k_src = qkv + qin;
   if (k_norm) {
@@ -62,7 +67,7 @@ int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
     }
   if (w_q) { /* MFA: the low-rank query, normed, up-projected (into att, free until attention) */
     if (afd_bf16_rms_norm(qkv, W, 0, inter_norm, tmp, T, 1, qin, eps)) goto done;
-    if (afd_bf16_gemm(tmp, w_q, att, T, Q, qin, threads)) goto done;
+    if (GEMM(tmp, w_q, att, T, Q, qin)) goto done;
     if (afd_bf16_rope(att, Q, q, T, nh, D, cos, sin, pos)) goto done;
   } else if (q_norm) {
     if (afd_bf16_rms_norm(qkv, W, D, q_norm, tmp, T, nh, D, eps)) goto done;
@@ -73,7 +78,7 @@ int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
   if (afd_bf16_decode_attention(q, k_cache, v_cache, blocks, lens, att, T, kvh, nh / kvh, D, NB,
                                 bs, nb, scale, threads))
     goto done;
-  if (afd_bf16_gemm(att, w_o, xn, T, H, Q, threads)) goto done; /* xn reused: o_proj out */
+  if (GEMM(att, w_o, xn, T, H, Q)) goto done; /* xn reused: o_proj out */
   for (size_t i = 0; i < (size_t)T * H; i += 8) /* bf16 + bf16, rounded once, as torch adds */
     store8(h_out + i, round8(_mm256_add_ps(load_bf16(h + i), load_bf16(xn + i))));
   rc = afd_bf16_rms_norm(h_out, H, 0, ffn_norm, x_out, T, 1, H, eps);

@@ -35,7 +35,9 @@ class NativeDecodeLayer:
         num_kv_heads: int,
         head_dim: int,
         eps: float,
+        isa: str,  # the matmuls' instruction set, which the weights are laid out for
     ):
+        self.isa = gemm.ISAS[isa]
         ws = (attn_norm, ffn_norm, dw.w_qkv, dw.q_norm, dw.k_norm, dw.inter_norm, dw.w_q, w_o)
         self.tensors = [t.contiguous() if t is not None else None for t in ws]
         self._ptrs = [t.data_ptr() if t is not None else None for t in self.tensors]
@@ -84,7 +86,7 @@ class NativeDecodeLayer:
             cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
             T, self.hidden, self.q_in, self.nh, self.kvh, self.d, NB, bs, blocks.shape[1],
-            self.eps, scale, torch.get_num_threads(),
+            self.eps, scale, torch.get_num_threads(), self.isa,
         )  # fmt: skip
         if rc:
             raise RuntimeError(f"afd_bf16_decode_layer failed (lengths {lens.tolist()})")

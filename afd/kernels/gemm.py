@@ -1,14 +1,15 @@
-"""The AVX2 kernels library (gemm.c, moe.c, attention.c, norm_rope.c, decode_layer.c, fp8.c), found
-next to this file when the build compiled it, and its bf16 matmul.
+"""afd's kernels library (gemm.c, gemm512.c, moe.c, attention.c, norm_rope.c, decode_layer.c,
+fp8.c), found next to this file when the build compiled it, and its bf16 matmuls: the AVX2 one
+on a packed weight (pack), the AVX-512 BF16 one on the weight as it is.
 
 `available()` is false where the library was not built (no compiler, not x86-64) or does not
-load, the CPU lacks AVX2/FMA, or AFD_NATIVE_KERNELS=0; callers then use torch.
+load, or the CPU lacks AVX2/FMA; callers then use torch. Which kernels run is chosen in
+afd/kernels/paths.py (AFD_KERNELS).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def _cpu_has_avx2_fma() -> bool:
 
 @cache
 def _lib() -> ctypes.CDLL | None:
-    if os.environ.get("AFD_NATIVE_KERNELS", "1") == "0" or not _cpu_has_avx2_fma():
+    if not _cpu_has_avx2_fma():
         return None
     found = sorted(_HERE.glob("_native*.so"))
     if not found:
@@ -38,7 +39,11 @@ def _lib() -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.afd_bf16_gemm.argtypes = [p, p, p, i, i, i, i]
     lib.afd_bf16_gemm.restype = i
-    lib.afd_bf16_moe.argtypes = [p, p, p, i, i, p, p, p, i, i, i, i, i, i]
+    lib.afd_bf16_gemm512.argtypes = [p, p, p, i, i, i, i]
+    lib.afd_bf16_gemm512.restype = i
+    lib.afd_cpu_avx512bf16.argtypes = []
+    lib.afd_cpu_avx512bf16.restype = i
+    lib.afd_bf16_moe.argtypes = [p, p, p, i, i, p, p, p, i, i, i, i, i, i, i]
     lib.afd_bf16_moe.restype = i
     f = ctypes.c_float
     lib.afd_bf16_decode_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
@@ -48,7 +53,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_rms_norm.restype = i
     lib.afd_bf16_rope.argtypes = [p, L, p, i, i, i, p, p, p]
     lib.afd_bf16_rope.restype = i
-    lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i]
+    lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i, i]
     lib.afd_bf16_decode_layer.restype = i
     lib.afd_fp8_quantize.argtypes = [p, p, p, i, i, i]
     lib.afd_fp8_quantize.restype = i
@@ -59,6 +64,16 @@ def _lib() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _lib() is not None
+
+
+@cache
+def avx512bf16() -> bool:
+    """Whether the AVX-512 BF16 matmul runs here (the CPU and the OS support it)."""
+    lib = _lib()
+    return lib is not None and bool(lib.afd_cpu_avx512bf16())
+
+
+ISAS = {"avx2": 0, "avx512bf16": 1}  # the kernels' isa argument
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -73,16 +88,17 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 @ W.T -> [..., N] bf16, w = pack(W) for W [N, K] bf16 (K % 8 == 0)."""
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, isa: str = "avx2") -> torch.Tensor:
+    """x [..., K] bf16 @ W.T -> [..., N] bf16 for W [N, K] bf16: with isa "avx2", w = pack(W)
+    and K % 8 == 0; with "avx512bf16" (where avx512bf16()), w = W contiguous, K even."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     m = x2.shape[0]
     y = torch.empty(x.shape[:-1] + (n,), dtype=torch.bfloat16)
-    if m and _lib().afd_bf16_gemm(
-        x2.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads()
-    ):
+    lib = _lib()
+    gemm = lib.afd_bf16_gemm512 if isa == "avx512bf16" else lib.afd_bf16_gemm
+    if m and gemm(x2.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads()):
         raise RuntimeError(f"afd_bf16_gemm failed for x {tuple(x.shape)} @ w {tuple(w.shape)}")
     return y

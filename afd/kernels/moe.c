@@ -13,17 +13,19 @@
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
 /* x [T, H]; ids [T, topk] (int32, global expert ids) and gate weights [T, topk] (fp32) as routed;
  * this shard holds experts first .. first + E - 1: w13 [E] -> [2I, H], w2 [E] -> [H, I];
  * out [T, H] accumulated into. All bf16 except as noted. reverse: visit the experts last to
- * first (the results do not change). Returns 0, or -1 when H or I is not a multiple of 8 or
- * memory is short. */
+ * first (the results do not change). isa: 0 for the AVX2 matmul on gemm.py's packed weights, 1
+ * for the AVX-512 BF16 one on row-major weights (gemm512.c). Returns 0, or -1 when H or I is not
+ * a multiple of 8 or memory is short. */
 int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int topk, int first,
                  const uint16_t *const *w13, const uint16_t *const *w2, uint16_t *out, int T,
-                 int E, int H, int I, int threads, int reverse) {
+                 int E, int H, int I, int threads, int reverse, int isa) {
   if (H % 8 != 0 || I % 8 != 0 || E <= 0 || topk < 0) return -1;
   /* The (token, expert) pairs held here, sorted by expert, stable in t * topk + j order (the torch
    * path's argsort): a counting sort. Each pair's weight rounded to bf16 as the torch path. */
@@ -64,27 +66,42 @@ int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int t
     int e = reverse ? E - 1 - i : i;
     int p0 = starts[e], n = starts[e + 1] - p0;
     if (n <= 0) continue;
-    float *xs = (float *)malloc((size_t)n * H * sizeof(float));
+    /* the expert's rows of x and its activation: fp32 for the AVX2 matmul, bf16 for AVX-512 */
+    const size_t xsz = isa ? sizeof(uint16_t) : sizeof(float);
+    void *xs = malloc((size_t)n * H * xsz);
     uint16_t *gu = (uint16_t *)malloc((size_t)n * 2 * I * sizeof(uint16_t));
-    float *act = (float *)malloc((size_t)n * I * sizeof(float));
+    void *act = malloc((size_t)n * I * xsz);
     float *wt = (float *)malloc((size_t)4 * (H > I ? H : I) * sizeof(float));
     if (!xs || !gu || !act || !wt) {
       failed = 1;
     } else {
       for (int i = 0; i < n; i++) {
         const uint16_t *src = x + (size_t)tokens[p0 + i] * H;
-        for (int k = 0; k < H; k += 8) _mm256_storeu_ps(xs + (size_t)i * H + k, load_bf16(src + k));
+        if (isa)
+          memcpy((uint16_t *)xs + (size_t)i * H, src, (size_t)H * sizeof(uint16_t));
+        else
+          for (int k = 0; k < H; k += 8)
+            _mm256_storeu_ps((float *)xs + (size_t)i * H + k, load_bf16(src + k));
       }
-      afd_rows(xs, w13[e], gu, n, 2 * I, H, 0, 2 * I, wt);
+      if (isa)
+        afd_rows512((const uint16_t *)xs, w13[e], gu, n, 2 * I, H, 0, 2 * I);
+      else
+        afd_rows((const float *)xs, w13[e], gu, n, 2 * I, H, 0, 2 * I, wt);
       for (int i = 0; i < n; i++)
         for (int j = 0; j < I; j++) {
           float g = bf16_value(gu[(size_t)i * 2 * I + j]);
           float u = bf16_value(gu[(size_t)i * 2 * I + I + j]);
           float s = bf16_round(g / (1.0f + expf(-g)));
-          act[(size_t)i * I + j] = bf16_round(s * u);
+          if (isa)
+            ((uint16_t *)act)[(size_t)i * I + j] = to_bf16(s * u);
+          else
+            ((float *)act)[(size_t)i * I + j] = bf16_round(s * u);
         }
       uint16_t *y = ys + (size_t)p0 * H;
-      afd_rows(act, w2[e], y, n, H, I, 0, H, wt);
+      if (isa)
+        afd_rows512((const uint16_t *)act, w2[e], y, n, H, I, 0, H);
+      else
+        afd_rows((const float *)act, w2[e], y, n, H, I, 0, H, wt);
       for (int i = 0; i < n; i++) {
         float wgt = weights[p0 + i];
         for (int k = 0; k < H; k++) y[(size_t)i * H + k] = to_bf16(bf16_value(y[(size_t)i * H + k]) * wgt);

@@ -13,9 +13,10 @@ from afd.kernels import gemm
 class NativeExperts:
     """The weight pointers of one layer's experts, kept beside the tensors that own them."""
 
-    def __init__(self, w13: list[torch.Tensor], w2: list[torch.Tensor]):
-        # w13: E x [2I, H], w2: E x [H, I], all bf16, contiguous (the tensors stay referenced)
-        self.w13, self.w2 = w13, w2
+    def __init__(self, w13: list[torch.Tensor], w2: list[torch.Tensor], isa: str):
+        # w13: E x [2I, H], w2: E x [H, I], all bf16, contiguous (the tensors stay referenced),
+        # laid out for isa's matmul (ops.Linear)
+        self.w13, self.w2, self.isa = w13, w2, isa
         self.count = len(w13)
         self.inter, self.hidden = w2[0].shape[1], w2[0].shape[0]
         ptrs = ctypes.c_void_p * self.count
@@ -67,6 +68,7 @@ class NativeExperts:
             self.inter,
             torch.get_num_threads(),
             self._reverse,
+            gemm.ISAS[self.isa],
         )
         self._reverse = not self._reverse
         if rc:

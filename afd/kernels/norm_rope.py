@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from afd.kernels import gemm
+from afd.kernels import gemm, paths
 
 
 def usable(x: torch.Tensor, multiple: int) -> bool:
     """x [..., D] bf16 on the CPU, last dim contiguous and a multiple of `multiple` (8 for
-    rms_norm, 16 for rope), and the library loaded."""
+    rms_norm, 16 for rope), and the kernel path one of afd's own (paths.py)."""
     return (
         x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and x.stride(-1) == 1
         and x.shape[-1] % multiple == 0
-        and gemm.available()
+        and paths.active().native
     )
 
 

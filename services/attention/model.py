@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from afd.checkpoint import load_weights
 from afd.config import ModelConfig
 from afd.kernels.decode_layer import NativeDecodeLayer
-from afd.ops import Linear, native_bf16, rms_norm
+from afd.ops import Linear, native, rms_norm
 from services.attention.kinds import ATTENTION_KINDS, AttentionKind
 from services.attention.kv_cache import KVCache
 from services.attention.moe_router import ROUTERS
@@ -69,16 +69,16 @@ class AttentionModel:
         self.scale = cfg.head_dim**-0.5
 
     def _fused(self, lw: AttentionLayer) -> NativeDecodeLayer | None:
-        """Where afd's own kernels carry the bf16 compute (native_bf16), a layer's decode runs
+        """Where afd's own kernels carry the bf16 compute (ops.native), a layer's decode runs
         as one native call: the same kernels, the same bits, ~15 fewer Python calls."""
         c, dw = self.cfg, lw.kind.decode_weights()
-        if dw is None or not (native_bf16() and lw.o_proj.native):
+        if dw is None or not (native() and lw.o_proj.native):
             return None
         dims = (c.num_heads, c.num_kv_heads, c.head_dim)
         norms = (lw.attn_norm, lw.ffn_norm)
         if not NativeDecodeLayer.usable(c.hidden_size, *dims, dw, *norms, lw.o_proj.w):
             return None
-        return NativeDecodeLayer(*norms, dw, lw.o_proj.w, *dims, c.rms_norm_eps)
+        return NativeDecodeLayer(*norms, dw, lw.o_proj.w, *dims, c.rms_norm_eps, lw.o_proj.isa)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         return F.embedding(token_ids, self.embed_w)
@@ -89,7 +89,9 @@ class AttentionModel:
         """h [T, H] -> (h + attn(norm(h)) [T, H], FFN input x = ffn_norm(h') [T, H])."""
         lw = self.layers[layer]
         decode_only = meta.num_decode == h.shape[0] and meta.decode_blocks is not None
-        if lw.fused is not None and decode_only and h.dtype == torch.bfloat16:
+        # from onednn_from rows on, oneDNN's matmuls beat the fused layer's (ops.Linear)
+        small = h.shape[0] < lw.o_proj.onednn_from
+        if lw.fused is not None and decode_only and small and h.dtype == torch.bfloat16:
             cos, sin = self.rope.tables(torch.bfloat16)
             return lw.fused(
                 h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from afd.kernels.attention import decode_attention
-from afd.ops import bmm, native_bf16
+from afd.ops import bmm, native
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ def paged_attention(
     T, nh, D = q.shape
     out = torch.empty(T, nh * D, dtype=q.dtype)
     nd = meta.num_decode
-    native = native_bf16() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
-    if nd and native and k_cache.device.type == "cpu" and k_cache.is_contiguous():
+    fused = native() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
+    if nd and fused and k_cache.device.type == "cpu" and k_cache.is_contiguous():
         lens = meta.decode_lens
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale)
     elif nd:

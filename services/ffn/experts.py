@@ -31,7 +31,8 @@ class ExpertGroup:
         native = all(lin.native for lin in (*w13, *w2)) and NativeExperts.usable(
             weights13, weights2
         )
-        return ExpertGroup(first, w13, w2, NativeExperts(weights13, weights2) if native else None)
+        fused = NativeExperts(weights13, weights2, w13[0].isa) if native else None
+        return ExpertGroup(first, w13, w2, fused)
 
     @property
     def count(self) -> int:
@@ -51,11 +52,14 @@ def routed_experts(
     experts held by other shards are skipped. The sum is accumulated in expert order (as the
     Hugging Face reference does) with one index_add_.
     """
-    if group.native is not None and x.dtype == out.dtype == torch.bfloat16 and out.is_contiguous():
+    T, k = expert_ids.shape
+    # with as many rows per expert as oneDNN's matmul is faster from, the Linears take over
+    few = T * k < group.w13[0].onednn_from * group.count
+    native = group.native is not None and few and out.is_contiguous()
+    if native and x.dtype == out.dtype == torch.bfloat16:
         # one call: the pair sorting below, the experts and the sum, with the same roundings
         group.native(x, expert_ids, expert_weights, group.first, out)
         return out
-    T, k = expert_ids.shape
     local = expert_ids.reshape(-1).long() - group.first  # [T*k]
     held = (local >= 0) & (local < group.count)
     if not bool(held.any()):

@@ -82,7 +82,8 @@ def test_chunked_prefill_and_preemption(refs, family):
 
 
 @pytest.mark.parametrize("family", TRANSFORMERS_REFERENCED)
-def test_bf16_within_near_tie_tolerance(refs, family):
+def test_bf16_within_near_tie_tolerance(refs, family, kernel_path):
+    """On every kernel path this machine runs (AFD_KERNELS): afd's kernels, oneDNN, torch."""
     path, ref_model, _ = refs[family]
     got, _ = afd_greedy(engine_cfg(path, dtype="bfloat16", S=2))
     gaps = [

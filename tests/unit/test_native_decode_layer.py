@@ -12,14 +12,9 @@ import torch
 
 from afd.config import ModelConfig
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
-from afd.ops import native_bf16
 from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.paged_attention import AttnMeta
-
-pytestmark = pytest.mark.skipif(
-    not native_bf16(), reason="the fused layer runs where afd's own kernels carry bf16"
-)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +25,7 @@ def step3_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir", "step3_dir"])
-def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(ckpt, request):
+def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckpt, request):
     cfg = ModelConfig.from_hf(request.getfixturevalue(ckpt))
     model = AttentionModel(cfg, torch.bfloat16, progress=False)
     assert all(lw.fused is not None for lw in model.layers)

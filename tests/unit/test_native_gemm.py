@@ -1,7 +1,8 @@
-"""afd's AVX2 bf16 matmul (afd/kernels/gemm.c) against an fp32 matmul of the same bf16
-values: every path of the kernel (1 and 2 rows of x, chunks of up to 6 rows against weight
-pairs from 3 rows, the fp32-tile path from 13 rows with its 3-row blocks and remainders,
-weight rows not a multiple of 4, one and two threads)."""
+"""afd's bf16 matmuls (afd/kernels/gemm.c for AVX2, gemm512.c for AVX-512 BF16), each on every
+machine that runs it, against an fp32 matmul of the same bf16 values: every path of the kernels
+(1 and 2 rows of x, chunks of up to 6 rows, the AVX2 fp32-tile path from 13 rows with its
+3-row blocks and remainders, weight rows not a multiple of 4, K not a multiple of 32, one and
+two threads); and ops.Linear on every kernel path (AFD_KERNELS)."""
 
 from __future__ import annotations
 
@@ -9,25 +10,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from afd.kernels import gemm
+from afd.kernels import gemm, paths
 from afd.ops import Linear
 
-pytestmark = pytest.mark.skipif(
-    not gemm.available(), reason="kernel not built or the CPU lacks AVX2/FMA"
-)
+
+def laid_out(w: torch.Tensor, isa: str) -> torch.Tensor:
+    return gemm.pack(w) if isa == "avx2" else w.contiguous()
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 12, 13, 14, 33])
-@pytest.mark.parametrize("n,k", [(13, 24), (256, 512), (1030, 1024)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 12, 13, 14, 33, 70])
+@pytest.mark.parametrize("n,k", [(13, 24), (256, 512), (1030, 1000)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_fp32_matmul_to_bf16_rounding(m, n, k, threads):
+def test_matches_fp32_matmul_to_bf16_rounding(native_path, m, n, k, threads):
     g = torch.Generator().manual_seed(m * 1000 + n)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        y = gemm.bf16_linear(x, gemm.pack(w))
+        y = gemm.bf16_linear(x, laid_out(w, native_path.matmul), native_path.matmul)
     finally:
         torch.set_num_threads(before)
     ref = F.linear(x.float(), w.float())  # exact products, fp32 sums
@@ -52,49 +53,83 @@ def test_pack_lays_each_group_of_4_rows_out_as_one_run(n):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_rows_result_does_not_depend_on_the_batch_it_is_in(threads):
-    """Every path (1, 2, pairs, fp32 tile, tail rows) sums a row's products in the same order,
-    so a token gets the same bits at batch 1 as inside a batch of 33."""
+def test_a_rows_result_does_not_depend_on_the_batch_it_is_in(native_path, threads):
+    """Every path (1, 2, pairs or chunks, fp32 tile, tail rows) sums a row's products in the
+    same order, so a token gets the same bits at batch 1 as inside a batch of 70."""
+    isa = native_path.matmul
     g = torch.Generator().manual_seed(7)
-    w = gemm.pack(torch.randn(1030, 256, generator=g).to(torch.bfloat16))
-    x = torch.randn(33, 256, generator=g).to(torch.bfloat16)
+    w = laid_out(torch.randn(1030, 256, generator=g).to(torch.bfloat16), isa)
+    x = torch.randn(70, 256, generator=g).to(torch.bfloat16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        alone = gemm.bf16_linear(x[:1], w)
-        for m in (2, 3, 7, 12, 13, 33):
-            assert torch.equal(gemm.bf16_linear(x[:m], w)[:1], alone), m
+        alone = gemm.bf16_linear(x[:1], w, isa)
+        for m in (2, 3, 7, 12, 13, 33, 70):
+            assert torch.equal(gemm.bf16_linear(x[:m], w, isa)[:1], alone), m
     finally:
         torch.set_num_threads(before)
 
 
-def test_leading_dims_and_non_contiguous_input():
+def test_leading_dims_and_non_contiguous_input(native_path):
+    isa = native_path.matmul
     w = torch.randn(64, 32).to(torch.bfloat16)
     x = torch.randn(32, 3, 5).to(torch.bfloat16).permute(1, 2, 0)  # [3, 5, 32], strided
-    y = gemm.bf16_linear(x, gemm.pack(w))
+    y = gemm.bf16_linear(x, laid_out(w, isa), isa)
     assert y.shape == (3, 5, 64)
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2**-8, atol=1e-3)
 
 
-def test_linear_computes_the_linear_on_whichever_path_it_takes():
+@pytest.mark.parametrize("m", [1, 5, 9, 40])
+def test_linear_computes_the_linear_on_every_kernel_path(kernel_path, m):
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(16, 32, generator=g).to(torch.bfloat16)
-    x = torch.randn(5, 32, generator=g).to(torch.bfloat16)
+    w = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(m, 64, generator=g).to(torch.bfloat16)
     lin = Linear(w)
+    assert lin.matmul == kernel_path.matmul
     ref = F.linear(x, w)
-    if lin.packed:  # oneDNN's re-laid-out weight: F.linear's bits exactly
+    if kernel_path.matmul in ("onednn", "torch"):  # F.linear's bits exactly
         assert torch.equal(lin(x), ref)
-    else:  # afd's kernel (or F.linear itself): fp32 accumulation, rounded once
+    else:  # afd's kernel (or oneDNN's from onednn_from rows): fp32 sums, rounded once
         torch.testing.assert_close(
             lin(x).float(), F.linear(x.float(), w.float()), rtol=2**-7, atol=1e-3
         )
-    assert Linear(torch.randn(16, 12).to(torch.bfloat16)).native is False  # K % 8 != 0
     assert Linear(torch.randn(16, 32)).native is False  # fp32 weights: torch's matmul
+
+
+def test_a_weight_afds_kernels_cannot_take_goes_to_torch():
+    if "avx2" in paths.runnable():
+        with paths.use("avx2"):
+            assert Linear(torch.randn(16, 12).to(torch.bfloat16)).native is False  # K % 8
+    if "avx512bf16" in paths.runnable():
+        with paths.use("avx512bf16"):
+            assert Linear(torch.randn(16, 12).to(torch.bfloat16)).native  # any even K
+            assert Linear(torch.randn(16, 13).to(torch.bfloat16)).native is False
+
+
+def test_avx512_hands_larger_batches_to_onednn_from_the_crossover(monkeypatch):
+    """ops.Linear takes afd's kernel below AFD_ONEDNN_FROM_ROWS rows of x, oneDNN's from there
+    (F.linear's bits exactly), and the fused calls follow the same rule."""
+    if "avx512bf16" not in paths.runnable() or not paths.onednn_bf16():
+        pytest.skip("needs AVX-512 BF16 and oneDNN's bf16 matmul")
+    monkeypatch.setenv("AFD_ONEDNN_FROM_ROWS", "4")
+    with paths.use("avx512bf16"):
+        g = torch.Generator().manual_seed(1)
+        w = torch.randn(64, 256, generator=g).to(torch.bfloat16)
+        lin = Linear(w)
+        assert lin.onednn_from == 4
+        x = torch.randn(4, 256, generator=g).to(torch.bfloat16)
+        assert torch.equal(lin(x), F.linear(x, w))
+        assert torch.equal(lin(x[:3]), gemm.bf16_linear(x[:3], w, "avx512bf16"))
+    monkeypatch.setenv("AFD_ONEDNN_FROM_ROWS", "0")
+    assert paths.onednn_from_rows(2) == paths.NEVER
+    monkeypatch.setenv("AFD_ONEDNN_FROM_ROWS", "lots")
+    with pytest.raises(paths.ConfigError, match="AFD_ONEDNN_FROM_ROWS"):
+        paths.onednn_from_rows(2)
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 37, 200])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_experts_match_the_torch_path_bit_for_bit(tokens, threads):
+def test_fused_experts_match_the_torch_path_bit_for_bit(native_path, tokens, threads):
     """services/ffn/experts.py's fused native call against its per-expert torch path: the same
     rounding steps, so the same bits (experts 4..11 held here; ids 0..15 routed)."""
     from services.ffn.experts import ExpertGroup, routed_experts
@@ -107,8 +142,7 @@ def test_fused_experts_match_the_torch_path_bit_for_bit(tokens, threads):
 
     w13 = [lin(2 * inter, hidden) for _ in range(experts)]
     w2 = [lin(hidden, inter) for _ in range(experts)]
-    if not w13[0].native:
-        pytest.skip("oneDNN packs bf16 on this CPU: the fused call is for AVX2-only CPUs")
+    assert w13[0].isa == native_path.matmul
     fused, plain = ExpertGroup.build(4, w13, w2), ExpertGroup(4, w13, w2)
     assert fused.native is not None and plain.native is None
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
@@ -128,6 +162,12 @@ def test_fused_experts_match_the_torch_path_bit_for_bit(tokens, threads):
     assert torch.equal(a, b) and torch.equal(a2, b)
 
 
+needs_library = pytest.mark.skipif(
+    not gemm.available(), reason="kernels not built or the CPU lacks AVX2/FMA"
+)
+
+
+@needs_library
 @pytest.mark.parametrize(
     "kvh,g,d,lens,num_blocks",
     [
@@ -169,6 +209,7 @@ def test_decode_attention_matches_the_torch_path(kvh, g, d, lens, num_blocks, th
     assert (out == ref).float().mean() > 0.98
 
 
+@needs_library
 def test_decode_attention_rejects_a_length_past_the_block_table():
     from afd.kernels.attention import decode_attention
 

@@ -1,0 +1,159 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T for bf16 x, W and y on CPUs with AVX-512 BF16 (AMD Zen 4 and
+ * later, Intel Cooper Lake, Sapphire Rapids and later): vdpbf16ps multiplies 32 bf16 pairs and
+ * adds them into 16 fp32 lanes in one instruction, so x needs no conversion to fp32 and a weight
+ * vector holds 32 values instead of 8.
+ *
+ * The library is built for AVX2 (setup.py); only the functions here carry the AVX-512 target
+ * (the attribute below), and afd/kernels/gemm.py calls them only where afd_cpu_avx512bf16()
+ * says the CPU and the OS support them: one build, the instruction set chosen at run time.
+ *
+ * The weight stays row-major, as the checkpoint has it: with 4 rows read side by side, each step
+ * of the loop loads 4 whole 64-byte lines, and streams as fast as a re-laid-out copy did
+ * (measured); so the same tensor also serves oneDNN's matmul where afd/ops.py hands it the
+ * larger batches, and no second copy is kept.
+ *
+ * Each output is one dot product in 16 lanes (each lane sums pairs 32s + 2l, 32s + 2l + 1 over
+ * s), then the same reduction of the lanes whatever the number of rows of x: a row's result is
+ * the same bits alone or in a batch. Products of two bf16 values are exact in fp32, so results
+ * differ from other fp32-accumulating matmuls only by summation order; vdpbf16ps treats bf16
+ * denormals as zero and flushes denormal sums, irrelevant at the magnitudes a model produces. */
+#include <cpuid.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+/* Whether this CPU and OS run AVX-512 F/BW/VL/DQ with the BF16 dot products. libgcc's check of
+ * avx512f includes the OS saving the zmm state (XCR0); the BF16 bit is CPUID leaf 7.1 EAX[5]. */
+int afd_cpu_avx512bf16(void) {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq"))
+    return 0;
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
+  return (a >> 5) & 1;
+}
+
+static inline AVX512BF16 __m512bh ld32(const uint16_t *p) {
+  return (__m512bh)_mm512_loadu_si512((const void *)p);
+}
+
+static inline AVX512BF16 __m512bh ld_tail(const uint16_t *p, __mmask32 m) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)p);
+}
+
+/* [sum(a0), sum(a1), sum(a2), sum(a3)]: halves added, then two rounds of pairwise sums. */
+static inline AVX512BF16 __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  __m256 b0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+  __m256 b1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+  __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+  __m256 b3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+  __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+/* R rows of x from row m (R <= 6, a constant where inlined, so the 4 R accumulators stay in
+ * registers: 24 + 4 weights + 1 x of the 32 zmm) against weight rows n..n+3 (at w). */
+static inline __attribute__((always_inline)) AVX512BF16 void group_rows(
+    const uint16_t *x, const uint16_t *w, uint16_t *y, int R, int m, int N, int K, int n) {
+  __m512 a[6][4];
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < 4; r++) a[i][r] = _mm512_setzero_ps();
+  const int S = K / 32, tail = K % 32;
+  const uint16_t *p0 = w, *p1 = w + K, *p2 = w + 2 * (size_t)K, *p3 = w + 3 * (size_t)K;
+  for (int s = 0; s < S; s++) {
+    __m512bh w0 = ld32(p0 + 32 * s), w1 = ld32(p1 + 32 * s);
+    __m512bh w2 = ld32(p2 + 32 * s), w3 = ld32(p3 + 32 * s);
+    for (int i = 0; i < R; i++) {
+      __m512bh c = ld32(x + (size_t)(m + i) * K + 32 * s);
+      a[i][0] = _mm512_dpbf16_ps(a[i][0], c, w0);
+      a[i][1] = _mm512_dpbf16_ps(a[i][1], c, w1);
+      a[i][2] = _mm512_dpbf16_ps(a[i][2], c, w2);
+      a[i][3] = _mm512_dpbf16_ps(a[i][3], c, w3);
+    }
+  }
+  if (tail) { /* the zeros a masked load puts past the row add nothing */
+    const __mmask32 mk = (__mmask32)((1ull << tail) - 1);
+    __m512bh w0 = ld_tail(p0 + 32 * S, mk), w1 = ld_tail(p1 + 32 * S, mk);
+    __m512bh w2 = ld_tail(p2 + 32 * S, mk), w3 = ld_tail(p3 + 32 * S, mk);
+    for (int i = 0; i < R; i++) {
+      __m512bh c = ld_tail(x + (size_t)(m + i) * K + 32 * S, mk);
+      a[i][0] = _mm512_dpbf16_ps(a[i][0], c, w0);
+      a[i][1] = _mm512_dpbf16_ps(a[i][1], c, w1);
+      a[i][2] = _mm512_dpbf16_ps(a[i][2], c, w2);
+      a[i][3] = _mm512_dpbf16_ps(a[i][3], c, w3);
+    }
+  }
+  for (int i = 0; i < R; i++) {
+    float s[4];
+    _mm_storeu_ps(s, sum4(a[i][0], a[i][1], a[i][2], a[i][3]));
+    uint16_t *yi = y + (size_t)(m + i) * N + n;
+    yi[0] = to_bf16(s[0]), yi[1] = to_bf16(s[1]), yi[2] = to_bf16(s[2]), yi[3] = to_bf16(s[3]);
+  }
+}
+
+/* Rows m0..m1 of x against the group at g, in chunks of at most 6 rows of about equal size. */
+static AVX512BF16 void group_chunks(const uint16_t *x, const uint16_t *g, uint16_t *y, int m0,
+                                    int m1, int N, int K, int n) {
+  for (int m = m0; m < m1;) {
+    int left = m1 - m, chunks = (left + 5) / 6, r = (left + chunks - 1) / chunks;
+    switch (r) {
+      case 1: group_rows(x, g, y, 1, m, N, K, n); break;
+      case 2: group_rows(x, g, y, 2, m, N, K, n); break;
+      case 3: group_rows(x, g, y, 3, m, N, K, n); break;
+      case 4: group_rows(x, g, y, 4, m, N, K, n); break;
+      case 5: group_rows(x, g, y, 5, m, N, K, n); break;
+      default: group_rows(x, g, y, 6, m, N, K, n); break;
+    }
+    m += r;
+  }
+}
+
+/* One row-major weight row n against rows m0..m1 of x. */
+static AVX512BF16 void one_row(const uint16_t *x, const uint16_t *w, uint16_t *y, int m0, int m1,
+                               int N, int K, int n) {
+  const int S = K / 32, tail = K % 32;
+  const __mmask32 mk = (__mmask32)((1ull << tail) - 1);
+  for (int m = m0; m < m1; m++) {
+    const uint16_t *xm = x + (size_t)m * K;
+    __m512 a = _mm512_setzero_ps(), z = a;
+    for (int s = 0; s < S; s++) a = _mm512_dpbf16_ps(a, ld32(xm + 32 * s), ld32(w + 32 * s));
+    if (tail) a = _mm512_dpbf16_ps(a, ld_tail(xm + 32 * S, mk), ld_tail(w + 32 * S, mk));
+    float s[4];
+    _mm_storeu_ps(s, sum4(a, z, z, z));
+    y[(size_t)m * N + n] = to_bf16(s[0]);
+  }
+}
+
+/* How many rows of x one pass over a thread's weight rows takes: a block of x (~128 KiB at
+ * K = 1024) stays in L2 while the weights stream past it once per block. */
+#define M_BLOCK 64
+
+/* Rows n0..n1 of packed512 W (n0 a multiple of 4) against all M rows of x (bf16 [M, K]). */
+AVX512BF16 void afd_rows512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N,
+                            int K, int n0, int n1) {
+  for (int mb = 0; mb < M; mb += M_BLOCK) {
+    int me = mb + M_BLOCK < M ? mb + M_BLOCK : M;
+    int n = n0;
+    for (; n + 4 <= n1; n += 4) group_chunks(x, w + (size_t)n * K, y, mb, me, N, K, n);
+    for (; n < n1; n++) one_row(x, w + (size_t)n * K, y, mb, me, N, K, n);
+  }
+}
+
+/* Returns 0, or -1 for bad sizes. */
+int afd_bf16_gemm512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
+                     int threads) {
+  if (K % 2 != 0 || M <= 0 || N <= 0) return -1;
+  /* Below ~256 KiB of weight a second thread costs more to wake than it saves. */
+  int t = (size_t)N * K < (1u << 17) ? 1 : threads;
+  int chunk = (N + 4 * t - 1) / (4 * t) * 4; /* whole 4-row groups per thread */
+#pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
+  for (int i = 0; i < t; i++) {
+    int n0 = i * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+    if (n0 < n1) afd_rows512(x, w, y, M, N, K, n0, n1);
+  }
+  return 0;
+}
