@@ -54,40 +54,72 @@ def _root(base_url: str) -> str:
     return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
-async def _tokenize(http, root: str, text: str) -> list[int] | None:
-    try:
-        r = await http.post(f"{root}/tokenize", json={"prompt": text})
-        if r.status_code != 200:
+class Tokenizer:
+    """The server's /tokenize and /detokenize, if it has them. afd and vLLM take
+    {"prompt": text} and answer {"tokens": [...]} / {"prompt": text}; llama.cpp's server takes
+    {"content": text} and answers {"tokens": [...]} / {"content": text}. The first form that
+    returns tokens for a non-empty text is kept; with neither, prompts are approximated with
+    words (a warning says so)."""
+
+    FORMS = ("prompt", "content")
+
+    def __init__(self, http, root: str):
+        self.http, self.root = http, root
+        self.form: str | None = None  # the request key that works
+        self.absent = False
+
+    async def tokenize(self, text: str) -> list[int] | None:
+        if self.absent:
             return None
-        tokens = r.json().get("tokens")
-        return tokens if isinstance(tokens, list) else None
-    except Exception:  # no /tokenize (a plain OpenAI endpoint): fall back to words
+        for form in (self.form,) if self.form else self.FORMS:
+            try:
+                r = await self.http.post(f"{self.root}/tokenize", json={form: text})
+                tokens = r.json().get("tokens") if r.status_code == 200 else None
+            except Exception:  # no /tokenize (a plain OpenAI endpoint), or not JSON
+                tokens = None
+            if isinstance(tokens, list) and (tokens or not text):
+                self.form = form
+                return [t if isinstance(t, int) else t.get("id", 0) for t in tokens]
+        if self.form is None:
+            self.absent = True
+            print(
+                f"warning: {self.root}/tokenize gave no tokens; prompt lengths are approximated "
+                "with words",
+                file=sys.stderr,
+            )
         return None
 
+    async def detokenize(self, ids: list[int]) -> str | None:
+        try:
+            r = await self.http.post(f"{self.root}/detokenize", json={"tokens": ids})
+            body = r.json() if r.status_code == 200 else {}
+        except Exception:
+            return None
+        text = body.get(self.form or "prompt")
+        return text if isinstance(text, str) else None
 
-async def _detokenize(http, root: str, ids: list[int]) -> str | None:
-    try:
-        r = await http.post(f"{root}/detokenize", json={"tokens": ids})
-        return r.json().get("prompt") if r.status_code == 200 else None
-    except Exception:
-        return None
+
+# Rounds of words added to a text that tokenized short, before taking it as it is.
+_GROW_ATTEMPTS = 8
 
 
-async def _synthetic_text(http, root: str, rng: random.Random, n_tokens: int) -> tuple[str, int]:
+async def _synthetic_text(tok: Tokenizer, rng: random.Random, n_tokens: int) -> tuple[str, int]:
     """Text of about `n_tokens` tokens: (text, measured tokens or 0 if the server cannot say)."""
     # A random number first: no two prompts share a prefix (a prefix cache would flatter TTFT).
     words = [str(rng.randrange(10**6))] + [rng.choice(_WORDS) for _ in range(n_tokens)]
     text = " ".join(words)
-    ids = await _tokenize(http, root, text)
+    ids = await tok.tokenize(text)
     if ids is None:
         return " ".join(words[: max(1, n_tokens)]), 0
-    while len(ids) < n_tokens:  # rare: fewer tokens than words
+    for _ in range(_GROW_ATTEMPTS):  # rare: fewer tokens than words
+        if len(ids) >= n_tokens:
+            break
         text += " " + " ".join(rng.choice(_WORDS) for _ in range(n_tokens - len(ids)))
-        ids = await _tokenize(http, root, text) or ids
-    cut = await _detokenize(http, root, ids[:n_tokens])
+        ids = await tok.tokenize(text) or ids
+    cut = await tok.detokenize(ids[:n_tokens])
     if cut is None:
         return text, len(ids)
-    again = await _tokenize(http, root, cut)
+    again = await tok.tokenize(cut)
     return cut, len(again) if again is not None else n_tokens
 
 
@@ -136,10 +168,10 @@ async def prepare_prompts(http, args: argparse.Namespace) -> list[Prompt]:
         rows = _read_jsonl(args.dataset, args)
         return [rows[i % len(rows)] for i in range(args.num_requests)]
     rng = random.Random(args.seed)
-    root = _root(args.base_url)
+    tok = Tokenizer(http, _root(args.base_url))
     prompts = []
     for _ in range(args.num_requests):
-        text, n = await _synthetic_text(http, root, rng, args.input_len)
+        text, n = await _synthetic_text(tok, rng, args.input_len)
         prompts.append(Prompt(_body(args, text, None, args.output_len), n))
     return prompts
 
@@ -148,13 +180,14 @@ async def prepare_prompts(http, args: argparse.Namespace) -> list[Prompt]:
 
 
 def _chunk_tokens(choice: dict, chat: bool) -> int:
-    """Tokens in one streamed choice chunk: from its logprobs when present, else 1 if it
-    carries text."""
+    """Tokens in one streamed choice chunk: from its logprobs when present, else one per chunk
+    (servers stream a chunk per token, as vLLM does, even when its text is empty), except a
+    closing chunk that carries only the finish reason."""
     lp = choice.get("logprobs")
     if lp:
         return len(lp.get("content") or []) if chat else len(lp.get("tokens") or [])
     text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-    return 1 if text else 0
+    return 1 if text or not choice.get("finish_reason") else 0
 
 
 async def _one(http, url: str, body: dict, chat: bool) -> Result:

@@ -103,9 +103,10 @@ class ChoiceRun:
                         finish = "stop"
                     elif finish:
                         out += stop.flush()
-                    # With logprobs asked, every token is sent as it comes, even while its
-                    # text waits for the rest of a UTF-8 character.
-                    if out or finish or lps:
+                    # Every token is sent as it comes, as vLLM streams do, even while its text
+                    # waits for the rest of a UTF-8 character or a possible stop string: a
+                    # client times tokens by chunks.
+                    if ids or out or finish:
                         emit(Delta(spec.index, out, ids, lps, finish))
                         ids, lps = [], []
                     if finish:

@@ -343,7 +343,7 @@ def test_models_ready_tokenize(tokenizer):
     assert tok["count"] == 3 and text["prompt"] == "hé"
 
 
-def test_emoji_stream_never_sends_broken_text_and_logprobs_go_token_by_token(tokenizer):
+def test_emoji_stream_never_sends_broken_text_and_goes_token_by_token(tokenizer):
     text = "a😀b"
 
     async def go():
@@ -355,7 +355,9 @@ def test_emoji_stream_never_sends_broken_text_and_logprobs_go_token_by_token(tok
 
     plain, with_lp = run(go())
     texts = [e["choices"][0]["text"] for e in plain]
-    assert texts == ["a", "😀", "b"]  # the emoji's four byte tokens arrive as one piece
+    # a chunk per token, as vLLM streams: the emoji's four byte tokens each get one, its text
+    # whole in the last, so a client can time every token without asking for logprobs
+    assert texts == ["a", "", "", "", "😀", "b"]
     texts = [e["choices"][0]["text"] for e in with_lp]
     assert len(with_lp) == 6 and "".join(texts) == text and "\ufffd" not in "".join(texts)
     assert [len(e["choices"][0]["logprobs"]["tokens"]) for e in with_lp] == [1] * 6

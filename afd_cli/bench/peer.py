@@ -1,0 +1,237 @@
+"""`afd bench peer`: afd against llama.cpp's `llama-server` on the same checkpoint and workload.
+
+    afd bench peer                    # build (cached), convert (cached), serve both, compare
+
+1. build: `llama-server` from the source that the llama-cpp-python sdist vendors
+   (`pip download --no-deps llama-cpp-python==VERSION`, then cmake, Release, native CPU flags,
+   which on an AVX-512 BF16 CPU is llama.cpp's AVX512_BF16 build); ~10 min on 2 cores, kept in
+   the cache directory;
+2. convert: the benchmark checkpoint (afd bench engine's) to GGUF bf16 with the vendored
+   convert_hf_to_gguf.py;
+3. run: each server in turn, alone on the machine, started as its users start it (llama-server
+   with one slot per stream and continuous batching; `afd serve` with its defaults), driven by
+   `afd bench serve` with the same prompts, lengths and concurrency; alternating rounds, medians,
+   and the ratio afd / llama-server per concurrency.
+
+Not part of CI: it needs the network for the sdist (the package index only) and minutes of CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import httpx
+
+VERSION = "0.3.36"
+_SERVERS = ("afd", "llama.cpp")
+
+
+def _log(msg: str) -> None:
+    print(f"[peer] {msg}", file=sys.stderr, flush=True)
+
+
+def _run(cmd: list[str], **kw) -> None:
+    _log(" ".join(str(c) for c in cmd))
+    subprocess.run(cmd, check=True, **kw)
+
+
+def source_dir(cache: Path, version: str) -> Path:
+    """The sdist's vendored llama.cpp, downloaded and unpacked once."""
+    root = cache / f"llama_cpp_python-{version}"
+    src = root / "vendor" / "llama.cpp"
+    if src.is_dir():
+        return src
+    cache.mkdir(parents=True, exist_ok=True)
+    sdist = cache / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.is_file():
+        _run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+            + [f"llama-cpp-python=={version}", "-d", str(cache)]
+        )
+    with tarfile.open(sdist) as tar:
+        tar.extractall(cache, filter="data")
+    if not src.is_dir():
+        raise SystemExit(f"{sdist} has no vendor/llama.cpp")
+    return src
+
+
+def build(cache: Path, version: str, jobs: int) -> Path:
+    """llama-server (and llama-bench) built from the vendored source; the server's path."""
+    src = source_dir(cache, version)
+    out = src / "build"
+    server = out / "bin" / "llama-server"
+    if server.is_file():
+        return server
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"]
+    flags += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"]
+    _run(["cmake", "-S", str(src), "-B", str(out), *flags])
+    targets = ["--target", "llama-server", "llama-bench"]
+    _run(["cmake", "--build", str(out), "-j", str(jobs), *targets])
+    return server
+
+
+def convert(cache: Path, version: str, checkpoint: Path) -> Path:
+    """The checkpoint as GGUF bf16, converted once with the vendored script."""
+    gguf = cache / f"{checkpoint.name}-bf16.gguf"
+    if gguf.is_file():
+        return gguf
+    src = source_dir(cache, version)
+    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))
+    tmp = gguf.with_suffix(".tmp")
+    script = src / "convert_hf_to_gguf.py"
+    cmd = [sys.executable, str(script), str(checkpoint), "--outtype", "bf16", "--outfile", str(tmp)]
+    _run(cmd, env=env)
+    tmp.rename(gguf)
+    return gguf
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} not ready after {timeout:.0f} s")
+
+
+def _start(name: str, args: argparse.Namespace, server: Path, gguf: Path, ckpt: Path, port: int):
+    slots = max(args.concurrency)
+    if name == "llama.cpp":
+        cmd = [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+        # one slot per stream, each with the context one request needs; continuous batching
+        ctx = (args.input_len + args.output_len + 64) * slots
+        cmd += ["-np", str(slots), "-c", str(ctx), "-t", str(args.threads), "-cb"]
+        health = f"http://127.0.0.1:{port}/health"
+    else:
+        cmd = [sys.executable, "-m", "afd_cli", "serve", "--model", str(ckpt), "--port", str(port)]
+        cmd += list(args.afd_arg)
+        health = f"http://127.0.0.1:{port}/health"
+    _log(" ".join(cmd))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _wait_ready(health, proc, args.start_timeout)
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _drive(port: int, concurrency: int, args: argparse.Namespace) -> dict:
+    """One `afd bench serve` run against the server on `port`; its JSON summary."""
+    cmd = [sys.executable, "-m", "afd_cli", "bench", "serve", "--json", "--ignore-eos"]
+    cmd += ["--base-url", f"http://127.0.0.1:{port}/v1", "--concurrency", str(concurrency)]
+    cmd += ["--num-requests", str(max(args.requests_per_stream * concurrency, 4))]
+    cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    cmd += ["--seed", "0"] + (["--logprobs", "1"] if args.logprobs else [])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run(args: argparse.Namespace) -> dict:
+    from afd.kernels import paths
+    from afd_cli.bench.engine import build_checkpoint
+
+    cache = Path(args.cache_dir) / "peers"
+    server = build(cache, args.version, args.jobs)
+    if args.build_only:
+        return {"llama_server": str(server)}
+    ckpt = build_checkpoint(Path(args.cache_dir) / "bench-qwen3moe-ref")
+    gguf = convert(cache, args.version, ckpt)
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for _ in range(args.repeat):  # alternating: a slow spell hits both servers
+        for name in _SERVERS:
+            proc = _start(name, args, server, gguf, ckpt, args.port)
+            try:
+                for c in args.concurrency:
+                    _drive(args.port, c, args)  # warm-up at this concurrency
+                    runs.setdefault((name, c), []).append(_drive(args.port, c, args))
+            finally:
+                _stop(proc)
+    rows = []
+    for c in args.concurrency:
+        row: dict = {"concurrency": c}
+        for name in _SERVERS:
+            tps = [r["output_throughput"] for r in runs[(name, c)]]
+            tpot = [r["mean_tpot_ms"] for r in runs[(name, c)]]
+            row[name] = {
+                "output_tok_s": round(statistics.median(tps), 1),
+                "mean_tpot_ms": round(statistics.median(tpot), 2),
+                "runs_tok_s": [round(v, 1) for v in tps],
+            }
+        row["ratio"] = round(row["afd"]["output_tok_s"] / row["llama.cpp"]["output_tok_s"], 2)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return {
+        "benchmark": "peer_serve",
+        "cpu": _cpu(),
+        "kernels_runnable": list(paths.runnable()),
+        "llama_cpp": {
+            "source": f"llama-cpp-python=={args.version} vendor/llama.cpp",
+            "server": str(server),
+            "gguf": gguf.name,
+        },  # fmt: skip
+        "afd_args": list(args.afd_arg),
+        "workload": {
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "logprobs": args.logprobs,
+            "threads": args.threads,
+        },  # fmt: skip
+        "repeat": args.repeat,
+        "results": rows,
+    }
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("peer", help="afd serve vs llama.cpp's llama-server, same workload")
+    p.add_argument("--version", default=VERSION, help="llama-cpp-python sdist to build from")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="build jobs")
+    p.add_argument("--build-only", action="store_true", help="build llama-server and stop")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--requests-per-stream", type=int, default=2)
+    p.add_argument("--input-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--logprobs", action="store_true", help="ask both servers for logprobs")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server -t")
+    p.add_argument("--afd-arg", action="append", default=[], help="extra `afd serve` argument")
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--repeat", type=int, default=2, help="alternating rounds; medians reported")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
+    p.set_defaults(func=lambda a: print(json.dumps(run(a), indent=2)) or 0)
