@@ -1,6 +1,11 @@
 """`afd bench engine`: afd's decode throughput against transformers on the same checkpoint,
 measured in the same run (the ratio is the figure; absolute numbers depend on the machine).
 
+transformers runs at its best here: the checkpoint in bf16 and in fp32, both measured, the
+faster one counted (on CPUs without a fast bf16 matmul fp32 wins); its version and attention
+implementation are recorded. afd runs on the kernel path AFD_KERNELS picks (auto), or on each
+path given with --kernels, every one measured in the same alternation.
+
 Decode throughput = batch * (new - 1) / (time to generate `new` tokens - time to generate 1),
 so the prefill of the 128-token prompts is excluded on both sides. With `--repeat N` the two
 sides are measured N times, alternating, and each reports its median: on a noisy machine the
@@ -13,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -82,15 +88,38 @@ def _decode_tps(time_fn, prompts, new: int) -> float:
     return len(prompts) * (new - 1) / max(tn - t1, 1e-9)
 
 
+def _cpu() -> dict:
+    from afd.kernels import paths
+
+    name = "unknown"
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    shown = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    return {"model": name, "flags": [f for f in shown if f in flags],
+            "kernels_runnable": list(paths.runnable())}  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> dict:
+    import transformers
     from transformers import AutoModelForCausalLM
 
     from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from afd.kernels import paths
     from afd_cli.local import local_engine
 
     torch.set_num_threads(args.threads)
     path = build_checkpoint(Path(args.cache_dir) / "bench-qwen3moe-ref")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf = {
+        name: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
+    }
     cfg = EngineConfig(
         model=ModelConfig.from_hf(path),
         dtype="bfloat16",
@@ -100,31 +129,46 @@ def run(args: argparse.Namespace) -> dict:
         cache=CacheConfig(block_size=16, kv_cache_memory_gb=1.0),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
     )
+    kernels = [paths.resolve(k).name for k in args.kernels]
     results = []
-    with local_engine(cfg, 1, progress=False) as eng:
+    with ExitStack() as stack:
+        engines = {}
+        for k in kernels:  # each engine's weights laid out for its path
+            with paths.use(k):
+                engines[k] = stack.enter_context(local_engine(cfg, 1, progress=False))
         for batch in args.batch:
             prompts = _prompts(batch, args.prompt_len, REFERENCE_CONFIG["vocab_size"], batch)
-            hf_fn, afd_fn = (lambda p, n: _hf_time(hf, p, n)), (lambda p, n: _afd_time(eng, p, n))
-            hf_fn(prompts[:1], 2), afd_fn(prompts[:1], 2)  # warm-up
-            hf_runs, afd_runs = [], []
-            for _ in range(args.repeat):  # alternating, so slow spells hit both sides
-                hf_runs.append(_decode_tps(hf_fn, prompts, args.new_tokens))
-                afd_runs.append(_decode_tps(afd_fn, prompts, args.new_tokens))
-            hf_tps, afd_tps = statistics.median(hf_runs), statistics.median(afd_runs)
+            sides = {f"transformers_{n}": _hf_fn(m) for n, m in hf.items()}
+            sides |= {f"afd_{k}": _afd_fn(engines[k], k) for k in kernels}
+            for fn in sides.values():
+                fn(prompts[:1], 2)  # warm-up
+            runs: dict[str, list[float]] = {name: [] for name in sides}
+            for _ in range(args.repeat):  # alternating, so slow spells hit every side
+                for name, fn in sides.items():
+                    runs[name].append(_decode_tps(fn, prompts, args.new_tokens))
+            med = {name: statistics.median(v) for name, v in runs.items()}
+            best_hf = max(("bf16", "fp32"), key=lambda n: med[f"transformers_{n}"])
+            hf_tps, afd_tps = med[f"transformers_{best_hf}"], med[f"afd_{kernels[0]}"]
             row = {
                 "batch": batch,
                 "transformers_tok_s": round(hf_tps, 1),
+                "transformers_dtype": best_hf,
                 "afd_tok_s": round(afd_tps, 1),
+                "afd_kernels": kernels[0],
                 "ratio": round(afd_tps / hf_tps, 2),
+                "all_tok_s": {name: round(v, 1) for name, v in med.items()},
             }
             if args.repeat > 1:
-                row["transformers_runs"] = [round(v, 1) for v in hf_runs]
-                row["afd_runs"] = [round(v, 1) for v in afd_runs]
+                row["runs"] = {name: [round(v, 1) for v in r] for name, r in runs.items()}
             results.append(row)
             print(json.dumps(row), flush=True)
     return {
         "benchmark": "engine_decode",
         "config": "qwen3_moe hidden 1024, 8 layers, 32 experts top-4, bf16",
+        "cpu": _cpu(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "transformers_attention": hf["bf16"].config._attn_implementation,
         "threads": args.threads,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -133,6 +177,20 @@ def run(args: argparse.Namespace) -> dict:
         "repeat": args.repeat,
         "results": results,
     }
+
+
+def _hf_fn(model):
+    return lambda p, n: _hf_time(model, p, n)
+
+
+def _afd_fn(engine, kernels: str):
+    from afd.kernels import paths
+
+    def timed(p, n):
+        with paths.use(kernels):  # the fused calls look the path up as they run
+            return _afd_time(engine, p, n)
+
+    return timed
 
 
 def add_parser(sub) -> None:
@@ -149,5 +207,12 @@ def add_parser(sub) -> None:
         help="measure each side N times (alternating), report medians",
     )
     p.add_argument("--a2f-dtype", default="bf16", choices=["fp8", "bf16"])
+    p.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["auto"],
+        help="afd kernel paths to measure (the first is the ratio's): auto, avx512bf16, avx2, "
+        "onednn, torch",
+    )
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
     p.set_defaults(func=lambda a: print(json.dumps(run(a), indent=2)) or 0)
