@@ -37,7 +37,22 @@ from afd.flags import served_name
 
 log = logging.getLogger("afd.serve")
 
-TRANSPORTS = ("tcp", "ipc", "grpc", "inproc")
+TRANSPORTS = ("auto", "tcp", "ipc", "grpc", "inproc")
+# auto: separate FFN processes only where each compute process gets this many cores or more
+CORES_PER_PROCESS = 2
+
+
+def topology(transport: str, attention: int, ffn: int, cores: int) -> str:
+    """The data plane `afd serve` runs. "auto": the FFN shards in their own processes over tcp
+    when every compute process (attention and FFN) can have CORES_PER_PROCESS cores; on a
+    smaller host (a laptop, a 2-core VM) inside each attention process (inproc), where the
+    step's attention and FFN halves would otherwise take turns on cores of their own, one of
+    them idle at any moment. Any other value is kept: a user can always ask for processes."""
+    if transport != "auto":
+        return transport
+    return "tcp" if cores >= CORES_PER_PROCESS * (attention + ffn) else "inproc"
+
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -46,8 +61,9 @@ class ClusterConfig:
     model: str | None = None  # None: the embedded demo model
     attention: int = 1  # N attention servers
     ffn: int = 1  # M FFN servers (expert shards)
-    # attention -> FFN data plane (inproc: the FFN shards inside each attention process)
-    transport: str = "tcp"
+    # attention -> FFN data plane (inproc: the FFN shards inside each attention process; auto:
+    # by the host's cores, see topology())
+    transport: str = "auto"
     host: str = "127.0.0.1"  # the gateway's; every internal socket binds to 127.0.0.1
     port: int = 8000  # the gateway's; 0: any free port
     api_key: str = ""  # required on the HTTP API; empty: none
@@ -129,6 +145,7 @@ class Cluster:
         self.port = cfg.port or free_port(cfg.host)
         self.attention_addresses: list[str] = []
         self.ffn_addresses: list[str] = []
+        self.transport = topology(cfg.transport, cfg.attention, cfg.ffn, os.cpu_count() or 1)
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -143,14 +160,25 @@ class Cluster:
     def model_name(self) -> str:
         return served_name(self.cfg.model)
 
+    @property
+    def topology(self) -> str:
+        """What runs where, in words (afd serve prints it)."""
+        c, t = self.cfg, self._threads()
+        where = (
+            "FFN shards inside each attention process"
+            if self.transport == "inproc"
+            else f"{c.ffn} FFN process(es) over {self.transport}"
+        )
+        return f"{c.attention} attention process(es), {where}; {t} torch thread(s) each"
+
     def _threads(self) -> int:
         if self.cfg.threads:
             return self.cfg.threads
-        heavy = self.cfg.attention + (0 if self.cfg.transport == "inproc" else self.cfg.ffn)
+        heavy = self.cfg.attention + (0 if self.transport == "inproc" else self.cfg.ffn)
         return max(1, (os.cpu_count() or 1) // heavy)
 
     def _ffn_address(self, i: int) -> str:
-        t = self.cfg.transport
+        t = self.transport
         if t == "inproc":
             return f"inproc://ffn-{i}"  # shards inside each attention process
         if t == "ipc":
@@ -167,7 +195,7 @@ class Cluster:
         threads = ["--threads", str(self._threads())]
         self.ffn_addresses = [self._ffn_address(i) for i in range(c.ffn)]
         children = []
-        if c.transport != "inproc":
+        if self.transport != "inproc":
             for i, addr in enumerate(self.ffn_addresses):
                 argv = [*py, "ffn", *model, *threads, "--shard", f"{i}/{c.ffn}", "--listen", addr]
                 # stopped last, once no attention server is left to send them anything

@@ -35,7 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         c,
         "transport",
         choices=TRANSPORTS,
-        help="attention -> FFN data plane (inproc: FFN shards inside each attention process)",
+        help="attention -> FFN data plane (inproc: FFN shards inside each attention process; "
+        "auto: separate FFN processes over tcp only where each compute process gets 2 cores)",
     )
     option(p, "--host", c, "host", help="the gateway's interface")
     option(p, "--port", c, "port", help="the gateway's port (0: any free)")
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.wait_ready(stop)
         for name, url in cluster.metrics_urls.items():
             print(f"metrics of {name}: {url}", flush=True)
+        print(f"topology: {cluster.topology}", flush=True)
         print(f"afd is ready: {cluster.url} (model {cluster.model_name})", flush=True)
         supervisor = Supervisor(cluster, cfg.max_restarts, cfg.restart_window_s)
         while not stop.wait(0.25):

@@ -90,3 +90,13 @@ def test_no_restarts_means_the_first_death_stops_the_cluster():
 
 def test_cause_names_signals_and_exit_codes():
     assert cause(-9) == "killed by SIGKILL" and cause(2) == "exit code 2"
+
+
+def test_auto_topology_disaggregates_only_where_each_process_gets_two_cores():
+    from afd_cli.cluster import topology
+
+    assert topology("auto", 1, 1, 2) == "inproc"  # a 2-core box: one process, both cores
+    assert topology("auto", 1, 1, 3) == "inproc"
+    assert topology("auto", 1, 1, 4) == "tcp"
+    assert topology("auto", 2, 2, 6) == "inproc" and topology("auto", 2, 2, 8) == "tcp"
+    assert topology("grpc", 1, 1, 2) == "grpc"  # what a user asks for is kept
