@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> dict:
         row: dict = {"concurrency": c}
         for name in _SERVERS:
             tps = [r["output_throughput"] for r in runs[(name, c)]]
-            tpot = [r["mean_tpot_ms"] for r in runs[(name, c)]]
+            tpot = [r["tpot_s"]["mean"] * 1e3 for r in runs[(name, c)]]
             row[name] = {
                 "output_tok_s": round(statistics.median(tps), 1),
                 "mean_tpot_ms": round(statistics.median(tpot), 2),

@@ -29,12 +29,19 @@ def sample(
     lps: list[Logprob | None] = [None] * B
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
-        logp = torch.log_softmax(logits[torch.tensor(want)], dim=-1)
+        # one log_softmax, one gather and one topk for every row that asked, then plain lists
+        rows = torch.tensor(want)
+        logp = torch.log_softmax(logits[rows], dim=-1)  # [W, V]
+        chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()  # [W]
+        n_max = max(params[i].logprobs or 0 for i in want)
+        top_ids, top_lps = ([], [])
+        if n_max:
+            top = torch.topk(logp, n_max, dim=-1)  # [W, n_max], best first
+            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
         for row, i in enumerate(want):
             n = params[i].logprobs or 0
-            top = torch.topk(logp[row], n) if n else None
-            alts = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else []
-            lps[i] = Logprob(out_tokens[i], float(logp[row, out_tokens[i]]), alts)
+            alts = list(zip(top_ids[row][:n], top_lps[row][:n], strict=True)) if n else []
+            lps[i] = Logprob(out_tokens[i], chosen[row], alts)
     return out_tokens, lps
 
 
