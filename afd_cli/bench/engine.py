@@ -43,15 +43,21 @@ REFERENCE_CONFIG = dict(
 
 
 def build_checkpoint(path: Path, seed: int = 0) -> Path:
-    if (path / "config.json").is_file():
-        return path
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """The benchmark checkpoint (random weights, fixed seed), with afd's demo byte-level
+    tokenizer so that servers can take text (`afd bench serve`, `afd bench peer`)."""
+    from afd.demo import write_tokenizer
 
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**REFERENCE_CONFIG)).to(torch.bfloat16)
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    tmp.rename(path)
+    if not (path / "config.json").is_file():
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**REFERENCE_CONFIG)).to(torch.bfloat16)
+        tmp = path.with_name(path.name + ".tmp")
+        model.save_pretrained(tmp)
+        write_tokenizer(tmp)
+        tmp.rename(path)
+    elif not (path / "tokenizer.json").is_file():  # made before the tokenizer was added
+        write_tokenizer(path)
     return path
 
 

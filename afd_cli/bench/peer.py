@@ -80,6 +80,26 @@ def build(cache: Path, version: str, jobs: int) -> Path:
     return server
 
 
+# Runs the vendored converter. The benchmark checkpoint carries afd's demo tokenizer: byte-level
+# BPE with GPT-2's pre-tokenizer regex, which the converter knows only by the hashes of real
+# models' tokenizers; for an unknown hash it is told "gpt-2", which is what this one is.
+_CONVERT = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = pre
+script = sys.argv[2]
+sys.argv = sys.argv[2:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def convert(cache: Path, version: str, checkpoint: Path) -> Path:
     """The checkpoint as GGUF bf16, converted once with the vendored script."""
     gguf = cache / f"{checkpoint.name}-bf16.gguf"
@@ -89,8 +109,8 @@ def convert(cache: Path, version: str, checkpoint: Path) -> Path:
     env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))
     tmp = gguf.with_suffix(".tmp")
     script = src / "convert_hf_to_gguf.py"
-    cmd = [sys.executable, str(script), str(checkpoint), "--outtype", "bf16", "--outfile", str(tmp)]
-    _run(cmd, env=env)
+    cmd = [sys.executable, "-c", _CONVERT, str(src), str(script), str(checkpoint)]
+    _run(cmd + ["--outtype", "bf16", "--outfile", str(tmp)], env=env)
     tmp.rename(gguf)
     return gguf
 
