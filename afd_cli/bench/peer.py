@@ -81,19 +81,26 @@ def build(cache: Path, version: str, jobs: int) -> Path:
 
 
 # Runs the vendored converter. The benchmark checkpoint carries afd's demo tokenizer: byte-level
-# BPE with GPT-2's pre-tokenizer regex, which the converter knows only by the hashes of real
-# models' tokenizers; for an unknown hash it is told "gpt-2", which is what this one is.
+# BPE with GPT-2's pre-tokenizer regex and no merges. The converter knows pre-tokenizers only by
+# the hashes of real models' tokenizers: for an unknown hash it is told "gpt-2", which is what
+# this one is. llama.cpp refuses a BPE vocabulary without merges: it gets one whose merged token
+# is not in the vocabulary, which llama.cpp's tokenizer then spells in bytes, as before.
 _CONVERT = """
 import runpy, sys
 sys.path.insert(0, sys.argv[1])
 from conversion import base
-known = base.TextModel.get_vocab_base_pre
+known_pre, known_gpt2 = base.TextModel.get_vocab_base_pre, base.TextModel._set_vocab_gpt2
 def pre(self, tokenizer):
     try:
-        return known(self, tokenizer)
+        return known_pre(self, tokenizer)
     except NotImplementedError:
         return "gpt-2"
+def gpt2(self):
+    known_gpt2(self)
+    if "tokenizer.ggml.merges" not in self.gguf_writer.kv_data[0]:
+        self.gguf_writer.add_token_merges(["\u0120 \u0120"])
 base.TextModel.get_vocab_base_pre = pre
+base.TextModel._set_vocab_gpt2 = gpt2
 script = sys.argv[2]
 sys.argv = sys.argv[2:]
 runpy.run_path(script, run_name="__main__")
@@ -140,7 +147,7 @@ def _start(name: str, args: argparse.Namespace, server: Path, gguf: Path, ckpt: 
     else:
         cmd = [sys.executable, "-m", "afd_cli", "serve", "--model", str(ckpt), "--port", str(port)]
         cmd += list(args.afd_arg)
-        health = f"http://127.0.0.1:{port}/health"
+        health = f"http://127.0.0.1:{port}/ready"  # /health answers before the model is up
     _log(" ".join(cmd))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # fmt: skip
@@ -169,8 +176,10 @@ def _drive(port: int, concurrency: int, args: argparse.Namespace) -> dict:
     cmd += ["--num-requests", str(max(args.requests_per_stream * concurrency, 4))]
     cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     cmd += ["--seed", "0"] + (["--logprobs", "1"] if args.logprobs else [])
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"afd bench serve failed on port {port}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout)
 
 
 def _cpu() -> str:
