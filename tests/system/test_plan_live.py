@@ -47,7 +47,9 @@ def _bench(url: str, *load: str) -> float:
 
 
 def _cluster(model, attention: int, ffn: int):
-    return serve(model, "--attention", str(attention), "--ffn", str(ffn), "--micro-batches", "2")
+    # tcp: the ratio compared is of processes (auto would put the FFN inside on a small box)
+    a, f = str(attention), str(ffn)
+    return serve(model, "--attention", a, "--ffn", f, "--micro-batches", "2", "--transport", "tcp")
 
 
 def test_recommended_ratio_beats_an_unbalanced_one(model):
