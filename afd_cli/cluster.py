@@ -205,6 +205,10 @@ class Cluster:
             addr = f"127.0.0.1:{free_port()}"
             self.attention_addresses.append(addr)
             argv = [*py, "attention", *model, *threads, *c.engine_args, "--listen", addr]
+            if self.transport == "inproc" and "--a2f-dtype" not in c.engine_args:
+                # FP8 exists to cut the bytes on a network; in one process it would only cost
+                # time and precision: hand the hidden states over in bf16, as they are
+                argv += ["--a2f-dtype", "bf16"]
             argv += ["--drain-timeout", str(c.drain_timeout_s)]
             argv += ["--ffn", ",".join(self.ffn_addresses)]
             children.append(_with_metrics_port(Child(f"attention-{i}", argv)))

@@ -168,9 +168,22 @@ def run(args: argparse.Namespace) -> dict:
                 row["runs"] = {name: [round(v, 1) for v in r] for name, r in runs.items()}
             results.append(row)
             print(json.dumps(row), flush=True)
+    step_bytes, bandwidth = _step_bytes(), _read_bandwidth(args.threads)
+    bound_ms = step_bytes / bandwidth / 1e6
+    if 1 in args.batch:
+        batch1_ms = 1e3 / next(r["afd_tok_s"] for r in results if r["batch"] == 1)
+        bound = {"afd_batch1_ms": round(batch1_ms, 2), "over_bound": round(batch1_ms / bound_ms, 2)}
+    else:
+        bound = {}
     return {
         "benchmark": "engine_decode",
         "config": "qwen3_moe hidden 1024, 8 layers, 32 experts top-4, bf16",
+        "batch1_memory_bound": {
+            "step_bytes": step_bytes,
+            "read_gb_s": round(bandwidth, 1),
+            "bound_ms": round(bound_ms, 2),
+            **bound,
+        },
         "cpu": _cpu(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -183,6 +196,30 @@ def run(args: argparse.Namespace) -> dict:
         "repeat": args.repeat,
         "results": results,
     }
+
+
+def _step_bytes(c: dict = REFERENCE_CONFIG, dtype_bytes: int = 2) -> int:
+    """The weight bytes one decode step at batch 1 must read: each layer's attention
+    projections, router and its token's top-k experts, then the LM head (KV and norms are
+    negligible here)."""
+    h, d = c["hidden_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    attention = (q + 2 * kv) * h + h * q + c["num_experts"] * h
+    experts = c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
+    return dtype_bytes * (c["num_hidden_layers"] * (attention + experts) + c["vocab_size"] * h)
+
+
+def _read_bandwidth(threads: int, mib: int = 512) -> float:
+    """This box's read bandwidth in GB/s: the best of a few passes of torch's fp32 sum over a
+    buffer far larger than the caches ever hold of it, on the benchmark's threads."""
+    torch.set_num_threads(threads)
+    a = torch.ones(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() * 4 / best / 1e9
 
 
 def _hf_fn(model):

@@ -22,9 +22,19 @@ def sample(
     if greedy:
         idx = torch.tensor(greedy)
         tokens[idx] = logits[idx].argmax(dim=-1)
-    for i, p in enumerate(params):
-        if not p.greedy:
-            tokens[i] = _sample_row(logits[i], p, generators[i])
+    rest = [i for i, p in enumerate(params) if not p.greedy]
+    if rest:
+        # every sampled row filtered at once; one multinomial for the rows without a seed,
+        # one per seeded row (its own generator keeps its draws reproducible)
+        x = _filtered(logits[torch.tensor(rest)], [params[i] for i in rest])  # [R, V]
+        probs = torch.softmax(x, dim=-1)
+        free = [j for j, i in enumerate(rest) if generators[i] is None]
+        if free:
+            drawn = torch.multinomial(probs[torch.tensor(free)], 1).squeeze(1)
+            tokens[torch.tensor([rest[j] for j in free])] = drawn
+        for j, i in enumerate(rest):
+            if generators[i] is not None:
+                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     out_tokens = tokens.tolist()
     lps: list[Logprob | None] = [None] * B
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -45,16 +55,25 @@ def sample(
     return out_tokens, lps
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    x = logits / p.temperature  # [V]
-    if p.top_k and p.top_k > 0 and p.top_k < x.shape[0]:
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
+def _filtered(
+    logits: torch.Tensor,  # [R, V] float32
+    params: list[SamplingParams],  # R rows' parameters, none greedy
+) -> torch.Tensor:  # [R, V]: logits / temperature, -inf outside each row's top-k and top-p
+    R, V = logits.shape
+    x = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    ks = [p.top_k if p.top_k and 0 < p.top_k < V else 0 for p in params]
+    if any(ks):
+        kth = torch.topk(x, max(ks), dim=-1).values  # [R, max k], best first
+        cut = kth.gather(1, (torch.tensor(ks) - 1).clamp(min=0).unsqueeze(1))  # [R, 1]
+        cut[torch.tensor(ks) == 0] = float("-inf")  # rows without top-k keep everything
+        x = x.masked_fill(x < cut, float("-inf"))
+    ps = torch.tensor([p.top_p for p in params])
+    if bool((ps < 1.0).any()):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
-        # drop a token once the mass before it already reaches top_p (the first always stays)
-        drop = (probs.cumsum(-1) - probs) >= p.top_p
-        x = x.index_put((order[drop],), torch.tensor(float("-inf")))
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+        # drop a token once the mass before it already reaches top_p (the first always stays);
+        # rows with top_p = 1 drop nothing, whatever the rounding of their sums
+        drop = (probs.cumsum(-1) - probs) >= ps.unsqueeze(1)
+        drop &= (ps < 1.0).unsqueeze(1)
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    return x

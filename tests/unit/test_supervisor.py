@@ -100,3 +100,17 @@ def test_auto_topology_disaggregates_only_where_each_process_gets_two_cores():
     assert topology("auto", 1, 1, 4) == "tcp"
     assert topology("auto", 2, 2, 6) == "inproc" and topology("auto", 2, 2, 8) == "tcp"
     assert topology("grpc", 1, 1, 2) == "grpc"  # what a user asks for is kept
+
+
+def test_serve_in_one_process_hands_hidden_states_over_in_bf16():
+    from afd_cli.cluster import Cluster, ClusterConfig
+
+    def attention_argv(**kw):
+        (child,) = [c for c in Cluster(ClusterConfig(**kw)).plan() if c.name == "attention-0"]
+        return child.argv
+
+    argv = attention_argv(transport="inproc")
+    assert argv[argv.index("--a2f-dtype") + 1] == "bf16"
+    assert "--a2f-dtype" not in attention_argv(transport="tcp")  # the engine's default: fp8
+    asked = attention_argv(transport="inproc", engine_args=("--a2f-dtype", "fp8"))
+    assert asked.count("--a2f-dtype") == 1  # what the user asked for stands

@@ -1,0 +1,96 @@
+"""The sampler (services/attention/sampler.py): every sampled row filtered and drawn at once,
+against a row-by-row reference of top-k / top-p written here; seeds; logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from afd.control import SamplingParams
+from services.attention.sampler import _filtered, sample
+
+V = 50
+
+
+def _reference_row(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row, plainly: keep the top_k largest (ties kept), then the smallest prefix of the
+    sorted tokens whose mass before each kept token is below top_p."""
+    x = x / p.temperature
+    keep = torch.ones(V, dtype=torch.bool)
+    if p.top_k and 0 < p.top_k < V:
+        keep &= x >= torch.sort(x, descending=True).values[p.top_k - 1]
+    if p.top_p < 1.0:
+        probs = torch.softmax(x.masked_fill(~keep, -math.inf), -1)
+        order = torch.argsort(probs, descending=True)
+        mass = 0.0
+        for rank, t in enumerate(order.tolist()):
+            if rank > 0 and mass >= p.top_p:
+                keep[t] = False
+            mass += float(probs[t])
+    return x.masked_fill(~keep, -math.inf)
+
+
+PARAMS = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.5),
+    SamplingParams(temperature=0.9, top_k=10, top_p=0.8),
+    SamplingParams(temperature=2.0, top_k=1),
+    SamplingParams(temperature=1.0, top_p=1e-6),
+]
+
+
+def test_rows_filtered_together_match_the_row_by_row_reference():
+    logits = torch.randn(len(PARAMS), V, generator=torch.Generator().manual_seed(0)) * 3
+    got = _filtered(logits, PARAMS)
+    for i, p in enumerate(PARAMS):
+        ref = _reference_row(logits[i], p)
+        assert torch.equal(torch.isinf(got[i]), torch.isinf(ref)), i
+        kept = ~torch.isinf(ref)
+        torch.testing.assert_close(got[i][kept], ref[kept])
+
+
+def test_draws_stay_inside_each_rows_top_k_and_top_p():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(len(PARAMS), V, generator=g) * 3
+    allowed = [~torch.isinf(_reference_row(logits[i], p)) for i, p in enumerate(PARAMS)]
+    seen = [set() for _ in PARAMS]
+    for _ in range(200):
+        tokens, _ = sample(logits, PARAMS, [None] * len(PARAMS))
+        for i, t in enumerate(tokens):
+            assert allowed[i][t], (i, t)
+            seen[i].add(t)
+    assert seen[4] == {int(logits[4].argmax())} and seen[5] == {int(logits[5].argmax())}
+    assert len(seen[0]) > 5  # a plain temperature row does sample
+
+
+def test_a_seeded_row_draws_the_same_alone_or_in_a_batch():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
+    p = SamplingParams(temperature=1.0, seed=7)
+
+    def draws(rows):
+        gen = torch.Generator().manual_seed(7)
+        out = []
+        for _ in range(5):
+            others = [None] * (rows - 1)
+            tokens, _ = sample(logits[:rows], [p] + [SamplingParams(temperature=1.0)] * (rows - 1),
+                               [gen, *others])  # fmt: skip
+            out.append(tokens[0])
+        return out
+
+    assert draws(1) == draws(3)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_logprobs_of_the_chosen_token_and_the_top_n(greedy):
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3))
+    t = 0.0 if greedy else 1.0
+    params = [SamplingParams(temperature=t, logprobs=3), SamplingParams(temperature=t)]
+    tokens, lps = sample(logits, params, [None, None])
+    logp = torch.log_softmax(logits[0], -1)
+    assert lps[1] is None and lps[0].token_id == tokens[0]
+    assert lps[0].logprob == pytest.approx(float(logp[tokens[0]]))
+    top = torch.topk(logp, 3)
+    assert [a for a, _ in lps[0].top] == top.indices.tolist()
