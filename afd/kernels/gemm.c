@@ -195,17 +195,21 @@ int afd_bf16_gemm(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int 
     _mm256_storeu_ps(xf + i, load_bf16(x + i));
   /* Below ~256 KiB of weight a second thread costs more to wake than it saves. */
   int t = (size_t)N * K < (1u << 17) ? 1 : threads;
-  int chunk = (N + 4 * t - 1) / (4 * t) * 4; /* whole 4-row groups per thread */
+  /* Units of ROWS_PER_UNIT rows (whole 4-row groups) taken as threads come free: a thread
+   * preempted by another process holds up one unit, not half the matmul (gemm512.c). */
+  enum { ROWS_PER_UNIT = 64 };
+  int units = (N + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
   size_t tile = M >= WIDE_M ? (size_t)4 * K * sizeof(float) : 64;
   float *wt = (float *)aligned_alloc(64, (tile + 63) / 64 * 64 * t);
   if (!wt) {
     free(xf);
     return -1;
   }
-#pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
-  for (int i = 0; i < t; i++) {
-    int n0 = i * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-    if (n0 < n1) afd_rows(xf, w, y, M, N, K, n0, n1, wt + (tile + 63) / 64 * 16 * i);
+#pragma omp parallel for num_threads(t) schedule(dynamic, 1) if (t > 1)
+  for (int u = 0; u < units; u++) {
+    int n0 = u * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < N ? n0 + ROWS_PER_UNIT : N;
+    float *mine = wt + (tile + 63) / 64 * 16 * (t > 1 ? omp_get_thread_num() : 0);
+    afd_rows(xf, w, y, M, N, K, n0, n1, mine);
   }
   free(wt);
   free(xf);
