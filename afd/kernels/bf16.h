@@ -99,6 +99,13 @@ static inline __m256 exp8(__m256 x) {
 void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,
               int n1, float *wt);
 
+/* Rows of W per unit of work in the multi-threaded matmuls (gemm.c, gemm512.c, moe.c): threads
+ * take units as they come free (a dynamic schedule), so a thread the OS preempts for another
+ * process (the gateway, a client, on a small box) holds up one unit, not the share a static
+ * split gave it: on 2 cores with a third process using 30% of one, static halves took
+ * batch-1 decode from ~70 to ~45 tok/s, units of 64 rows to ~57. A multiple of 4. */
+#define ROWS_PER_UNIT 64
+
 /* The same for the AVX-512 BF16 matmul (gemm512.c): x bf16, W row-major; rows n0..n1 of W,
  * n0 a multiple of 4. Call only where afd_cpu_avx512bf16() is true. */
 void afd_rows512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,

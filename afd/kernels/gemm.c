@@ -195,9 +195,7 @@ int afd_bf16_gemm(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int 
     _mm256_storeu_ps(xf + i, load_bf16(x + i));
   /* Below ~256 KiB of weight a second thread costs more to wake than it saves. */
   int t = (size_t)N * K < (1u << 17) ? 1 : threads;
-  /* Units of ROWS_PER_UNIT rows (whole 4-row groups) taken as threads come free: a thread
-   * preempted by another process holds up one unit, not half the matmul (gemm512.c). */
-  enum { ROWS_PER_UNIT = 64 };
+  /* units of ROWS_PER_UNIT rows (whole 4-row groups), taken as threads come free (bf16.h) */
   int units = (N + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
   size_t tile = M >= WIDE_M ? (size_t)4 * K * sizeof(float) : 64;
   float *wt = (float *)aligned_alloc(64, (tile + 63) / 64 * 64 * t);

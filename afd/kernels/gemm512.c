@@ -150,12 +150,6 @@ AVX512BF16 void afd_rows512(const uint16_t *x, const uint16_t *w, uint16_t *y, i
   }
 }
 
-/* Rows of W per unit of work. Threads take units as they come free (dynamic schedule), so a
- * thread the OS preempts for another process (the gateway, a client, on a small box) holds up
- * one unit, not the half of the matmul a static split gave it: measured on 2 cores with a
- * third process using 30% of one, a static split took batch-1 decode from ~70 to ~45 tok/s. */
-#define ROWS_PER_UNIT 64
-
 /* Returns 0, or -1 for bad sizes. */
 int afd_bf16_gemm512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
                      int threads) {

@@ -9,7 +9,8 @@
  *   ys      = bf16(y * weight)            (the pair's routing weight, a bf16 value)
  * then out[token] += ys in pair order, summed in fp32 and rounded once, as index_add_ does: every
  * rounding step of the torch path in services/ffn/experts.py, so the two agree (bar a rare last-bit
- * difference of expf inside silu). Experts are spread over threads; the sum is serial. */
+ * difference of expf inside silu). Each matmul is cut into units of ROWS_PER_UNIT weight rows,
+ * every expert's units taken by whichever thread comes free (bf16.h); the sum is serial. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -59,60 +60,80 @@ int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int t
     }
   }
   free(fill);
-  int failed = 0;
-  int t = threads > 1 ? threads : 1;
-#pragma omp parallel for num_threads(t) schedule(dynamic, 1) if (t > 1)
+  /* Every held pair's row of x, its gate|up and its activation, all experts at once (P rows
+   * each, by expert): fp32 for the AVX2 matmul, bf16 for AVX-512. */
+  const size_t xsz = isa ? sizeof(uint16_t) : sizeof(float);
+  const int t = threads > 1 ? threads : 1, K = H > I ? H : I;
+  const int n13 = (2 * I + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
+  const int n2 = (H + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
+  char *xs = (char *)malloc((size_t)P * H * xsz);
+  uint16_t *gu = (uint16_t *)malloc((size_t)P * 2 * I * sizeof(uint16_t));
+  char *act = (char *)malloc((size_t)P * I * xsz);
+  float *wt = (float *)malloc((size_t)t * 4 * K * sizeof(float)); /* afd_rows' scratch */
+  int *units = (int *)malloc((size_t)E * sizeof(int)); /* the held experts */
+  if (!xs || !gu || !act || !wt || !units) {
+    free(starts), free(tokens), free(weights), free(ys), free(xs), free(gu), free(act), free(wt);
+    free(units);
+    return -1;
+  }
+  for (int p = 0; p < P; p++) {
+    const uint16_t *src = x + (size_t)tokens[p] * H;
+    if (isa)
+      memcpy(xs + (size_t)p * H * xsz, src, (size_t)H * sizeof(uint16_t));
+    else
+      for (int k = 0; k < H; k += 8) _mm256_storeu_ps((float *)xs + (size_t)p * H + k, load_bf16(src + k));
+  }
+  /* The held experts in visiting order; each matmul cut into units of ROWS_PER_UNIT weight rows
+   * that threads take as they come free: a layer's few experts at a small batch still spread
+   * over every thread, and a thread preempted by another process holds up one unit. */
+  int held = 0;
   for (int i = 0; i < E; i++) {
     int e = reverse ? E - 1 - i : i;
-    int p0 = starts[e], n = starts[e + 1] - p0;
-    if (n <= 0) continue;
-    /* the expert's rows of x and its activation: fp32 for the AVX2 matmul, bf16 for AVX-512 */
-    const size_t xsz = isa ? sizeof(uint16_t) : sizeof(float);
-    void *xs = malloc((size_t)n * H * xsz);
-    uint16_t *gu = (uint16_t *)malloc((size_t)n * 2 * I * sizeof(uint16_t));
-    void *act = malloc((size_t)n * I * xsz);
-    float *wt = (float *)malloc((size_t)4 * (H > I ? H : I) * sizeof(float));
-    if (!xs || !gu || !act || !wt) {
-      failed = 1;
-    } else {
-      for (int i = 0; i < n; i++) {
-        const uint16_t *src = x + (size_t)tokens[p0 + i] * H;
-        if (isa)
-          memcpy((uint16_t *)xs + (size_t)i * H, src, (size_t)H * sizeof(uint16_t));
-        else
-          for (int k = 0; k < H; k += 8)
-            _mm256_storeu_ps((float *)xs + (size_t)i * H + k, load_bf16(src + k));
-      }
-      if (isa)
-        afd_rows512((const uint16_t *)xs, w13[e], gu, n, 2 * I, H, 0, 2 * I);
-      else
-        afd_rows((const float *)xs, w13[e], gu, n, 2 * I, H, 0, 2 * I, wt);
-      for (int i = 0; i < n; i++)
-        for (int j = 0; j < I; j++) {
-          float g = bf16_value(gu[(size_t)i * 2 * I + j]);
-          float u = bf16_value(gu[(size_t)i * 2 * I + I + j]);
-          float s = bf16_round(g / (1.0f + expf(-g)));
-          if (isa)
-            ((uint16_t *)act)[(size_t)i * I + j] = to_bf16(s * u);
-          else
-            ((float *)act)[(size_t)i * I + j] = bf16_round(s * u);
-        }
-      uint16_t *y = ys + (size_t)p0 * H;
-      if (isa)
-        afd_rows512((const uint16_t *)act, w2[e], y, n, H, I, 0, H);
-      else
-        afd_rows((const float *)act, w2[e], y, n, H, I, 0, H, wt);
-      for (int i = 0; i < n; i++) {
-        float wgt = weights[p0 + i];
-        for (int k = 0; k < H; k++) y[(size_t)i * H + k] = to_bf16(bf16_value(y[(size_t)i * H + k]) * wgt);
-      }
-    }
-    free(xs);
-    free(gu);
-    free(act);
-    free(wt);
+    if (starts[e + 1] > starts[e]) units[held++] = e;
   }
-  float *acc = failed ? NULL : (float *)malloc((size_t)T * H * sizeof(float));
+#pragma omp parallel num_threads(t) if (t > 1)
+  {
+    float *mine = wt + (size_t)(t > 1 ? omp_get_thread_num() : 0) * 4 * K;
+#pragma omp for schedule(dynamic, 1)
+    for (int u = 0; u < held * n13; u++) { /* gate|up = x[tokens] @ w13[e]^T */
+      int e = units[u / n13], p0 = starts[e], n = starts[e + 1] - p0;
+      int n0 = u % n13 * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < 2 * I ? n0 + ROWS_PER_UNIT : 2 * I;
+      if (isa)
+        afd_rows512((const uint16_t *)xs + (size_t)p0 * H, w13[e], gu + (size_t)p0 * 2 * I, n,
+                    2 * I, H, n0, n1);
+      else
+        afd_rows((const float *)xs + (size_t)p0 * H, w13[e], gu + (size_t)p0 * 2 * I, n, 2 * I,
+                 H, n0, n1, mine);
+    }
+#pragma omp for schedule(static)
+    for (int p = 0; p < P; p++) /* a = bf16(bf16(silu(gate)) * up) */
+      for (int j = 0; j < I; j++) {
+        float g = bf16_value(gu[(size_t)p * 2 * I + j]);
+        float v = bf16_value(gu[(size_t)p * 2 * I + I + j]);
+        float s = bf16_round(g / (1.0f + expf(-g)));
+        if (isa)
+          ((uint16_t *)act)[(size_t)p * I + j] = to_bf16(s * v);
+        else
+          ((float *)act)[(size_t)p * I + j] = bf16_round(s * v);
+      }
+#pragma omp for schedule(dynamic, 1)
+    for (int u = 0; u < held * n2; u++) { /* y = a @ w2[e]^T */
+      int e = units[u / n2], p0 = starts[e], n = starts[e + 1] - p0;
+      int n0 = u % n2 * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < H ? n0 + ROWS_PER_UNIT : H;
+      if (isa)
+        afd_rows512((const uint16_t *)act + (size_t)p0 * I, w2[e], ys + (size_t)p0 * H, n, H, I,
+                    n0, n1);
+      else
+        afd_rows((const float *)act + (size_t)p0 * I, w2[e], ys + (size_t)p0 * H, n, H, I, n0,
+                 n1, mine);
+    }
+#pragma omp for schedule(static)
+    for (int p = 0; p < P; p++) /* ys = bf16(y * weight) */
+      for (int k = 0; k < H; k++)
+        ys[(size_t)p * H + k] = to_bf16(bf16_value(ys[(size_t)p * H + k]) * weights[p]);
+  }
+  free(xs), free(gu), free(act), free(wt), free(units);
+  float *acc = (float *)malloc((size_t)T * H * sizeof(float));
   if (!acc) {
     free(starts), free(tokens), free(weights), free(ys);
     return -1;
