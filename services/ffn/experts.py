@@ -54,9 +54,8 @@ def routed_experts(
     """
     T, k = expert_ids.shape
     # with as many rows per expert as oneDNN's matmul is faster from, the Linears take over
-    few = T * k < group.w13[0].onednn_from * group.count
-    native = group.native is not None and few and out.is_contiguous()
-    if native and x.dtype == out.dtype == torch.bfloat16:
+    native = group.native is not None and T * k < group.w13[0].onednn_from * group.count
+    if native and out.is_contiguous() and x.dtype == out.dtype == torch.bfloat16:
         # one call: the pair sorting below, the experts and the sum, with the same roundings
         group.native(x, expert_ids, expert_weights, group.first, out)
         return out
