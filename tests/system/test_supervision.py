@@ -77,9 +77,11 @@ def _streams(url: str, kill: int | None = None) -> tuple[list[str], list[list[fl
     with ThreadPoolExecutor(STREAMS) as ex:
         futs = [ex.submit(_stream, url, i, stamps[i]) for i in range(STREAMS)]
         if kill is not None:
-            while not all(len(s) >= 3 for s in stamps):
-                assert not any(f.done() for f in futs), [f.result() for f in futs if f.done()]
+            # every stream under way (one that began late on a loaded box may find another
+            # already finished: that one is simply not interrupted), most still generating
+            while not all(len(s) >= 3 or f.done() for s, f in zip(stamps, futs, strict=True)):
                 time.sleep(0.01)
+            assert sum(f.done() for f in futs) < STREAMS // 2, "too few streams left to interrupt"
             os.kill(kill, signal.SIGKILL)
         return [f.result() for f in futs], stamps
 
