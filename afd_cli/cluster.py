@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -30,6 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from afd.config import check
 from afd.errors import AfdError
@@ -103,8 +105,27 @@ class Child:
     metrics_url: str = ""  # where its Prometheus metrics are
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (the child binds it a moment later)."""
+    """A port nobody listens on right now (the child binds it a moment later). Taken below the
+    kernel's ephemeral range when it can be: a port from that range can become the source port
+    of any outgoing connection (a health probe, a client) before the child binds it."""
+    low = _ephemeral_range()[0]
+    for _ in range(64):
+        port = random.randrange(10000, low) if low > 10000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
