@@ -70,12 +70,17 @@ class Linear:
         """Its weight is laid out for afd's kernels (fused layer, fused experts)."""
         return self.isa is not None
 
+    def ours(self, rows: int) -> bool:
+        """Whether afd's kernel multiplies `rows` rows of x (below the crossover from which
+        oneDNN is faster); the fused calls built on this weight follow the same rule."""
+        return self.isa is not None and rows < self.onednn_from
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if self.matmul == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [], "")
-        if self.isa and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            if x.numel() < self.onednn_from * self.in_features:
-                return gemm.bf16_linear(x, self.w, self.isa)
+        cpu_bf16 = x.dtype == torch.bfloat16 and x.device.type == "cpu"
+        if cpu_bf16 and self.ours(x.numel() // self.in_features):
+            return gemm.bf16_linear(x, self.w, self.isa)
         return F.linear(x, self.w)
 
 

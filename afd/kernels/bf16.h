@@ -102,9 +102,16 @@ void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int
 /* Rows of W per unit of work in the multi-threaded matmuls (gemm.c, gemm512.c, moe.c): threads
  * take units as they come free (a dynamic schedule), so a thread the OS preempts for another
  * process (the gateway, a client, on a small box) holds up one unit, not the share a static
- * split gave it: on 2 cores with a third process using 30% of one, static halves took
- * batch-1 decode from ~70 to ~45 tok/s, units of 64 rows to ~57. A multiple of 4. */
+ * split gave it (docs/benchmarks.md has the measurement). A multiple of 4. */
 #define ROWS_PER_UNIT 64
+
+/* The rows of x one register-blocked pass takes, of `left` still to do: chunks of at most 6 of
+ * about equal size (7 -> 4 + 3), so no pass runs with a single row that a neighbour could
+ * have taken. */
+static inline int chunk_rows(int left) {
+  int chunks = (left + 5) / 6;
+  return (left + chunks - 1) / chunks;
+}
 
 /* The same for the AVX-512 BF16 matmul (gemm512.c): x bf16, W row-major; rows n0..n1 of W,
  * n0 a multiple of 4. Call only where afd_cpu_avx512bf16() is true. */

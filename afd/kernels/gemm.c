@@ -88,7 +88,7 @@ static inline __attribute__((always_inline)) void pair_rows(const float *xf, con
 static void pair_chunks(const float *xf, const uint16_t *wa, uint16_t *y, int M, int N, int K,
                         int n) {
   for (int m = 0; m < M;) {
-    int left = M - m, chunks = (left + 5) / 6, r = (left + chunks - 1) / chunks;
+    int r = chunk_rows(M - m);
     switch (r) {
       case 1: pair_rows(xf, wa, y, 1, m, N, K, n); break;
       case 2: pair_rows(xf, wa, y, 2, m, N, K, n); break;

@@ -98,7 +98,7 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, isa: str = "avx2") -> torch.Te
     m = x2.shape[0]
     y = torch.empty(x.shape[:-1] + (n,), dtype=torch.bfloat16)
     lib = _lib()
-    gemm = lib.afd_bf16_gemm512 if isa == "avx512bf16" else lib.afd_bf16_gemm
-    if m and gemm(x2.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads()):
+    matmul = lib.afd_bf16_gemm512 if isa == "avx512bf16" else lib.afd_bf16_gemm
+    if m and matmul(x2.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads()):
         raise RuntimeError(f"afd_bf16_gemm failed for x {tuple(x.shape)} @ w {tuple(w.shape)}")
     return y

@@ -106,7 +106,7 @@ static inline __attribute__((always_inline)) AVX512BF16 void group_rows(
 static AVX512BF16 void group_chunks(const uint16_t *x, const uint16_t *g, uint16_t *y, int m0,
                                     int m1, int N, int K, int n) {
   for (int m = m0; m < m1;) {
-    int left = m1 - m, chunks = (left + 5) / 6, r = (left + chunks - 1) / chunks;
+    int r = chunk_rows(m1 - m);
     switch (r) {
       case 1: group_rows(x, g, y, 1, m, N, K, n); break;
       case 2: group_rows(x, g, y, 2, m, N, K, n); break;

@@ -116,8 +116,8 @@ def use(name: str) -> Iterator[KernelPath]:
         _active = before
 
 
-def _best_of(fn: Callable[[], object], reps: int = 7) -> float:
-    fn()
+def _median_seconds(fn: Callable[[], object], reps: int = 7) -> float:
+    fn()  # warm-up
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -151,8 +151,8 @@ def _measured_crossover(threads: int) -> int:
     w = torch.randn(1024, 1024, generator=g).to(torch.bfloat16)
     for m in (2, 4, 8, 16, 32, 64):
         x = torch.randn(m, 1024, generator=g).to(torch.bfloat16)
-        ours = _best_of(lambda x=x: gemm.bf16_linear(x, w, "avx512bf16"))
-        theirs = _best_of(lambda x=x: F.linear(x, w))
+        ours = _median_seconds(lambda x=x: gemm.bf16_linear(x, w, "avx512bf16"))
+        theirs = _median_seconds(lambda x=x: F.linear(x, w))
         if theirs < ours:
             log.info("kernels: oneDNN's matmul from %d rows of x (%d threads)", m, threads)
             return m

@@ -89,9 +89,8 @@ class AttentionModel:
         """h [T, H] -> (h + attn(norm(h)) [T, H], FFN input x = ffn_norm(h') [T, H])."""
         lw = self.layers[layer]
         decode_only = meta.num_decode == h.shape[0] and meta.decode_blocks is not None
-        # from onednn_from rows on, oneDNN's matmuls beat the fused layer's (ops.Linear)
-        small = h.shape[0] < lw.o_proj.onednn_from
-        if lw.fused is not None and decode_only and small and h.dtype == torch.bfloat16:
+        ours = lw.o_proj.ours(h.shape[0])  # else oneDNN's matmuls are faster (ops.Linear)
+        if lw.fused is not None and decode_only and ours and h.dtype == torch.bfloat16:
             cos, sin = self.rope.tables(torch.bfloat16)
             return lw.fused(
                 h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens,

@@ -53,8 +53,8 @@ def routed_experts(
     Hugging Face reference does) with one index_add_.
     """
     T, k = expert_ids.shape
-    # with as many rows per expert as oneDNN's matmul is faster from, the Linears take over
-    native = group.native is not None and T * k < group.w13[0].onednn_from * group.count
+    # from as many rows per expert as oneDNN's matmul is faster from, the Linears take over
+    native = group.native is not None and group.w13[0].ours(T * k // group.count)
     if native and out.is_contiguous() and x.dtype == out.dtype == torch.bfloat16:
         # one call: the pair sorting below, the experts and the sum, with the same roundings
         group.native(x, expert_ids, expert_weights, group.first, out)
