@@ -2,7 +2,11 @@
 
 afd's canonical names (what the services index by):
   attention role: embed, lm_head, final_norm, layers.{i}.{attn_norm, ffn_norm, router,
-                  q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, inter_norm, wq}
+                  router_bias, o_proj} and per attention kind
+                  gqa: layers.{i}.{q_proj, k_proj, v_proj, q_norm, k_norm}
+                  mfa: layers.{i}.{q_proj, k_proj, v_proj, inter_norm, wq}
+                  mla: layers.{i}.{q_proj or q_a_proj, q_a_norm, q_b_proj; kv_a_proj,
+                       kv_a_norm, kv_b_proj}
   ffn role:       layers.{i}.experts.{e}.{gate, up, down}, layers.{i}.shared.{gate, up, down},
                   layers.{i}.mlp.{gate, up, down}
 How a family spells them is the family's business (its `WeightNames`); what is generic stays
@@ -143,7 +147,9 @@ def load_weights(
                     f"tensor {ent.key!r} has shape {tuple(t.shape)}, expected "
                     f"{expected[ent.name]} for {cfg.model_type} with this config.json"
                 )
-            out[ent.name] = t.to(dtype)
+            # a selection bias in bf16 would reorder experts whose scores differ by less
+            # than its rounding: it stays float32, as the reference keeps it
+            out[ent.name] = t.float() if ent.name.endswith(".router_bias") else t.to(dtype)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"reading weights from {model_dir} failed: {e}") from e
     if role == "attention" and cfg.tie_word_embeddings and "lm_head" not in out:
@@ -163,7 +169,7 @@ def _role_of(name: str) -> str:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every canonical tensor the config implies, with its shape."""
-    H, D = cfg.hidden_size, cfg.head_dim
+    H = cfg.hidden_size
     s: dict[str, tuple[int, ...]] = {
         "embed": (cfg.vocab_size, H),
         "final_norm": (H,),
@@ -174,20 +180,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         b = f"layers.{i}"
         s[f"{b}.attn_norm"] = (H,)
         s[f"{b}.ffn_norm"] = (H,)
-        s[f"{b}.k_proj"] = (cfg.kv_size, H)
-        s[f"{b}.v_proj"] = (cfg.kv_size, H)
-        s[f"{b}.o_proj"] = (H, cfg.q_size)
-        if cfg.attention == "mfa":
-            s[f"{b}.q_proj"] = (cfg.q_lora_dim, H)
-            s[f"{b}.inter_norm"] = (cfg.q_lora_dim,)
-            s[f"{b}.wq"] = (cfg.q_size, cfg.q_lora_dim)
-        else:
-            s[f"{b}.q_proj"] = (cfg.q_size, H)
-        if cfg.qk_norm:
-            s[f"{b}.q_norm"] = (D,)
-            s[f"{b}.k_norm"] = (D,)
+        _attention_shapes(s, cfg, b)
         if cfg.is_moe(i):
             s[f"{b}.router"] = (cfg.num_experts, H)
+            if cfg.router == "sigmoid_group_topk":
+                s[f"{b}.router_bias"] = (cfg.num_experts,)
             for e in range(cfg.num_experts):
                 _mlp_shapes(s, f"{b}.experts.{e}", H, cfg.moe_intermediate_size)
             if cfg.shared_expert_intermediate_size:
@@ -195,6 +192,36 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         else:
             _mlp_shapes(s, f"{b}.mlp", H, cfg.intermediate_size)
     return s
+
+
+def _attention_shapes(s: dict[str, tuple[int, ...]], cfg: ModelConfig, b: str) -> None:
+    H, D = cfg.hidden_size, cfg.head_dim
+    if cfg.mla is not None:
+        m = cfg.mla
+        q_out = cfg.num_heads * m.qk_head_dim
+        if m.q_lora_rank:
+            s[f"{b}.q_a_proj"] = (m.q_lora_rank, H)
+            s[f"{b}.q_a_norm"] = (m.q_lora_rank,)
+            s[f"{b}.q_b_proj"] = (q_out, m.q_lora_rank)
+        else:
+            s[f"{b}.q_proj"] = (q_out, H)
+        s[f"{b}.kv_a_proj"] = (m.kv_lora_rank + m.qk_rope_head_dim, H)
+        s[f"{b}.kv_a_norm"] = (m.kv_lora_rank,)
+        s[f"{b}.kv_b_proj"] = (cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        s[f"{b}.o_proj"] = (H, cfg.num_heads * m.v_head_dim)
+        return
+    s[f"{b}.k_proj"] = (cfg.kv_size, H)
+    s[f"{b}.v_proj"] = (cfg.kv_size, H)
+    s[f"{b}.o_proj"] = (H, cfg.q_size)
+    if cfg.attention == "mfa":
+        s[f"{b}.q_proj"] = (cfg.q_lora_dim, H)
+        s[f"{b}.inter_norm"] = (cfg.q_lora_dim,)
+        s[f"{b}.wq"] = (cfg.q_size, cfg.q_lora_dim)
+    else:
+        s[f"{b}.q_proj"] = (cfg.q_size, H)
+    if cfg.qk_norm:
+        s[f"{b}.q_norm"] = (D,)
+        s[f"{b}.k_norm"] = (D,)
 
 
 def _mlp_shapes(s: dict[str, tuple[int, ...]], base: str, hidden: int, inter: int) -> None:

@@ -19,6 +19,55 @@ from afd.security import Security
 
 
 @dataclass(frozen=True)
+class MLADims:
+    """Multi-head latent attention (DeepSeek): a low-rank query and one compressed latent per
+    token, from which every head's key and value are projected."""
+
+    kv_lora_rank: int  # the latent a token leaves in the KV cache
+    q_lora_rank: int  # rank of the low-rank query; 0: a full q_proj
+    qk_nope_head_dim: int  # per-head key/query width without position
+    qk_rope_head_dim: int  # the rotary part, one key shared by every head
+    v_head_dim: int
+    # DeepSeek's checkpoints order the rotary dims in (x0, x1) pairs; the loader permutes the
+    # projections' rows so that the half-split rotation computes the same thing
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        check(
+            min(self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim) >= 1
+            and self.qk_nope_head_dim >= 0
+            and self.q_lora_rank >= 0,
+            f"MLA dimensions must be positive, got {self}",
+        )
+        check(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim must be even")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN context extension (the only RoPE scaling afd applies), as transformers reads it."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # scales cos/sin; None: derived from the mscales
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        check(self.factor > 0, f"rope scaling factor must be > 0, got {self.factor}")
+        check(
+            self.original_max_position >= 1,
+            f"original_max_position_embeddings must be >= 1, got {self.original_max_position}",
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One generic MoE decoder; every family is a set of values for these fields."""
 
@@ -30,9 +79,10 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     # The kinds each service builds its layers from, named by the family (afd/families):
-    # "gqa" (q/k/v projections, optional q/k RMSNorm) or "mfa" (low-rank query, shared K/V head)
+    # "gqa" (q/k/v projections, optional q/k RMSNorm), "mfa" (low-rank query, shared K/V head)
+    # or "mla" (latent KV, `mla` below)
     attention: str
-    router: str  # "softmax_topk" (services/attention/moe_router.py)
+    router: str  # a key of services/attention/moe_router.py's ROUTERS
     ffn: str  # "swiglu": experts, shared expert and dense MLPs
     q_lora_dim: int  # MFA only: rank of the low-rank query (Step-3 `share_q_dim`)
     qk_norm: bool
@@ -47,11 +97,32 @@ class ModelConfig:
     norm_topk_prob: bool
     moe_layers: tuple[bool, ...]  # moe_layers[i]: layer i is MoE (else dense MLP)
     tie_word_embeddings: bool = False
+    mla: MLADims | None = None  # attention "mla" only
+    rope_scaling: RopeScaling | None = None
+    # Group-limited routing (DeepSeek): experts in n_group groups, the top topk_group groups
+    # chosen first; the chosen weights are multiplied by routed_scaling_factor.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
     weight_prefix: str = ""  # e.g. "language_model." in a vision-language checkpoint
     path: str = ""
+
+    def __post_init__(self) -> None:
+        check(
+            (self.attention == "mla") == (self.mla is not None),
+            f"attention {self.attention!r} and MLA dimensions go together",
+        )
+        check(
+            self.n_group >= 1 and 1 <= self.topk_group <= self.n_group,
+            f"topk_group must be in 1..n_group, got {self.topk_group} of {self.n_group}",
+        )
+        check(
+            self.num_experts % self.n_group == 0,
+            f"{self.num_experts} experts do not split into {self.n_group} groups",
+        )
 
     def is_moe(self, layer: int) -> bool:
         return self.moe_layers[layer]

@@ -5,7 +5,12 @@ is imported; importing this package imports every family module, so `FAMILIES` i
 soon as anything looks a family up. Adding a family: a new module here, named in the import below.
 """
 
-from afd.families import mixtral, qwen3_moe, step3_text  # noqa: F401 (each registers itself)
+from afd.families import (  # noqa: F401 (each registers itself)
+    deepseek_v3,
+    mixtral,
+    qwen3_moe,
+    step3_text,
+)
 from afd.families.base import FAMILIES, Family, family, register
 from afd.families.fields import Fields
 from afd.families.names import WeightNames

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from afd.config import RopeScaling
+
 if TYPE_CHECKING:
     from afd.families.base import Family
 
@@ -34,18 +36,44 @@ class Fields:
         v = self.raw.get(name)
         return float(default if v is None else v)
 
+    def _rope(self) -> dict[str, Any]:
+        # transformers >= 5 writes rope_parameters; older configs rope_scaling + rope_theta
+        for name in ("rope_parameters", "rope_scaling"):
+            params = self.raw.get(name)
+            if isinstance(params, dict):
+                return params
+        return {}
+
     def rope_theta(self, default: float) -> float:
-        # transformers >= 5 nests it under rope_parameters; older configs keep it top-level
-        params = self.raw.get("rope_parameters") or {}
-        if isinstance(params, dict) and params.get("rope_theta") is not None:
+        params = self._rope()
+        if params.get("rope_theta") is not None:
             return float(params["rope_theta"])
-        scaling = self.raw.get("rope_scaling")
-        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (
-            None,
-            "default",
-        ):
-            raise ValueError(f"rope_scaling {scaling!r} is not supported yet")
         return self.float("rope_theta", default)
+
+    def rope_scaling(self) -> RopeScaling | None:
+        """YaRN parameters, None for plain RoPE; any other scaling is refused, not ignored."""
+        p = self._rope()
+        kind = p.get("rope_type", p.get("type"))
+        if kind in (None, "default"):
+            return None
+        if kind != "yarn":
+            raise ValueError(f"rope scaling {kind!r} is not supported (afd applies yarn)")
+        factor = p.get("factor")
+        original = int(p["original_max_position_embeddings"])
+        if factor is None:  # as transformers derives it
+            factor = self.int("max_position_embeddings") / original
+        opt = {k: float(p[k]) for k in ("beta_fast", "beta_slow") if p.get(k)}
+        return RopeScaling(
+            factor=float(factor),
+            original_max_position=original,
+            mscale=float(p.get("mscale") or 0.0),
+            mscale_all_dim=float(p.get("mscale_all_dim") or 0.0),
+            attention_factor=(
+                None if p.get("attention_factor") is None else float(p["attention_factor"])
+            ),
+            truncate=bool(p.get("truncate", True)),
+            **opt,
+        )
 
     def eos(self) -> tuple[int, ...]:
         v = self.raw.get("eos_token_id")
@@ -68,6 +96,7 @@ class Fields:
             num_heads=heads,
             head_dim=self.int("head_dim", default=hidden // heads),
             rms_norm_eps=self.float("rms_norm_eps", 1e-6),
+            rope_scaling=self.rope_scaling(),
             tie_word_embeddings=bool(self.raw.get("tie_word_embeddings", False)),
             eos_token_ids=self.eos(),
             bos_token_id=self.raw.get("bos_token_id"),

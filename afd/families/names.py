@@ -30,7 +30,7 @@ GATE_UP_DOWN: Mapping[str, str] = MappingProxyType(
     {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 )
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ class WeightNames:
     """One family's HF tensor names -> afd's canonical names.
 
     A layer tensor is "model.layers.{i}.{rest}.weight" (after the checkpoint's vision-language
-    prefix is stripped); `rest` is looked up in order:
+    prefix is stripped); `rest` is looked up in order (a tensor that is not a `.weight`, such as
+    DeepSeek's "mlp.gate.e_score_correction_bias", is looked up in `layer` by its whole name):
       layer:       rest -> canonical leaf ("self_attn.q_proj" -> "q_proj", "mlp.gate" -> "router")
       mlps:        "{module}.{projection}" for a module holding one whole MLP -> its canonical
                    group ("mlp" -> "mlp" for a dense layer, "share_expert" -> "shared")
@@ -64,6 +65,9 @@ class WeightNames:
         if not m:
             return None
         base, rest = f"layers.{int(m.group(1))}", m.group(2)
+        if not rest.endswith(".weight"):
+            return f"{base}.{self.layer[rest]}" if rest in self.layer else None
+        rest = rest.removesuffix(".weight")
         if rest in self.layer:
             return f"{base}.{self.layer[rest]}"
         module, _, proj = rest.rpartition(".")

@@ -62,8 +62,9 @@ class Engine:
         mc = cfg.model
         dtype = compute_dtype(cfg.dtype)
         self.model = model or AttentionModel(mc, dtype, progress=progress)
-        num_blocks = num_blocks_for(mc, cfg.cache, dtype)
-        self.cache = KVCache(mc, num_blocks, cfg.cache.block_size, dtype)
+        layout = self.model.cache_layout
+        num_blocks = num_blocks_for(layout, mc, cfg.cache, dtype)
+        self.cache = KVCache(layout, mc.num_layers, num_blocks, cfg.cache.block_size, dtype)
         self.blocks = BlockManager(num_blocks, cfg.cache.block_size)
         self.max_model_len = min(cfg.scheduler.max_model_len or mc.max_position, mc.max_position)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, self.max_model_len)

@@ -1,36 +1,77 @@
-"""The paged KV pool: per layer, K and V slots addressed as block_id * block_size + offset."""
+"""The paged KV pool: per layer, K and V slots addressed as block_id * block_size + offset.
+
+What a token leaves in the pool is its attention kind's business (`CacheLayout`): K and V per
+K/V head (GQA, MFA), or one latent per token whose first columns double as the value (MLA).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from afd.config import CacheConfig, ModelConfig
 
 
-def num_blocks_for(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+@dataclass(frozen=True)
+class CacheLayout:
+    """One token's entry in one layer's cache: `heads` rows of K [k_dim] and V [v_dim]."""
+
+    heads: int
+    k_dim: int
+    v_dim: int
+    # V is K's first v_dim columns (MLA: the latent is both); stored once, V is a view
+    v_in_k: bool = False
+
+    def bytes_per_token(self, num_layers: int, dtype: torch.dtype) -> int:
+        per_head = self.k_dim + (0 if self.v_in_k else self.v_dim)
+        return num_layers * self.heads * per_head * dtype.itemsize
+
+
+def num_blocks_for(
+    layout: CacheLayout, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype
+) -> int:
     if cache.num_blocks:
         return cache.num_blocks
-    per_block = 2 * cfg.num_layers * cache.block_size * cfg.kv_size * dtype.itemsize
+    per_block = cache.block_size * layout.bytes_per_token(cfg.num_layers, dtype)
     return max(1, int(cache.kv_cache_memory_gb * (1 << 30)) // per_block)
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        layout: CacheLayout,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+    ):
+        self.layout = layout
         self.block_size = block_size
         self.num_blocks = num_blocks
         # Heads outermost, then whole blocks: gathering a sequence's blocks copies 2-4 KiB rows
         # and yields [kvh, L, D] directly, the layout the attention matmuls read.
-        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # [kvh, NB, bs, D]
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        kvh = layout.heads
+        self.k = [
+            torch.zeros(kvh, num_blocks, block_size, layout.k_dim, dtype=dtype)  # [kvh,NB,bs,Dk]
+            for _ in range(num_layers)
+        ]
+        self.v = [
+            k[..., : layout.v_dim]
+            if layout.v_in_k
+            else torch.zeros(kvh, num_blocks, block_size, layout.v_dim, dtype=dtype)
+            for k in self.k
+        ]  # [kvh, NB, bs, Dv]
 
     def write(
         self,
         layer: int,
         slots: torch.Tensor,  # [T] long
-        k: torch.Tensor,  # [T, kvh, D]
-        v: torch.Tensor,  # [T, kvh, D]
+        k: torch.Tensor,  # [T, kvh, Dk]
+        v: torch.Tensor | None,  # [T, kvh, Dv]; None where V lives in K
     ) -> None:
-        kvh, _, _, D = self.k[layer].shape
-        self.k[layer].view(kvh, -1, D).index_copy_(1, slots, k.transpose(0, 1))
-        self.v[layer].view(kvh, -1, D).index_copy_(1, slots, v.transpose(0, 1))
+        kvh, _, _, Dk = self.k[layer].shape
+        self.k[layer].view(kvh, -1, Dk).index_copy_(1, slots, k.transpose(0, 1))
+        if v is not None:
+            Dv = v.shape[-1]
+            self.v[layer].view(kvh, -1, Dv).index_copy_(1, slots, v.transpose(0, 1))

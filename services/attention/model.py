@@ -18,8 +18,7 @@ from afd.ops import Linear, native, rms_norm
 from services.attention.kinds import ATTENTION_KINDS, AttentionKind
 from services.attention.kv_cache import KVCache
 from services.attention.moe_router import ROUTERS
-from services.attention.paged_attention import AttnMeta, paged_attention
-from services.attention.rope import Rope
+from services.attention.paged_attention import AttnMeta
 
 
 @dataclass(frozen=True)
@@ -29,6 +28,7 @@ class AttentionLayer:
     kind: AttentionKind
     o_proj: Linear  # [H, nh*D]
     router: Linear | None  # [E, H] on MoE layers
+    router_bias: torch.Tensor | None  # [E] float32: the router kind's selection bias, if any
     fused: NativeDecodeLayer | None = None  # the whole layer in one call, decode-only batches
 
 
@@ -60,13 +60,13 @@ class AttentionModel:
                 kind=kind(cfg, w, i),
                 o_proj=Linear(w.pop(f"layers.{i}.o_proj")),
                 router=Linear(w.pop(f"layers.{i}.router")) if cfg.is_moe(i) else None,
+                router_bias=w.get(f"layers.{i}.router_bias"),
             )
             for i in range(cfg.num_layers)
         ]
         self.layers = [replace(lw, fused=self._fused(lw)) for lw in self.layers]
-        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+        self.cache_layout = kind.cache_layout(cfg)  # what a token leaves in the KV cache
         self.route_fn = ROUTERS[cfg.router]
-        self.scale = cfg.head_dim**-0.5
 
     def _fused(self, lw: AttentionLayer) -> NativeDecodeLayer | None:
         """Where afd's own kernels carry the bf16 compute (ops.native), a layer's decode runs
@@ -91,16 +91,13 @@ class AttentionModel:
         decode_only = meta.num_decode == h.shape[0] and meta.decode_blocks is not None
         ours = lw.o_proj.ours(h.shape[0])  # else oneDNN's matmuls are faster (ops.Linear)
         if lw.fused is not None and decode_only and ours and h.dtype == torch.bfloat16:
-            cos, sin = self.rope.tables(torch.bfloat16)
+            cos, sin = lw.kind.rope.tables(torch.bfloat16)
             return lw.fused(
                 h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens,
-                cache.k[layer], cache.v[layer], cos, sin, self.scale,
+                cache.k[layer], cache.v[layer], cos, sin, lw.kind.scale,
             )  # fmt: skip
         eps = self.cfg.rms_norm_eps
-        q, k, v = lw.kind.qkv(rms_norm(h, lw.attn_norm, eps))
-        q, k = self.rope(q, k, meta.positions)
-        cache.write(layer, meta.slots, k, v)
-        o = paged_attention(q, cache.k[layer], cache.v[layer], meta, self.scale)  # [T, nh*D]
+        o = lw.kind.attend(rms_norm(h, lw.attn_norm, eps), meta, cache, layer)  # [T, nh*Dv]
         h = h + lw.o_proj(o)
         return h, rms_norm(h, lw.ffn_norm, eps)
 
@@ -110,7 +107,7 @@ class AttentionModel:
         if gate is None:
             T = x.shape[0]
             return torch.empty(T, 0, dtype=torch.int32), torch.empty(T, 0, dtype=torch.float32)
-        return self.route_fn(gate(x), self.cfg)
+        return self.route_fn(gate(x), self.cfg, self.layers[layer].router_bias)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V] float32
         return self.lm_head(rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)).float()

@@ -2,6 +2,7 @@
 
 Keyed by router kind, not by model family: a family names its kind (afd/families), which
 reaches the attention model as `ModelConfig.router`, so families that route alike share one.
+Whatever the kind, its output is what goes on the wire: expert ids and weights per token.
 """
 
 from __future__ import annotations
@@ -12,12 +13,17 @@ import torch
 
 from afd.config import ModelConfig
 
-RouterFn = Callable[[torch.Tensor, ModelConfig], tuple[torch.Tensor, torch.Tensor]]
+# (router logits [T, E], config, the layer's selection bias [E] float32 or None)
+#   -> expert ids [T, k] int32, weights [T, k] float32
+RouterFn = Callable[
+    [torch.Tensor, ModelConfig, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 def softmax_topk(
     logits: torch.Tensor,  # [T, E] router logits, in the compute dtype
     cfg: ModelConfig,
+    bias: torch.Tensor | None = None,  # unused: this kind has none
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [T, k] int32, weights [T, k] float32
     """Softmax over all experts (float32), top-k, renormalised if the model says so."""
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
@@ -27,4 +33,31 @@ def softmax_topk(
     return ids.to(torch.int32), weights
 
 
-ROUTERS: dict[str, RouterFn] = {"softmax_topk": softmax_topk}
+def sigmoid_group_topk(
+    logits: torch.Tensor,  # [T, E]
+    cfg: ModelConfig,
+    bias: torch.Tensor | None,  # [E] float32: e_score_correction_bias
+) -> tuple[torch.Tensor, torch.Tensor]:  # ids [T, k] int32, weights [T, k] float32
+    """DeepSeek-V3: sigmoid scores; the bias shifts which experts are chosen, never their
+    weights; only experts of the `topk_group` groups with the best two-expert sums compete;
+    weights renormalised if the model says so, then scaled by `routed_scaling_factor`."""
+    scores = torch.sigmoid(logits.float())  # [T, E]
+    choice = scores if bias is None else scores + bias
+    T, E = choice.shape
+    if cfg.n_group > 1:
+        groups = choice.view(T, cfg.n_group, E // cfg.n_group)
+        group_scores = groups.topk(min(2, E // cfg.n_group), dim=-1).values.sum(-1)  # [T, G]
+        best = group_scores.topk(cfg.topk_group, dim=-1).indices  # [T, topk_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // cfg.n_group, dim=1), -torch.inf)
+    ids = choice.topk(cfg.top_k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids.to(torch.int32), weights * cfg.routed_scaling_factor
+
+
+ROUTERS: dict[str, RouterFn] = {
+    "softmax_topk": softmax_topk,
+    "sigmoid_group_topk": sigmoid_group_topk,
+}

@@ -1,5 +1,6 @@
 """Paged attention over the KV pool, shared by every attention kind (services/attention/kinds):
-each kind yields q [T, nh, D] and k, v [T, kvh, D] (GQA with kvh | nh, MFA with kvh = 1)."""
+q [T, nh, Dk] against cached K [kvh, .., Dk] and V [kvh, .., Dv] (GQA with kvh | nh, MFA with
+kvh = 1, MLA's latent with kvh = 1 and V a view of K's first Dv columns)."""
 
 from __future__ import annotations
 
@@ -35,15 +36,17 @@ class AttnMeta:
 def paged_attention(
     q: torch.Tensor,  # [T, nh, D], after RoPE
     k_cache: torch.Tensor,  # [kvh, NB, bs, D], already holding this step's keys
-    v_cache: torch.Tensor,  # [kvh, NB, bs, D]
+    v_cache: torch.Tensor,  # [kvh, NB, bs, Dv]
     meta: AttnMeta,
     scale: float,
-) -> torch.Tensor:  # [T, nh * D]
+) -> torch.Tensor:  # [T, nh * Dv]
     T, nh, D = q.shape
-    out = torch.empty(T, nh * D, dtype=q.dtype)
+    Dv = v_cache.shape[-1]
+    out = torch.empty(T, nh * Dv, dtype=q.dtype)
     nd = meta.num_decode
     fused = native() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
-    if nd and fused and k_cache.device.type == "cpu" and k_cache.is_contiguous():
+    fused = fused and Dv == D and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if nd and fused and k_cache.device.type == "cpu":
         lens = meta.decode_lens
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale)
     elif nd:
@@ -61,22 +64,26 @@ def paged_attention(
 def _attend(
     q: torch.Tensor,  # [B, n, nh, D]
     k_cache: torch.Tensor,  # [kvh, NB, bs, D]
-    v_cache: torch.Tensor,  # [kvh, NB, bs, D]
+    v_cache: torch.Tensor,  # [kvh, NB, bs, Dv]
     blocks: torch.Tensor,  # [B, nb] long: each sequence's block table (padded)
     bias: torch.Tensor,  # [B, n or 1, L] float32, L = nb * bs: 0 visible, -inf masked
     scale: float,
-) -> torch.Tensor:  # [B, n, nh, D]
+) -> torch.Tensor:  # [B, n, nh, Dv]
     """Softmax attention as batched matmuls over (K/V head, sequence) pairs; the g query heads
     of a K/V head and the n query tokens of a sequence share one matmul."""
     B, n, nh, D = q.shape
     kvh, _, bs, _ = k_cache.shape
+    Dv = v_cache.shape[-1]
     L = blocks.shape[1] * bs
     g = nh // kvh
     # One gather of whole blocks per cache: [kvh, B*nb, bs, D] is already [kvh*B, L, D].
     k = k_cache.index_select(1, blocks.reshape(-1)).view(kvh * B, L, D)
-    v = v_cache.index_select(1, blocks.reshape(-1)).view(kvh * B, L, D)
+    if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride():
+        v = k[..., :Dv]  # V is K's leading columns (MLA's latent): gathered once
+    else:
+        v = v_cache.index_select(1, blocks.reshape(-1)).view(kvh * B, L, Dv)
     qg = q.view(B, n, kvh, g, D).permute(2, 0, 3, 1, 4).reshape(kvh * B, g * n, D)
     scores = bmm(qg, k.transpose(1, 2)).float().view(kvh, B, g, n, L) * scale
     probs = torch.softmax(scores + bias.view(1, B, 1, -1, L), dim=-1)
-    o = bmm(probs.to(q.dtype).view(kvh * B, g * n, L), v)  # [kvh*B, g*n, D]
-    return o.view(kvh, B, g, n, D).permute(1, 3, 0, 2, 4).reshape(B, n, nh, D)
+    o = bmm(probs.to(q.dtype).view(kvh * B, g * n, L), v)  # [kvh*B, g*n, Dv]
+    return o.view(kvh, B, g, n, Dv).permute(1, 3, 0, 2, 4).reshape(B, n, nh, Dv)

@@ -1,19 +1,74 @@
-"""Rotary position embedding, neox style (rotate halves), over the whole head dim."""
+"""Rotary position embedding, neox style (rotate halves), over the whole width it is given;
+optionally YaRN-scaled (DeepSeek-V3, long-context Qwen3)."""
 
 from __future__ import annotations
 
+import math
+from functools import lru_cache
+
 import torch
 
+from afd.config import RopeScaling
 from afd.kernels import norm_rope
 
 
+@lru_cache(maxsize=8)
+def rope_for(dim: int, theta: float, max_position: int, scaling: RopeScaling | None) -> Rope:
+    """One table per distinct setting, shared by every layer that uses it."""
+    return Rope(dim, theta, max_position, scaling)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_softmax_scale(scaling: RopeScaling | None) -> float:
+    """YaRN's correction to the attention softmax scale (DeepSeek's mscale_all_dim, squared)."""
+    if scaling is None or not scaling.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+
+
+def _yarn(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim/2], the factor on cos/sin): high frequencies kept, low ones
+    interpolated by `factor`, a linear ramp between, as the YaRN paper and transformers do."""
+    if s.attention_factor is not None:
+        attention = s.attention_factor
+    elif s.mscale and s.mscale_all_dim:
+        attention = _yarn_mscale(s.factor, s.mscale) / _yarn_mscale(s.factor, s.mscale_all_dim)
+    else:
+        attention = _yarn_mscale(s.factor)
+
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times in the window
+        window = s.original_max_position / (rotations * 2 * math.pi)
+        return dim * math.log(window) / (2 * math.log(theta))
+
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolate = 1 - ramp  # weight of the unscaled frequency
+    inv = (1.0 / (s.factor * pos)) * (1 - extrapolate) + (1.0 / pos) * extrapolate
+    return inv, attention
+
+
 class Rope:
-    def __init__(self, head_dim: int, theta: float, max_position: int):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    def __init__(
+        self, dim: int, theta: float, max_position: int, scaling: RopeScaling | None = None
+    ):
+        if scaling is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            attention = 1.0
+        else:
+            inv_freq, attention = _yarn(dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        self.cos = emb.cos() * attention
+        self.sin = emb.sin() * attention
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

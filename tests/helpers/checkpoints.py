@@ -72,6 +72,59 @@ def mixtral(out: Path, seed: int = 1, **over) -> Path:
     return out
 
 
+def deepseek_v3(out: Path, seed: int = 4, **over) -> Path:
+    """MLA with a low-rank query (q_lora_rank=None for a full q_proj), YaRN RoPE with both
+    mscales, 8 experts in 4 groups of which 2 compete, a random selection bias (transformers
+    initialises it to zeros, which would hide a bias applied to the weights), one dense layer."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 0.8,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        initializer_range=INIT,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    kw.update(over)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**kw)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.copy_(torch.randn(kw["n_routed_experts"]) * 0.3)
+    model.save_pretrained(out)
+    return out
+
+
 def step3_text(out: Path, seed: int = 3, **over) -> Path:
     """Step-3 as afd's demo model writes it: MFA, a shared expert, dense layers 0 and 3, two
     safetensors shards."""
@@ -97,6 +150,7 @@ REFERENCE_CHECKPOINTS: dict[str, Writer] = {
     "qwen3_moe": qwen3_moe,
     "mixtral": mixtral,
     "step3_text": step3_text,
+    "deepseek_v3": deepseek_v3,
 }
 # model_type -> an independent dense forward of our own, for families transformers cannot run.
 DENSE_REFERENCES: dict[str, Greedy] = {"step3_text": step3_dense_greedy}

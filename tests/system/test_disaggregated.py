@@ -88,17 +88,31 @@ def _start_cluster(procs: Procs, model, transport, n_att, n_ffn, S, tmp, timeout
     return ffn, att
 
 
+def _cluster_tokens(procs, model, transport, n_att, n_ffn, S, tmp) -> list[list[int]]:
+    _, att = _start_cluster(procs, model, transport, n_att, n_ffn, S, tmp)
+    # All prompts at once, spread over the attention servers: they batch on each server
+    # and their FFN messages meet on the shared FFN servers.
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        futs = [ex.submit(generate, att[i % n_att], p, NEW) for i, p in enumerate(PROMPTS)]
+        return [f.result()[0] for f in futs]
+
+
 @pytest.mark.parametrize("transport,n_att,n_ffn,S", CASES, ids=lambda v: str(v))
 def test_topology_matches_transformers(qwen3_dir, reference, tmp_path, transport, n_att, n_ffn, S):
     procs = Procs(tmp_path)
     try:
-        _, att = _start_cluster(procs, qwen3_dir, transport, n_att, n_ffn, S, tmp_path)
-        # All prompts at once, spread over the attention servers: they batch on each server
-        # and their FFN messages meet on the shared FFN servers.
-        with ThreadPoolExecutor(len(PROMPTS)) as ex:
-            futs = [ex.submit(generate, att[i % n_att], p, NEW) for i, p in enumerate(PROMPTS)]
-            got = [f.result()[0] for f in futs]
-        assert got == reference
+        assert _cluster_tokens(procs, qwen3_dir, transport, n_att, n_ffn, S, tmp_path) == reference
+    finally:
+        procs.stop_all()
+
+
+def test_deepseek_v3_1a2f_over_tcp_matches_transformers(deepseek_dir, tmp_path):
+    """MLA's latent cache on the attention server, its experts and shared expert split over
+    two FFN servers: the router's ids and weights are all that crosses the wire."""
+    ref = hf_greedy(hf_model(deepseek_dir, torch.float32), PROMPTS, NEW)
+    procs = Procs(tmp_path)
+    try:
+        assert _cluster_tokens(procs, deepseek_dir, "tcp", 1, 2, 2, tmp_path) == ref
     finally:
         procs.stop_all()
 

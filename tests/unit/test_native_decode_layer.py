@@ -47,7 +47,7 @@ def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckp
     h = (torch.randn(5, cfg.hidden_size, generator=g) * 4).to(torch.bfloat16)
     caches = []
     for _ in range(2):
-        c = KVCache(cfg, num_blocks, bs, torch.bfloat16)
+        c = KVCache(model.cache_layout, cfg.num_layers, num_blocks, bs, torch.bfloat16)
         caches.append(c)
     for layer in range(cfg.num_layers):
         k = torch.randn(caches[0].k[layer].shape, generator=g).to(torch.bfloat16)

@@ -3,7 +3,8 @@
 from services.attention.kinds.base import AttentionKind
 from services.attention.kinds.gqa import GQA
 from services.attention.kinds.mfa import MFA
+from services.attention.kinds.mla import MLA
 
-ATTENTION_KINDS: dict[str, type[AttentionKind]] = {"gqa": GQA, "mfa": MFA}
+ATTENTION_KINDS: dict[str, type[AttentionKind]] = {"gqa": GQA, "mfa": MFA, "mla": MLA}
 
-__all__ = ["ATTENTION_KINDS", "GQA", "MFA", "AttentionKind"]
+__all__ = ["ATTENTION_KINDS", "GQA", "MFA", "MLA", "AttentionKind"]

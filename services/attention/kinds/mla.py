@@ -1,0 +1,89 @@
+"""DeepSeek multi-head latent attention, with a latent KV cache and the absorbed form.
+
+Per token per layer the cache holds the normalised KV latent [r] and the rotary key [dr]
+that every head shares: one row of r + dr, where full K and V would take nh * (dn + dr + dv).
+Attention runs on the latent itself: the key half of kv_b_proj is folded into each head's
+query (q_nope @ W_UK: a query in latent space), so scores are one dot product with the cached
+row, and the value half is applied to the attention-weighted latent afterwards (@ W_UV). The
+cache is then one K/V head of width r + dr whose first r columns are also the value, which
+the shared paged attention serves as it serves MQA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afd.config import ModelConfig
+from afd.ops import Linear, bmm, rms_norm
+from services.attention.kinds.base import AttentionKind
+from services.attention.kv_cache import CacheLayout, KVCache
+from services.attention.paged_attention import AttnMeta, paged_attention
+from services.attention.rope import rope_for, yarn_softmax_scale
+
+# The latent norms are built with their module's default epsilon, not the model's rms_norm_eps
+_LATENT_EPS = 1e-6
+
+
+def _halves(rows: int) -> torch.Tensor:
+    """Row order that turns DeepSeek's interleaved rotary pairs (x0, x1), (x2, x3) ... into
+    the halves (x0, x2, ...), (x1, x3, ...) that the half-split rotation pairs up: the same
+    rotation, with the permutation paid once on the weights instead of every step."""
+    return torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)])
+
+
+class MLA(AttentionKind):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
+        super().__init__(cfg, w, layer)
+        m = cfg.mla
+        assert m is not None  # ModelConfig holds attention "mla" and its dims together
+        self.m = m
+        b, nh = f"layers.{layer}", cfg.num_heads
+        dn, dr, dv, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        self.rope = rope_for(dr, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
+        self.scale = m.qk_head_dim**-0.5 * yarn_softmax_scale(cfg.rope_scaling)
+        kv_a = w.pop(f"{b}.kv_a_proj")  # [r + dr, H]
+        q = w.pop(f"{b}.q_b_proj" if m.q_lora_rank else f"{b}.q_proj")  # [nh*(dn+dr), in]
+        if m.rope_interleave:
+            kv_a = torch.cat([kv_a[:r], kv_a[r:][_halves(dr)]])
+            heads = q.view(nh, dn + dr, -1)
+            q = torch.cat([heads[:, :dn], heads[:, dn:][:, _halves(dr)]], dim=1).flatten(0, 1)
+        # both down-projections read x: one matmul, split after
+        if m.q_lora_rank:
+            self.w_a = Linear(torch.cat([w.pop(f"{b}.q_a_proj"), kv_a]))  # [qr + r + dr, H]
+            self.q_a_norm = w[f"{b}.q_a_norm"]
+            self.w_qb = Linear(q)  # [nh*(dn+dr), qr]
+            self.a_split = [m.q_lora_rank, r + dr]
+        else:
+            self.w_a = Linear(torch.cat([q, kv_a]))  # [nh*(dn+dr) + r + dr, H]
+            self.a_split = [nh * (dn + dr), r + dr]
+        self.kv_a_norm = w[f"{b}.kv_a_norm"]
+        kv_b = w.pop(f"{b}.kv_b_proj").view(nh, dn + dv, r)
+        self.w_uk = kv_b[:, :dn].contiguous()  # [nh, dn, r]: q_nope -> latent space
+        self.w_uv = kv_b[:, dn:].transpose(1, 2).contiguous()  # [nh, r, dv]: latent -> value
+
+    @staticmethod
+    def cache_layout(cfg: ModelConfig) -> CacheLayout:
+        m = cfg.mla
+        assert m is not None
+        return CacheLayout(1, m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank, v_in_k=True)
+
+    def attend(
+        self,
+        x: torch.Tensor,  # [T, H], normalised
+        meta: AttnMeta,
+        cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:  # [T, nh * dv]
+        m, nh, T = self.m, self.cfg.num_heads, x.shape[0]
+        dn, dr, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+        q_in, kv = self.w_a(x).split(self.a_split, dim=-1)
+        q = self.w_qb(rms_norm(q_in, self.q_a_norm, _LATENT_EPS)) if m.q_lora_rank else q_in
+        q = q.reshape(T, nh, dn + dr)
+        latent = rms_norm(kv[:, :r], self.kv_a_norm, _LATENT_EPS)  # [T, r]
+        q_pe, k_pe = self.rope(q[..., dn:], kv[:, None, r:], meta.positions)  # [T,nh|1,dr]
+        cache.write(layer, meta.slots, torch.cat([latent[:, None], k_pe], dim=-1), None)
+        q_lat = bmm(q[..., :dn].transpose(0, 1), self.w_uk)  # [nh, T, r]
+        q_abs = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, nh, r + dr]
+        o = paged_attention(q_abs, cache.k[layer], cache.v[layer], meta, self.scale)  # [T, nh*r]
+        o = bmm(o.view(T, nh, r).transpose(0, 1), self.w_uv)  # [nh, T, dv]
+        return o.transpose(0, 1).reshape(T, -1)

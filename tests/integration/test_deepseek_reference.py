@@ -1,0 +1,99 @@
+"""DeepSeek-V3 beyond the shared greedy-vs-transformers tests (test_engine_reference.py runs
+the q_lora_rank checkpoint in every micro-batch setting, chunked, preempted and in bf16): the
+full-q_proj variant, the latent cache's size, and planted bugs in what only MLA and DeepSeek's
+router do, each of which must change the tokens."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from afd.config import ModelConfig
+from services.attention.kinds import mla as mla_kind
+from services.attention.kv_cache import CacheLayout
+from services.attention.model import AttentionModel
+from tests.helpers.checkpoints import deepseek_v3, hf_greedy, hf_model
+from tests.integration.test_engine_reference import NEW, PROMPTS, afd_greedy, engine_cfg
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    path = deepseek_v3(tmp_path_factory.mktemp("ds") / "ckpt")
+    return path, hf_greedy(hf_model(path, torch.float32), PROMPTS, NEW)
+
+
+def test_full_q_proj_variant_matches_transformers(tmp_path):
+    path = deepseek_v3(tmp_path / "ckpt", seed=7, q_lora_rank=None, n_group=1, topk_group=1)
+    assert ModelConfig.from_hf(path).mla.q_lora_rank == 0
+    ref = hf_greedy(hf_model(path, torch.float32), PROMPTS, NEW)
+    for S in (1, 2):
+        assert afd_greedy(engine_cfg(path, S=S))[0] == ref
+
+
+def test_the_cache_holds_the_latent_not_full_keys_and_values(ds):
+    path, _ = ds
+    cfg = ModelConfig.from_hf(path)
+    m = cfg.mla
+    layout = AttentionModel(cfg, torch.float32, progress=False).cache_layout
+    assert layout == CacheLayout(1, m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank, True)
+    latent = layout.bytes_per_token(cfg.num_layers, torch.bfloat16)
+    full = cfg.num_layers * cfg.num_heads * (m.qk_head_dim + m.v_head_dim) * 2
+    assert latent == cfg.num_layers * (32 + 8) * 2 and latent * 4 < full
+
+
+# --- planted bugs ------------------------------------------------------------------------
+
+
+def test_planted_absorbed_form_transpose_is_caught(ds, monkeypatch):
+    """W_UK taken as if kv_b_proj's rows were [dn + dv, nh] instead of [nh, dn + dv]."""
+    path, ref = ds
+    real = mla_kind.MLA.__init__
+
+    def init(self, cfg, w, layer):
+        kv_b = w[f"layers.{layer}.kv_b_proj"]
+        nh, m = cfg.num_heads, cfg.mla
+        swapped = kv_b.view(m.qk_nope_head_dim + m.v_head_dim, nh, -1).transpose(0, 1)
+        w[f"layers.{layer}.kv_b_proj"] = swapped.reshape(kv_b.shape)
+        real(self, cfg, w, layer)
+
+    monkeypatch.setattr(mla_kind.MLA, "__init__", init)
+    assert afd_greedy(engine_cfg(path, S=1))[0] != ref
+
+
+def test_planted_correction_bias_in_the_weights_is_caught(ds, monkeypatch):
+    path, ref = ds
+    from services.attention import moe_router
+
+    real = moe_router.sigmoid_group_topk
+
+    def biased(logits, cfg, bias):
+        ids, weights = real(logits, cfg, bias)
+        scores = torch.sigmoid(logits.float()) + bias
+        w = scores.gather(1, ids.long())
+        return ids, w / w.sum(-1, keepdim=True) * cfg.routed_scaling_factor
+
+    monkeypatch.setitem(moe_router.ROUTERS, "sigmoid_group_topk", biased)
+    assert afd_greedy(engine_cfg(path, S=1))[0] != ref
+
+
+def test_planted_group_limit_ignored_is_caught(ds):
+    path, ref = ds
+    cfg = engine_cfg(path, S=1)
+    cfg = replace(cfg, model=replace(cfg.model, n_group=1, topk_group=1))
+    assert afd_greedy(cfg)[0] != ref
+
+
+def test_planted_rope_interleave_ignored_is_caught(ds):
+    path, ref = ds
+    cfg = engine_cfg(path, S=1)
+    mla = replace(cfg.model.mla, rope_interleave=False)
+    assert afd_greedy(replace(cfg, model=replace(cfg.model, mla=mla)))[0] != ref
+
+
+def test_planted_missing_yarn_mscale_is_caught(ds):
+    path, ref = ds
+    cfg = engine_cfg(path, S=1)
+    scaling = replace(cfg.model.rope_scaling, mscale_all_dim=0.0, mscale=0.0)
+    assert afd_greedy(replace(cfg, model=replace(cfg.model, rope_scaling=scaling)))[0] != ref
