@@ -7,6 +7,8 @@ afd's canonical names (what the services index by):
                   mfa: layers.{i}.{q_proj, k_proj, v_proj, inter_norm, wq}
                   mla: layers.{i}.{q_proj or q_a_proj, q_a_norm, q_b_proj; kv_a_proj,
                        kv_a_norm, kv_b_proj}
+                  dsa: mla's, and layers.{i}.{index_wq, index_wk, index_k_norm,
+                       index_k_norm_bias, index_weights}
   ffn role:       layers.{i}.experts.{e}.{gate, up, down}, layers.{i}.shared.{gate, up, down},
                   layers.{i}.mlp.{gate, up, down}
 How a family spells them is the family's business (its `WeightNames`); what is generic stays
@@ -209,6 +211,13 @@ def _attention_shapes(s: dict[str, tuple[int, ...]], cfg: ModelConfig, b: str) -
         s[f"{b}.kv_a_norm"] = (m.kv_lora_rank,)
         s[f"{b}.kv_b_proj"] = (cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
         s[f"{b}.o_proj"] = (H, cfg.num_heads * m.v_head_dim)
+        if cfg.indexer is not None:
+            ix = cfg.indexer
+            s[f"{b}.index_wq"] = (ix.n_heads * ix.head_dim, m.q_lora_rank)
+            s[f"{b}.index_wk"] = (ix.head_dim, H)
+            s[f"{b}.index_k_norm"] = (ix.head_dim,)
+            s[f"{b}.index_k_norm_bias"] = (ix.head_dim,)
+            s[f"{b}.index_weights"] = (ix.n_heads, H)
         return
     s[f"{b}.k_proj"] = (cfg.kv_size, H)
     s[f"{b}.v_proj"] = (cfg.kv_size, H)

@@ -47,6 +47,22 @@ class MLADims:
 
 
 @dataclass(frozen=True)
+class IndexerDims:
+    """DeepSeek Sparse Attention's lightning indexer: per query, the `topk` earlier tokens
+    that the attention reads, scored by `n_heads` small ReLU heads of width `head_dim`."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+
+    def __post_init__(self) -> None:
+        check(
+            min(self.n_heads, self.head_dim, self.topk) >= 1,
+            f"indexer dimensions must be >= 1, got {self}",
+        )
+
+
+@dataclass(frozen=True)
 class RopeScaling:
     """YaRN context extension (the only RoPE scaling afd applies), as transformers reads it."""
 
@@ -79,8 +95,8 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     # The kinds each service builds its layers from, named by the family (afd/families):
-    # "gqa" (q/k/v projections, optional q/k RMSNorm), "mfa" (low-rank query, shared K/V head)
-    # or "mla" (latent KV, `mla` below)
+    # "gqa" (q/k/v projections, optional q/k RMSNorm), "mfa" (low-rank query, shared K/V head),
+    # "mla" (latent KV, `mla` below) or "dsa" (MLA reading the tokens `indexer` selects)
     attention: str
     router: str  # a key of services/attention/moe_router.py's ROUTERS
     ffn: str  # "swiglu": experts, shared expert and dense MLPs
@@ -97,7 +113,8 @@ class ModelConfig:
     norm_topk_prob: bool
     moe_layers: tuple[bool, ...]  # moe_layers[i]: layer i is MoE (else dense MLP)
     tie_word_embeddings: bool = False
-    mla: MLADims | None = None  # attention "mla" only
+    mla: MLADims | None = None  # attention "mla" and "dsa" only
+    indexer: IndexerDims | None = None  # attention "dsa" only
     rope_scaling: RopeScaling | None = None
     # Group-limited routing (DeepSeek): experts in n_group groups, the top topk_group groups
     # chosen first; the chosen weights are multiplied by routed_scaling_factor.
@@ -112,8 +129,16 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check(
-            (self.attention == "mla") == (self.mla is not None),
+            (self.attention in ("mla", "dsa")) == (self.mla is not None),
             f"attention {self.attention!r} and MLA dimensions go together",
+        )
+        check(
+            (self.attention == "dsa") == (self.indexer is not None),
+            f"attention {self.attention!r} and indexer dimensions go together",
+        )
+        check(
+            self.indexer is None or self.mla is None or self.mla.q_lora_rank > 0,
+            "sparse attention's indexer reads the query latent: q_lora_rank must be set",
         )
         check(
             self.n_group >= 1 and 1 <= self.topk_group <= self.n_group,

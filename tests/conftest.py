@@ -20,11 +20,6 @@ def mixtral_dir(tmp_path_factory):
     return checkpoints.mixtral(tmp_path_factory.mktemp("mixtral"))
 
 
-@pytest.fixture(scope="session")
-def deepseek_dir(tmp_path_factory):
-    return checkpoints.deepseek_v3(tmp_path_factory.mktemp("deepseek_v3"))
-
-
 @pytest.fixture(params=kernels.NATIVE or [pytest.param(None, marks=kernels.NO_NATIVE)])
 def native_path(request, monkeypatch):
     """Each of afd's own kernel paths this machine runs (AVX2, AVX-512 BF16), active for the

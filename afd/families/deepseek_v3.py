@@ -4,6 +4,8 @@ expert, and dense MLP layers before `first_k_dense_replace`."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from afd.config import MLADims, ModelConfig
 from afd.families.base import Family, register
 from afd.families.fields import Fields
@@ -21,15 +23,25 @@ def mla_dims(f: Fields) -> MLADims:
     )
 
 
-def parse(f: Fields, path: str, prefix: str) -> ModelConfig:
+def moe_layers(f: Fields, experts: int) -> tuple[bool, ...]:
     n = f.int("num_hidden_layers")
+    kinds = f.raw.get("mlp_layer_types")  # V3.2 may list them instead
+    if isinstance(kinds, list):
+        if len(kinds) != n:
+            raise ValueError(f"mlp_layer_types lists {len(kinds)} layers, not {n}")
+        return tuple(experts > 0 and k == "sparse" for k in kinds)
     dense = f.int("first_k_dense_replace", default=0)
+    return tuple(experts > 0 and i >= dense for i in range(n))
+
+
+def fields(f: Fields, path: str, prefix: str) -> dict[str, Any]:
+    """Every ModelConfig field of a DeepSeek-V3-like config (V3.2 adds its indexer)."""
     experts = f.int("n_routed_experts", "num_local_experts")
     mla = mla_dims(f)
     common = f.common(path, prefix)
     # the softmax scale's width; config.json's own head_dim is the rotary part's
     common["head_dim"] = mla.qk_head_dim
-    return ModelConfig(
+    return dict(
         **common,
         num_kv_heads=1,  # one latent per token, shared by every head
         q_lora_dim=mla.q_lora_rank,
@@ -48,8 +60,12 @@ def parse(f: Fields, path: str, prefix: str) -> ModelConfig:
         n_group=f.int("n_group", default=1),
         topk_group=f.int("topk_group", default=1),
         routed_scaling_factor=f.float("routed_scaling_factor", 1.0),
-        moe_layers=tuple(experts > 0 and i >= dense for i in range(n)),
+        moe_layers=moe_layers(f, experts),
     )
+
+
+def parse(f: Fields, path: str, prefix: str) -> ModelConfig:
+    return ModelConfig(**fields(f, path, prefix))
 
 
 WEIGHTS = WeightNames(

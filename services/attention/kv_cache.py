@@ -22,10 +22,12 @@ class CacheLayout:
     v_dim: int
     # V is K's first v_dim columns (MLA: the latent is both); stored once, V is a view
     v_in_k: bool = False
+    # a sparse-attention indexer's key per token (DSA), kept in a pool of its own
+    index_dim: int = 0
 
     def bytes_per_token(self, num_layers: int, dtype: torch.dtype) -> int:
         per_head = self.k_dim + (0 if self.v_in_k else self.v_dim)
-        return num_layers * self.heads * per_head * dtype.itemsize
+        return num_layers * (self.heads * per_head + self.index_dim) * dtype.itemsize
 
 
 def num_blocks_for(
@@ -62,6 +64,10 @@ class KVCache:
             else torch.zeros(kvh, num_blocks, block_size, layout.v_dim, dtype=dtype)
             for k in self.k
         ]  # [kvh, NB, bs, Dv]
+        self.index = [
+            torch.zeros(num_blocks, block_size, layout.index_dim, dtype=dtype)  # [NB, bs, Di]
+            for _ in range(num_layers if layout.index_dim else 0)
+        ]
 
     def write(
         self,
@@ -75,3 +81,12 @@ class KVCache:
         if v is not None:
             Dv = v.shape[-1]
             self.v[layer].view(kvh, -1, Dv).index_copy_(1, slots, v.transpose(0, 1))
+
+    def write_index(
+        self,
+        layer: int,
+        slots: torch.Tensor,  # [T] long
+        k: torch.Tensor,  # [T, Di]: the indexer's keys
+    ) -> None:
+        pool = self.index[layer]
+        pool.view(-1, pool.shape[-1]).index_copy_(0, slots, k)

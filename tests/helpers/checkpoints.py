@@ -125,6 +125,49 @@ def deepseek_v3(out: Path, seed: int = 4, **over) -> Path:
     return out
 
 
+def deepseek_v32(out: Path, seed: int = 5, **over) -> Path:
+    """DeepSeek-V3's tiny checkpoint plus the sparse-attention indexer, keeping 8 tokens per
+    query, so that the test prompts (up to 53 tokens) drop most of their context."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk=8,
+        max_position_embeddings=128,
+        initializer_range=INIT,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    kw.update(over)
+    model = DeepseekV32ForCausalLM(DeepseekV32Config(**kw)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.copy_(torch.randn(kw["n_routed_experts"]) * 0.3)
+    model.save_pretrained(out)
+    return out
+
+
 def step3_text(out: Path, seed: int = 3, **over) -> Path:
     """Step-3 as afd's demo model writes it: MFA, a shared expert, dense layers 0 and 3, two
     safetensors shards."""
@@ -151,6 +194,7 @@ REFERENCE_CHECKPOINTS: dict[str, Writer] = {
     "mixtral": mixtral,
     "step3_text": step3_text,
     "deepseek_v3": deepseek_v3,
+    "deepseek_v32": deepseek_v32,
 }
 # model_type -> an independent dense forward of our own, for families transformers cannot run.
 DENSE_REFERENCES: dict[str, Greedy] = {"step3_text": step3_dense_greedy}

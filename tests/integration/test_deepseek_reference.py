@@ -1,7 +1,8 @@
-"""DeepSeek-V3 beyond the shared greedy-vs-transformers tests (test_engine_reference.py runs
-the q_lora_rank checkpoint in every micro-batch setting, chunked, preempted and in bf16): the
-full-q_proj variant, the latent cache's size, and planted bugs in what only MLA and DeepSeek's
-router do, each of which must change the tokens."""
+"""DeepSeek-V3 and V3.2 beyond the shared greedy-vs-transformers tests (test_engine_reference.py
+runs both tiny checkpoints in every micro-batch setting, chunked, preempted and in bf16): the
+full-q_proj variant, the latent cache's size, the sparse attention's selection really dropping
+context, and planted bugs in what only MLA, DeepSeek's router and the indexer do, each of which
+must change the tokens."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import pytest
 import torch
 
 from afd.config import ModelConfig
+from services.attention import sparse_attention
 from services.attention.kinds import mla as mla_kind
 from services.attention.kv_cache import CacheLayout
 from services.attention.model import AttentionModel
-from tests.helpers.checkpoints import deepseek_v3, hf_greedy, hf_model
+from tests.helpers.checkpoints import deepseek_v3, deepseek_v32, hf_greedy, hf_model
 from tests.integration.test_engine_reference import NEW, PROMPTS, afd_greedy, engine_cfg
 
 
@@ -41,6 +43,40 @@ def test_the_cache_holds_the_latent_not_full_keys_and_values(ds):
     latent = layout.bytes_per_token(cfg.num_layers, torch.bfloat16)
     full = cfg.num_layers * cfg.num_heads * (m.qk_head_dim + m.v_head_dim) * 2
     assert latent == cfg.num_layers * (32 + 8) * 2 and latent * 4 < full
+
+
+@pytest.fixture(scope="module")
+def dsa(tmp_path_factory):
+    path = deepseek_v32(tmp_path_factory.mktemp("dsa") / "ckpt")
+    return path, hf_greedy(hf_model(path, torch.float32), PROMPTS, NEW)
+
+
+def test_sparse_attention_drops_context_that_matters(dsa):
+    """index_topk 8 on prompts of up to 53 tokens: with the selection widened to the whole
+    context (dense MLA) the tokens change, so the tokens that match transformers depend on
+    which 8 the indexer kept."""
+    path, ref = dsa
+    cfg = engine_cfg(path, S=2)
+    assert cfg.model.indexer.topk * 4 < max(len(p) for p in PROMPTS) + NEW
+    dense = replace(cfg.model, indexer=replace(cfg.model.indexer, topk=10_000))
+    assert afd_greedy(replace(cfg, model=dense))[0] != ref
+
+
+def test_selection_keeps_topk_visible_tokens_per_row():
+    g = torch.Generator().manual_seed(0)
+    nb, bs, Di, hI, n, topk = 12, 4, 16, 3, 40, 8
+    pool = torch.randn(nb, bs, Di, generator=g)
+    blocks = torch.randperm(nb, generator=g)[:10].unsqueeze(0)  # one sequence, 40 slots
+    iq = sparse_attention.IndexQuery(
+        torch.randn(n, hI, Di, generator=g), torch.randn(n, hI, generator=g), Di**-0.5
+    )
+    bias = torch.zeros(n, 40).masked_fill(torch.ones(n, 40).triu(1).bool(), -torch.inf)
+    slots, visible = sparse_attention.select(iq, slice(0, n), pool, blocks, bias, topk)
+    assert slots.shape == (n, topk)
+    table = blocks[0]
+    for i in range(n):  # row i sees positions 0..i: min(i + 1, topk) of them, all distinct
+        pos = [int((table == s // bs).nonzero()) * bs + int(s % bs) for s in slots[i][visible[i]]]
+        assert len(set(pos)) == min(i + 1, topk) and max(pos) <= i
 
 
 # --- planted bugs ------------------------------------------------------------------------
@@ -97,3 +133,33 @@ def test_planted_missing_yarn_mscale_is_caught(ds):
     cfg = engine_cfg(path, S=1)
     scaling = replace(cfg.model.rope_scaling, mscale_all_dim=0.0, mscale=0.0)
     assert afd_greedy(replace(cfg, model=replace(cfg.model, rope_scaling=scaling)))[0] != ref
+
+
+def test_planted_indexer_off_by_one_is_caught(dsa, monkeypatch):
+    """Each selected token's neighbour read instead (the slot before, where there is one)."""
+    path, ref = dsa
+    real = sparse_attention.select
+
+    def shifted(*a, **kw):
+        slots, visible = real(*a, **kw)
+        return (slots - 1).clamp(min=0), visible
+
+    monkeypatch.setattr(sparse_attention, "select", shifted)
+    assert afd_greedy(engine_cfg(path, S=1))[0] != ref
+
+
+def test_planted_indexer_rope_interleaved_is_caught(dsa, monkeypatch):
+    """The indexer rotates half-split pairs, unlike the latent attention beside it."""
+    path, ref = dsa
+    from services.attention.kinds import dsa as dsa_kind
+
+    real = dsa_kind.DSA.__init__
+
+    def init(self, cfg, w, layer):
+        real(self, cfg, w, layer)
+        dr, hI = cfg.mla.qk_rope_head_dim, cfg.indexer.n_heads
+        wq = self.w_iq.w.view(hI, cfg.indexer.head_dim, -1)
+        wq[:, :dr] = wq[:, :dr][:, mla_kind._halves(dr)].clone()
+
+    monkeypatch.setattr(dsa_kind.DSA, "__init__", init)
+    assert afd_greedy(engine_cfg(path, S=1))[0] != ref

@@ -4,7 +4,10 @@ family transformers runs (tests/helpers/checkpoints.py: TRANSFORMERS_REFERENCED)
 float32 with an fp32 wire: the tokens must be identical. bf16 with a bf16 wire: each token
 afd picks is judged against the float32 reference teacher-forced on afd's own tokens: at 90%
 of steps or more it must be the reference's argmax, and at every step within BF16_GAP of the
-reference's best logit (a near-tie, not a bug).
+reference's best logit (a near-tie, not a bug). Where attention selects tokens (DeepSeek
+Sparse Attention), bf16 rounding flips selections and moves logits by more than any near-tie:
+there afd's bf16 must stay as close to the float32 reference as transformers' own bf16 forward
+does on the same prompts (its worst gap, and its agreement less 5 points).
 """
 
 from __future__ import annotations
@@ -85,13 +88,24 @@ def test_chunked_prefill_and_preemption(refs, family):
 def test_bf16_within_near_tie_tolerance(refs, family, kernel_path):
     """On every kernel path this machine runs (AFD_KERNELS): afd's kernels, oneDNN, torch."""
     path, ref_model, _ = refs[family]
-    got, _ = afd_greedy(engine_cfg(path, dtype="bfloat16", S=2))
+    cfg = engine_cfg(path, dtype="bfloat16", S=2)
+    max_gap, min_agree = BF16_GAP, 0.9
+    if cfg.model.indexer is not None:
+        hf_gap, hf_agree = _gaps_summary(
+            ref_model, hf_greedy(hf_model(path, torch.bfloat16), PROMPTS, NEW)
+        )
+        max_gap, min_agree = max(max_gap, hf_gap), min(min_agree, hf_agree - 0.05)
+    gap, agree = _gaps_summary(ref_model, afd_greedy(cfg)[0])
+    assert gap <= max_gap, f"afd chose a token {gap:.3f} below the reference best"
+    assert agree >= min_agree, f"afd bf16 agrees with the reference argmax at only {agree:.0%}"
+
+
+def _gaps_summary(ref_model, got: list[list[int]]) -> tuple[float, float]:
+    """(the worst gap below the reference's best logit, the share of steps at its argmax)."""
     gaps = [
         g for p, toks in zip(PROMPTS, got, strict=True) for g in greedy_gaps(ref_model, p, toks)
     ]
-    assert max(gaps) <= BF16_GAP, f"afd chose a token {max(gaps):.3f} below the reference best"
-    agree = sum(g == 0.0 for g in gaps) / len(gaps)
-    assert agree >= 0.9, f"afd bf16 agrees with the reference argmax at only {agree:.0%} of steps"
+    return max(gaps), sum(g == 0.0 for g in gaps) / len(gaps)
 
 
 def test_expert_parallel_shards_sum_exactly(refs):

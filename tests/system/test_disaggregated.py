@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from afd.control import pb
-from tests.helpers.checkpoints import hf_greedy, hf_model
+from tests.helpers.checkpoints import REFERENCE_CHECKPOINTS, hf_greedy, hf_model
 from tests.helpers.procs import Procs, free_port, generate, wait_attention_ready
 
 PROMPTS = [[5, 9, 17, 3, 250], list(range(20, 57)), [7, 7, 7], list(range(100, 119))]
@@ -106,13 +106,16 @@ def test_topology_matches_transformers(qwen3_dir, reference, tmp_path, transport
         procs.stop_all()
 
 
-def test_deepseek_v3_1a2f_over_tcp_matches_transformers(deepseek_dir, tmp_path):
-    """MLA's latent cache on the attention server, its experts and shared expert split over
-    two FFN servers: the router's ids and weights are all that crosses the wire."""
-    ref = hf_greedy(hf_model(deepseek_dir, torch.float32), PROMPTS, NEW)
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
+def test_deepseek_1a2f_over_tcp_matches_transformers(family, tmp_path):
+    """MLA's latent cache (and V3.2's indexer pool) on the attention server, the experts and
+    shared expert split over two FFN servers: the router's ids and weights are all that
+    crosses the wire."""
+    path = REFERENCE_CHECKPOINTS[family](tmp_path / "ckpt")
+    ref = hf_greedy(hf_model(path, torch.float32), PROMPTS, NEW)
     procs = Procs(tmp_path)
     try:
-        assert _cluster_tokens(procs, deepseek_dir, "tcp", 1, 2, 2, tmp_path) == ref
+        assert _cluster_tokens(procs, path, "tcp", 1, 2, 2, tmp_path) == ref
     finally:
         procs.stop_all()
 

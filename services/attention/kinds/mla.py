@@ -74,16 +74,28 @@ class MLA(AttentionKind):
         cache: KVCache,
         layer: int,
     ) -> torch.Tensor:  # [T, nh * dv]
+        q_abs, _ = self.project(x, meta, cache, layer)
+        o = paged_attention(q_abs, cache.k[layer], cache.v[layer], meta, self.scale)  # [T, nh*r]
+        return self.values(o)
+
+    def project(
+        self, x: torch.Tensor, meta: AttnMeta, cache: KVCache, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, H] -> (queries in latent space [T, nh, r + dr], the normalised query latent
+        [T, qr] or None), with this step's latent and rotary key written into the cache."""
         m, nh, T = self.m, self.cfg.num_heads, x.shape[0]
         dn, dr, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
         q_in, kv = self.w_a(x).split(self.a_split, dim=-1)
-        q = self.w_qb(rms_norm(q_in, self.q_a_norm, _LATENT_EPS)) if m.q_lora_rank else q_in
-        q = q.reshape(T, nh, dn + dr)
+        q_lat = rms_norm(q_in, self.q_a_norm, _LATENT_EPS) if m.q_lora_rank else None
+        q = (self.w_qb(q_lat) if q_lat is not None else q_in).reshape(T, nh, dn + dr)
         latent = rms_norm(kv[:, :r], self.kv_a_norm, _LATENT_EPS)  # [T, r]
         q_pe, k_pe = self.rope(q[..., dn:], kv[:, None, r:], meta.positions)  # [T,nh|1,dr]
         cache.write(layer, meta.slots, torch.cat([latent[:, None], k_pe], dim=-1), None)
-        q_lat = bmm(q[..., :dn].transpose(0, 1), self.w_uk)  # [nh, T, r]
-        q_abs = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, nh, r + dr]
-        o = paged_attention(q_abs, cache.k[layer], cache.v[layer], meta, self.scale)  # [T, nh*r]
+        q_nope = bmm(q[..., :dn].transpose(0, 1), self.w_uk)  # [nh, T, r]
+        return torch.cat([q_nope.transpose(0, 1), q_pe], dim=-1), q_lat
+
+    def values(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention-weighted latents [T, nh * r] -> each head's value [T, nh * dv]."""
+        T, nh, r = o.shape[0], self.cfg.num_heads, self.m.kv_lora_rank
         o = bmm(o.view(T, nh, r).transpose(0, 1), self.w_uv)  # [nh, T, dv]
         return o.transpose(0, 1).reshape(T, -1)

@@ -1,0 +1,100 @@
+"""DeepSeek Sparse Attention over the paged pools: per query row, the lightning indexer scores
+every earlier token from the indexer's own key pool, and the attention then reads only the
+`topk` best tokens' latent rows (gathered by slot), never the whole context.
+
+Rows come in groups that share a layout (afd's micro-batch: the decode rows, each with its
+own block table, then each prefill sequence, its rows sharing one); a group's causal mask is
+the bias the batch builder already made for dense attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afd.ops import bmm
+from services.attention.paged_attention import AttnMeta
+
+# Rows of one prefill scored at once: rows x index heads x context stays under this many
+# float32 scores.
+_SCORES_PER_CHUNK = 1 << 24
+
+
+@dataclass(frozen=True)
+class IndexQuery:
+    """The indexer's side of a micro-batch: per row, its query heads and their weights."""
+
+    q: torch.Tensor  # [T, hI, Di], after RoPE
+    weights: torch.Tensor  # [T, hI] float32, the head weights (already scaled by hI^-0.5)
+    scale: float  # Di^-0.5
+
+
+def select(
+    iq: IndexQuery,
+    rows: slice,
+    index_pool: torch.Tensor,  # [NB, bs, Di]
+    blocks: torch.Tensor,  # [G, nb] long, G = 1 (rows share it) or the number of rows
+    bias: torch.Tensor,  # [n, L] float32: 0 visible, -inf not (causal, padding)
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # slots [n, k] long, visible [n, k] bool
+    """The `topk` (or fewer, in a shorter context) best-scoring visible tokens of each row:
+    score = sum over heads of weight * relu(scale * q . k), as the indexer defines it."""
+    G, nb = blocks.shape
+    bs = index_pool.shape[1]
+    L = nb * bs
+    keys = index_pool.index_select(0, blocks.reshape(-1)).view(G, L, -1).float()  # [G, L, Di]
+    q = iq.q[rows].float()  # [n, hI, Di]
+    scores = torch.relu(torch.matmul(q, keys.transpose(1, 2)) * iq.scale)  # [n, hI, L]
+    index = torch.matmul(iq.weights[rows].unsqueeze(1), scores).squeeze(1) + bias  # [n, L]
+    k = min(topk, L)
+    best, pos = index.topk(k, dim=-1)  # [n, k]
+    table = blocks.expand(pos.shape[0], nb) if G == 1 else blocks
+    slots = table.gather(1, pos // bs) * bs + pos % bs
+    return slots, best > -torch.inf
+
+
+def attend_selected(
+    q: torch.Tensor,  # [n, nh, D]: queries in latent space
+    pool: torch.Tensor,  # [NB * bs, D]: the latent rows, V their first Dv columns
+    slots: torch.Tensor,  # [n, k] long
+    visible: torch.Tensor,  # [n, k] bool
+    dv: int,
+    scale: float,
+) -> torch.Tensor:  # [n, nh * dv]
+    rows = pool.index_select(0, slots.reshape(-1)).view(*slots.shape, -1)  # [n, k, D]
+    scores = bmm(q, rows.transpose(1, 2)).float() * scale  # [n, nh, k]
+    scores = scores.masked_fill(~visible.unsqueeze(1), -torch.inf)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return bmm(probs, rows[..., :dv]).reshape(q.shape[0], -1)  # [n, nh * dv]
+
+
+def sparse_attention(
+    q: torch.Tensor,  # [T, nh, D], queries in latent space, after RoPE
+    iq: IndexQuery,
+    latent_pool: torch.Tensor,  # [1, NB, bs, D], already holding this step's rows
+    index_pool: torch.Tensor,  # [NB, bs, Di], already holding this step's keys
+    meta: AttnMeta,
+    topk: int,
+    dv: int,
+    scale: float,
+) -> torch.Tensor:  # [T, nh * dv]
+    T, nh, D = q.shape
+    pool = latent_pool.view(-1, D)  # [NB * bs, D]
+    out = torch.empty(T, nh * dv, dtype=q.dtype)
+    nd = meta.num_decode
+    if nd:
+        assert meta.decode_blocks is not None and meta.decode_bias is not None
+        slots, vis = select(
+            iq, slice(0, nd), index_pool, meta.decode_blocks, meta.decode_bias[:, 0], topk
+        )
+        out[:nd] = attend_selected(q[:nd], pool, slots, vis, dv, scale)
+    for p in meta.prefills:
+        L = p.bias.shape[1]
+        step = max(1, _SCORES_PER_CHUNK // (L * iq.q.shape[1]))
+        for a in range(0, p.q_len, step):
+            b = min(p.q_len, a + step)
+            rows = slice(p.q_start + a, p.q_start + b)
+            slots, vis = select(iq, rows, index_pool, p.blocks.unsqueeze(0), p.bias[a:b], topk)
+            out[rows] = attend_selected(q[rows], pool, slots, vis, dv, scale)
+    return out
