@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from afd.blockfp8 import BlockFP8, dense
 from afd.config import ModelConfig
 from afd.errors import CheckpointError
 from afd.families import family
@@ -108,8 +109,9 @@ def load_weights(
     dtype: torch.dtype,
     shard: ExpertShard | None = None,
     progress: bool = True,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor | BlockFP8]:
     """Load the tensors one role needs, converted to `dtype`, checked against `cfg`'s shapes.
+    A block-FP8 weight (a `weight_scale_inv` beside it) stays FP8, as a `BlockFP8`.
 
     role "attention": embeddings, attention, norms, router, LM head.
     role "ffn": the experts of `shard` (all if None), plus the shared expert and dense MLPs
@@ -130,28 +132,33 @@ def load_weights(
         return True
 
     entries = _plan(cfg, files, want)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor | BlockFP8] = {}
     handles: dict[Path, object] = {}
     desc = f"loading {role} weights"
     bar = tqdm(entries, desc=desc, unit="t", disable=not bars(progress), leave=False)
     try:
         for ent in bar:
-            fpath = files[ent.key]
-            if fpath not in handles:
-                handles[fpath] = safe_open(str(fpath), "pt")
-            h = handles[fpath]
-            if ent.stack_index is None:
-                t = h.get_tensor(ent.key)  # type: ignore[attr-defined]
-            else:  # read one expert's slice of a stacked [E, ...] tensor, not the whole stack
-                t = h.get_slice(ent.key)[ent.stack_index]  # type: ignore[attr-defined]
+            t = _read(handles, files, ent.key, ent.stack_index)
             if tuple(t.shape) != expected[ent.name]:
                 raise CheckpointError(
                     f"tensor {ent.key!r} has shape {tuple(t.shape)}, expected "
                     f"{expected[ent.name]} for {cfg.model_type} with this config.json"
                 )
-            # a selection bias in bf16 would reorder experts whose scores differ by less
-            # than its rounding: it stays float32, as the reference keeps it
-            out[ent.name] = t.float() if ent.name.endswith(".router_bias") else t.to(dtype)
+            scale_key = ent.key + "_scale_inv"
+            if scale_key in files and cfg.weight_block is not None:
+                scale = _read(handles, files, scale_key, ent.stack_index)
+                try:
+                    w = BlockFP8.from_checkpoint(t, scale, cfg.weight_block)
+                except ValueError as e:
+                    raise CheckpointError(f"tensor {ent.key!r}: {e}") from e
+                # kept FP8 (dequantized run by run in each matmul) unless read as a whole
+                out[ent.name] = dense(w, dtype) if ent.name.endswith(_DENSE) else w
+            elif ent.name.endswith(".router_bias"):
+                # a selection bias in bf16 would reorder experts whose scores differ by less
+                # than its rounding: it stays float32, as the reference keeps it
+                out[ent.name] = t.float()
+            else:
+                out[ent.name] = t.to(dtype)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"reading weights from {model_dir} failed: {e}") from e
     if role == "attention" and cfg.tie_word_embeddings and "lm_head" not in out:
@@ -163,6 +170,22 @@ def load_weights(
         )
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors: {shown}")
     return out
+
+
+# FP8 weights that are read whole, not multiplied by rows: dequantized at load. MLA's kv_b_proj
+# becomes per-head matrices for the absorbed form's batched matmuls (about a tenth of
+# DeepSeek-V3's attention weights, under 1% of the model).
+_DENSE = ("embed", ".kv_b_proj")
+
+
+def _read(handles: dict, files: dict[str, Path], key: str, stack_index: int | None):
+    fpath = files[key]
+    if fpath not in handles:
+        handles[fpath] = safe_open(str(fpath), "pt")
+    h = handles[fpath]
+    if stack_index is None:
+        return h.get_tensor(key)
+    return h.get_slice(key)[stack_index]  # one expert of a stacked [E, ...], not the stack
 
 
 def _role_of(name: str) -> str:

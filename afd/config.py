@@ -113,6 +113,8 @@ class ModelConfig:
     norm_topk_prob: bool
     moe_layers: tuple[bool, ...]  # moe_layers[i]: layer i is MoE (else dense MLP)
     tie_word_embeddings: bool = False
+    # (rows, columns) of a block-FP8 checkpoint's scale blocks; None: weights are not FP8
+    weight_block: tuple[int, int] | None = None
     mla: MLADims | None = None  # attention "mla" and "dsa" only
     indexer: IndexerDims | None = None  # attention "dsa" only
     rope_scaling: RopeScaling | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm, norm_rope, paths
 
 
@@ -42,16 +43,27 @@ class Linear:
     - avx2: afd's kernel on W re-laid out once (gemm.pack), every batch size;
     - onednn: W re-laid out once for oneDNN's matmul: bit-identical to F.linear;
     - torch, and any other dtype or device: F.linear.
+
+    A block-FP8 weight (afd/blockfp8.py) stays FP8: each call dequantizes a run of rows at a
+    time and multiplies it on the same path as the dense weight would be (afd's kernel on the
+    row-major or re-laid-out run, or F.linear), so the result is the dense weight's.
     """
 
-    def __init__(self, w: torch.Tensor):
+    def __init__(self, w: torch.Tensor | BlockFP8):
         self.out_features, self.in_features = w.shape
         k = self.in_features
-        matmul = paths.active().matmul if w.dtype == torch.bfloat16 else "torch"
+        self.fp8 = w if isinstance(w, BlockFP8) else None
+        dense_dtype = torch.bfloat16 if self.fp8 is not None else w.dtype
+        matmul = paths.active().matmul if dense_dtype == torch.bfloat16 else "torch"
         # afd's kernels need K % 8 == 0 (AVX2) or even K (AVX-512 BF16)
-        if w.device.type != "cpu" or k % {"avx2": 8, "avx512bf16": 2}.get(matmul, 1):
+        device = (w.q if self.fp8 is not None else w).device
+        if device.type != "cpu" or k % {"avx2": 8, "avx512bf16": 2}.get(matmul, 1):
             matmul = "torch"
         self.matmul = matmul
+        if self.fp8 is not None:  # no resident dense copy, so no fused call can read it
+            self.isa, self.onednn_from, self.w = None, paths.NEVER, w
+            self._run_isa = matmul if matmul in gemm.ISAS else None
+            return
         self.isa = matmul if matmul in gemm.ISAS else None  # afd's kernel, on this layout
         # from how many rows of x F.linear takes over (never for avx2: it has no fast bf16 path)
         threads = torch.get_num_threads()
@@ -76,12 +88,27 @@ class Linear:
         return self.isa is not None and rows < self.onednn_from
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        if self.fp8 is not None:
+            return self.fp8.linear(x, self._fp8_kernel(x))
         if self.matmul == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [], "")
         cpu_bf16 = x.dtype == torch.bfloat16 and x.device.type == "cpu"
         if cpu_bf16 and self.ours(x.numel() // self.in_features):
             return gemm.bf16_linear(x, self.w, self.isa)
         return F.linear(x, self.w)
+
+    def _fp8_kernel(self, x: torch.Tensor):
+        """How a dequantized run of rows is multiplied: as this path multiplies a dense W."""
+        isa = self._run_isa
+        if isa is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return F.linear
+        if isa == "avx512bf16" and x.numel() // self.in_features >= paths.onednn_from_rows(
+            torch.get_num_threads()
+        ):
+            return F.linear
+        if isa == "avx2":
+            return lambda x, w: gemm.bf16_linear(x, gemm.pack(w), isa)
+        return lambda x, w: gemm.bf16_linear(x, w, isa)
 
 
 def swiglu(x: torch.Tensor, w13: Linear, w2: Linear) -> torch.Tensor:

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from afd.blockfp8 import BlockFP8, cat_rows
 from afd.checkpoint import load_weights
 from afd.config import ModelConfig
 from afd.messages import FFNRequest
@@ -101,9 +102,9 @@ def _swiglu(x: torch.Tensor, m: MLPWeights) -> torch.Tensor:
     return swiglu(x, m.w13, m.w2)
 
 
-def _cat_gate_up(w: dict[str, torch.Tensor], base: str) -> torch.Tensor:
-    return torch.cat([w.pop(f"{base}.gate"), w.pop(f"{base}.up")])  # [2I, H]
+def _cat_gate_up(w: dict, base: str) -> torch.Tensor | BlockFP8:
+    return cat_rows([w.pop(f"{base}.gate"), w.pop(f"{base}.up")])  # [2I, H]
 
 
-def _mlp(w: dict[str, torch.Tensor], base: str) -> MLPWeights:
+def _mlp(w: dict, base: str) -> MLPWeights:
     return MLPWeights(Linear(_cat_gate_up(w, base)), Linear(w.pop(f"{base}.down")))

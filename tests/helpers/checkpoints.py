@@ -230,3 +230,62 @@ def greedy_gaps(model, prompt: list[int], generated: list[int]) -> list[float]:
     logits = hf_logits(model, prompt + generated)[len(prompt) - 1 : -1]  # [n, V]
     chosen = logits.gather(1, torch.tensor(generated).unsqueeze(1)).squeeze(1)
     return (logits.max(dim=1).values - chosen).tolist()
+
+
+# Tensors a block-FP8 checkpoint keeps in high precision (as DeepSeek's do): embeddings, the LM
+# head, norms, routers and their biases.
+_NOT_FP8 = ("embed_tokens", "lm_head", "norm", "layernorm", "mlp.gate.", "bias")
+
+
+def block_fp8_pair(src: Path, out: Path, block=(128, 128), e8m0=False) -> tuple[Path, Path]:
+    """From a checkpoint, (a block-FP8 copy as DeepSeek ships them: e4m3 weights, a
+    `weight_scale_inv` per block, `quantization_config` in config.json; the same numbers
+    dequantized, as a float32 checkpoint). Quantized here, independently of afd's own writer:
+    each block's scale maps its largest magnitude to 448 (rounded up to a power of two with
+    `e8m0`, stored as biased exponent bytes)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    fp8_dir, dense_dir = out / "fp8", out / "dense"
+    tensors = load_file(str(src / "model.safetensors"))
+    fp8, dense = {}, {}
+    bn, bk = block
+    for name, t in tensors.items():
+        if t.dim() != 2 or any(s in name for s in _NOT_FP8):
+            fp8[name] = dense[name] = t
+            continue
+        N, K = t.shape
+        nN, nK = -(-N // bn), -(-K // bk)
+        scale = torch.empty(nN, nK)
+        q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+        deq = torch.empty(N, K)
+        for i in range(nN):
+            for j in range(nK):
+                blk = t[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk].float()
+                s = max(float(blk.abs().max()) / 448.0, 2.0**-126)
+                if e8m0:
+                    s = 2.0 ** torch.ceil(torch.log2(torch.tensor(s))).item()
+                scale[i, j] = s
+                qb = (blk / s).to(torch.float8_e4m3fn)
+                q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = qb
+                deq[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = qb.float() * s
+        fp8[name] = q
+        sname = name + "_scale_inv"
+        fp8[sname] = (torch.log2(scale) + 127).to(torch.uint8) if e8m0 else scale
+        dense[name] = deq
+    for d, ts in ((fp8_dir, fp8), (dense_dir, dense)):
+        d.mkdir(parents=True)
+        save_file(ts, str(d / "model.safetensors"), metadata={"format": "pt"})
+        shutil.copy(src / "config.json", d / "config.json")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        **({"scale_fmt": "ue8m0"} if e8m0 else {}),
+    }
+    (fp8_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return fp8_dir, dense_dir

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from afd.blockfp8 import cat_rows
 from afd.config import ModelConfig
 from afd.ops import Linear
 from services.attention.kinds.mla import MLA
@@ -26,7 +27,7 @@ class DSA(MLA):
         b = f"layers.{layer}"
         self.w_iq = Linear(w.pop(f"{b}.index_wq"))  # [hI * Di, qr]: from the query latent
         # the indexer's key and its head weights both read x: one matmul, split after
-        self.w_ik = Linear(torch.cat([w.pop(f"{b}.index_wk"), w.pop(f"{b}.index_weights")]))
+        self.w_ik = Linear(cat_rows([w.pop(f"{b}.index_wk"), w.pop(f"{b}.index_weights")]))
         self.k_norm = (w[f"{b}.index_k_norm"], w[f"{b}.index_k_norm_bias"])
 
     @staticmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from afd.blockfp8 import cat_rows
 from afd.config import ModelConfig
 from afd.kernels.decode_layer import DecodeWeights
 from afd.ops import Linear, rms_norm
@@ -16,7 +17,7 @@ class MFA(AttentionKind):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
         super().__init__(cfg, w, layer)
         b = f"layers.{layer}"
-        self.w_qkv = Linear(torch.cat([w.pop(f"{b}.{n}_proj") for n in "qkv"]))
+        self.w_qkv = Linear(cat_rows([w.pop(f"{b}.{n}_proj") for n in "qkv"]))
         self.inter_norm = w[f"{b}.inter_norm"]
         self.wq = Linear(w.pop(f"{b}.wq"))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from afd.blockfp8 import cat_rows, take_rows
 from afd.config import ModelConfig
 from afd.ops import Linear, bmm, rms_norm
 from services.attention.kinds.base import AttentionKind
@@ -43,21 +44,21 @@ class MLA(AttentionKind):
         self.scale = m.qk_head_dim**-0.5 * yarn_softmax_scale(cfg.rope_scaling)
         kv_a = w.pop(f"{b}.kv_a_proj")  # [r + dr, H]
         q = w.pop(f"{b}.q_b_proj" if m.q_lora_rank else f"{b}.q_proj")  # [nh*(dn+dr), in]
-        if m.rope_interleave:
-            kv_a = torch.cat([kv_a[:r], kv_a[r:][_halves(dr)]])
-            heads = q.view(nh, dn + dr, -1)
-            q = torch.cat([heads[:, :dn], heads[:, dn:][:, _halves(dr)]], dim=1).flatten(0, 1)
+        if m.rope_interleave:  # row permutations: dense and block-FP8 weights alike
+            kv_a = take_rows(kv_a, torch.cat([torch.arange(r), r + _halves(dr)]))
+            head = torch.cat([torch.arange(dn), dn + _halves(dr)])  # one head's row order
+            q = take_rows(q, (torch.arange(nh)[:, None] * (dn + dr) + head).flatten())
         # both down-projections read x: one matmul, split after
         if m.q_lora_rank:
-            self.w_a = Linear(torch.cat([w.pop(f"{b}.q_a_proj"), kv_a]))  # [qr + r + dr, H]
+            self.w_a = Linear(cat_rows([w.pop(f"{b}.q_a_proj"), kv_a]))  # [qr + r + dr, H]
             self.q_a_norm = w[f"{b}.q_a_norm"]
             self.w_qb = Linear(q)  # [nh*(dn+dr), qr]
             self.a_split = [m.q_lora_rank, r + dr]
         else:
-            self.w_a = Linear(torch.cat([q, kv_a]))  # [nh*(dn+dr) + r + dr, H]
+            self.w_a = Linear(cat_rows([q, kv_a]))  # [nh*(dn+dr) + r + dr, H]
             self.a_split = [nh * (dn + dr), r + dr]
         self.kv_a_norm = w[f"{b}.kv_a_norm"]
-        kv_b = w.pop(f"{b}.kv_b_proj").view(nh, dn + dv, r)
+        kv_b = w.pop(f"{b}.kv_b_proj").view(nh, dn + dv, r)  # dense: the loader expands it
         self.w_uk = kv_b[:, :dn].contiguous()  # [nh, dn, r]: q_nope -> latent space
         self.w_uv = kv_b[:, dn:].transpose(1, 2).contiguous()  # [nh, r, dv]: latent -> value
 
