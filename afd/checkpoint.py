@@ -53,7 +53,7 @@ def bars(progress: bool) -> bool:
     return progress and os.environ.get("TQDM_DISABLE", "").lower() in ("", "0", "false")
 
 
-def _strip_prefix(key: str, prefix: str) -> str:
+def strip_prefix(key: str, prefix: str) -> str:
     for p in (prefix, "model.language_model.", "language_model."):
         if p and key.startswith(p):
             rest = key[len(p) :]
@@ -61,7 +61,7 @@ def _strip_prefix(key: str, prefix: str) -> str:
     return key
 
 
-def _index(model_dir: Path) -> dict[str, Path]:
+def tensor_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> file, from model.safetensors or a sharded index."""
     single = model_dir / "model.safetensors"
     index = model_dir / "model.safetensors.index.json"
@@ -90,7 +90,7 @@ def _plan(cfg: ModelConfig, files: dict[str, Path], want: Callable[[str], bool])
     names = family(cfg.model_type).weights
     entries: list[_Entry] = []
     for key in files:
-        name = names.canonical(_strip_prefix(key, cfg.weight_prefix))
+        name = names.canonical(strip_prefix(key, cfg.weight_prefix))
         if name is None:
             continue
         if ".experts.*." in name:  # stacked [E, ...]: one entry per expert, read as a slice
@@ -118,7 +118,7 @@ def load_weights(
     when the shard is responsible for them.
     """
     model_dir = Path(cfg.path)
-    files = _index(model_dir)
+    files = tensor_files(model_dir)
     expected = expected_shapes(cfg)
     shard = shard or ExpertShard(0, 1, cfg.num_experts)
 

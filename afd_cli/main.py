@@ -72,7 +72,7 @@ def _bench_parser(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from afd.plan import cli as plan_cli
-    from afd_cli import generate, serve
+    from afd_cli import generate, quantize, serve
     from services.attention import flags as attention_flags
     from services.ffn import flags as ffn_flags
     from services.gateway import flags as gateway_flags
@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.set_defaults(func=_run_keys)
     gateway_flags.add_parser(sub).set_defaults(func=_run_gateway)
     serve.add_parser(sub).set_defaults(func=serve.run)
+    quantize.add_parser(sub)
     _bench_parser(sub)
     plan_cli.add_parser(sub).set_defaults(func=plan_cli.run)
     return parser

@@ -10,9 +10,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from afd import blockfp8
-from afd.blockfp8 import BlockFP8
+from afd.blockfp8 import FP8, BlockFP8
 from afd.config import ModelConfig
 from afd.errors import CheckpointError, ConfigError
 from afd.ops import Linear
@@ -75,7 +76,9 @@ def test_weights_stay_fp8_in_both_services(pairs):
 def test_a_mis_tiled_scale_is_a_checkpoint_error(pairs, tmp_path):
     fp8, _ = pairs["qwen3_moe"]
     cfg = ModelConfig.from_hf(fp8)
-    with pytest.raises(CheckpointError, match=r"tensor .*_proj.weight.: scale_inv .* does not tile"):
+    with pytest.raises(
+        CheckpointError, match=r"tensor .*_proj.weight.: scale_inv .* does not tile"
+    ):
         AttentionModel(replace(cfg, weight_block=(16, 16)), torch.float32, progress=False)
 
 
@@ -97,3 +100,36 @@ def test_planted_scale_block_order_bug_is_caught(pairs, monkeypatch):
 
     monkeypatch.setattr(blockfp8.BlockFP8, "from_checkpoint", staticmethod(flipped))
     assert afd_greedy(engine_cfg(fp8, S=1))[0] != ref
+
+
+def test_afd_quantize_writes_what_the_loader_keeps_in_fp8(pairs, tmp_path):
+    """`afd quantize --fp8-block` at the test's block shape writes the same bytes as the
+    test's own quantizer, sharded as the source was; refused over an existing directory."""
+    from afd_cli.main import main
+
+    src = REFERENCE_CHECKPOINTS["step3_text"](tmp_path / "src")  # two shards, stacked experts
+    dst = tmp_path / "q"
+    assert main(["quantize", "--fp8-block", "--block", "32x48", str(src), str(dst)]) == 0
+    assert (dst / "model.safetensors.index.json").is_file()
+    cfg = ModelConfig.from_hf(dst)
+    assert cfg.weight_block == BLOCK
+    ffn = FFNEngine(cfg, ExpertShard(0, 2, cfg.num_experts), torch.float32, progress=False)
+    assert isinstance(ffn.experts[1].w13[0].w, BlockFP8)
+    assert main(["quantize", "--fp8-block", str(src), str(dst)]) == 2
+
+    fp8, dense = pairs["qwen3_moe"]
+    src = fp8.parent / "src"
+    mine = tmp_path / "mine"
+    assert main(["quantize", "--fp8-block", "--block", "32x48", str(src), str(mine)]) == 0
+    theirs, ours = (
+        load_file(str(fp8 / "model.safetensors")),
+        load_file(str(mine / "model.safetensors")),
+    )
+    assert theirs.keys() == ours.keys()
+    for k, t in theirs.items():
+        assert torch.equal(t.view(torch.uint8) if t.dtype == FP8 else t, _bytes(ours[k])), k
+    assert afd_greedy(engine_cfg(mine, S=1))[0] == afd_greedy(engine_cfg(dense, S=1))[0]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 
 import afd.families
-from afd.checkpoint import _index, _strip_prefix, expected_shapes
+from afd.checkpoint import expected_shapes, strip_prefix, tensor_files
 from afd.config import ModelConfig
 from afd.errors import ConfigError
 from afd.families import FAMILIES, family, register
@@ -90,8 +90,8 @@ def test_each_family_parses_its_config_and_maps_every_tensor(model_type, tmp_pat
     )
     assert len(cfg.moe_layers) == cfg.num_layers and any(cfg.moe_layers)
     mapped: set[str] = set()
-    for key in _index(path):
-        name = f.weights.canonical(_strip_prefix(key, cfg.weight_prefix))
+    for key in tensor_files(path):
+        name = f.weights.canonical(strip_prefix(key, cfg.weight_prefix))
         assert name is not None, f"{model_type}: {key} maps to no canonical name"
         stacked = "*" in name
         mapped |= {name.replace("*", str(e)) for e in range(cfg.num_experts)} if stacked else {name}
