@@ -57,11 +57,11 @@ def _run_keys(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(sub) -> None:
-    from afd_cli.bench import engine, http, peer, pipeline, serve, wire
+    from afd_cli.bench import context, engine, http, peer, pipeline, serve, weights, wire
 
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     bsub = p.add_subparsers(dest="bench", required=True)
-    for bench in (engine, pipeline, http, serve, peer):
+    for bench in (engine, pipeline, http, serve, peer, context, weights):
         bench.add_parser(bsub)
     w = bsub.add_parser(
         "wire", help="FP8 codec, per-layer round trip, bytes on the wire", add_help=False

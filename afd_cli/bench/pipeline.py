@@ -31,9 +31,9 @@ from services.attention.engine import Engine
 from services.attention.request import RequestStatus
 
 
-def _fill(engine: Engine, batch: int, context: int, new: int, seed: int) -> None:
+def fill_decoding(engine: Engine, batch: int, context: int, new: int, seed: int) -> None:
     """Admit `batch` requests whose first `context - 1` tokens are already in the KV cache
-    (random K/V), as if prefilled: the next step decodes."""
+    (random K/V, latents, indexer keys), as if prefilled: the next step decodes."""
     g = torch.Generator().manual_seed(seed)
     sched, bm = engine.scheduler, engine.blocks
     for _ in range(batch):
@@ -47,13 +47,15 @@ def _fill(engine: Engine, batch: int, context: int, new: int, seed: int) -> None
         req.num_computed_tokens = context - 1
         req.status = RequestStatus.RUNNING
         sched._running.append(req)
-    for layer in range(len(engine.cache.k)):
-        engine.cache.k[layer].normal_(0, 1, generator=g)
-        engine.cache.v[layer].normal_(0, 1, generator=g)
+    cache = engine.cache
+    for pool in (*cache.k, *([] if cache.layout.v_in_k else cache.v), *cache.index):
+        pool.normal_(0, 1, generator=g)
 
 
-def _decode(engine: Engine, batch: int, context: int, steps: int) -> dict:
-    _fill(engine, batch, context, steps + 2, seed=batch)
+def decode_steps(engine: Engine, batch: int, context: int, steps: int) -> dict:
+    """Decode `steps` steps of `batch` sequences at `context` tokens: the step time and its
+    attention-side (A), FFN (F) and transfer (C) shares, from the replies' traces."""
+    fill_decoding(engine, batch, context, steps + 2, seed=batch)
     engine.step()  # warm-up step
     a_wait = f_compute = transfer = 0.0
     t0 = time.perf_counter()
@@ -108,7 +110,7 @@ def _workload(
     for _ in range(repeat):  # S = 1, 2, 3 in turn, so that a slow spell of the box hits all
         for S in runs:
             eng = Engine(replace(base, micro_batches=S), progress=False)
-            runs[S].append(_decode(eng, batch, context, steps))
+            runs[S].append(decode_steps(eng, batch, context, steps))
             eng.dispatcher.reset()
             del eng
     med = {S: _median_run(rs) for S, rs in runs.items()}
@@ -169,7 +171,10 @@ def run(args: argparse.Namespace) -> dict:
     inproc = replace(base, micro_batches=1, threads=2)
     with local_engine(inproc, 1, progress=False) as eng:
         local = _median_run(
-            [_decode(eng, args.batch, args.long_context, args.steps) for _ in range(args.repeat)]
+            [
+                decode_steps(eng, args.batch, args.long_context, args.steps)
+                for _ in range(args.repeat)
+            ]
         )
     balanced = results[1]
     return {

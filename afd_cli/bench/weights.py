@@ -1,0 +1,105 @@
+"""`afd bench weights`: resident weight bytes of a block-FP8 checkpoint against its BF16 copy.
+
+For each service role (the attention side, one FFN shard holding every expert) and each copy,
+a fresh process loads what that service loads and reports how much its resident set grew
+(RSS after the load minus RSS before it, torch and afd already imported); copies alternate,
+`--repeat` times, medians reported with the FP8/BF16 ratio per role and in all. The FP8 copy is
+written by `afd quantize --fp8-block` from the BF16 checkpoint (cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from afd_cli.bench.context import write_checkpoint
+from afd_cli.bench.engine import _cpu
+from afd_cli.quantize import fp8_block
+
+_CHILD = r"""
+import gc, os, sys, torch
+from afd.config import ModelConfig
+from afd.sharding import ExpertShard
+from services.attention.model import AttentionModel
+from services.ffn.engine import FFNEngine
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+role, path = sys.argv[1], sys.argv[2]
+cfg = ModelConfig.from_hf(path)
+gc.collect()
+before = rss()
+if role == "attention":
+    held = AttentionModel(cfg, torch.bfloat16, progress=False)
+else:
+    held = FFNEngine(cfg, ExpertShard(0, 1, cfg.num_experts), torch.bfloat16, progress=False)
+gc.collect()
+print(rss() - before)
+"""
+
+
+def _resident(role: str, path: Path) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, role, str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PATH": ""},
+    )
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def run(args: argparse.Namespace) -> dict:
+    cache = Path(args.cache_dir)
+    bf16 = (
+        Path(args.model)
+        if args.model
+        else write_checkpoint("mla", cache / "bench-context-mla-512", 512)
+    )
+    fp8 = cache / f"{bf16.name}-fp8"
+    if not (fp8 / "config.json").is_file():
+        fp8_block(bf16, fp8, (128, 128), progress=False)
+    runs: dict[tuple[str, str], list[int]] = {}
+    for _ in range(args.repeat):
+        for role in ("attention", "ffn"):
+            for name, path in (("bf16", bf16), ("fp8", fp8)):
+                runs.setdefault((role, name), []).append(_resident(role, path))
+    med = {key: int(statistics.median(v)) for key, v in runs.items()}
+    roles = {
+        role: {
+            "bf16_bytes": med[(role, "bf16")],
+            "fp8_bytes": med[(role, "fp8")],
+            "ratio": round(med[(role, "fp8")] / med[(role, "bf16")], 3),
+        }
+        for role in ("attention", "ffn")
+    }
+    total_bf16 = sum(r["bf16_bytes"] for r in roles.values())
+    total_fp8 = sum(r["fp8_bytes"] for r in roles.values())
+    return {
+        "benchmark": "resident_weights",
+        "cpu": _cpu(),
+        "model": str(bf16),
+        "fp8_model": str(fp8),
+        "repeat": args.repeat,
+        "roles": roles,
+        "total": {
+            "bf16_bytes": total_bf16,
+            "fp8_bytes": total_fp8,
+            "ratio": round(total_fp8 / total_bf16, 3),
+        },
+        "runs": {f"{r}/{n}": v for (r, n), v in runs.items()},
+    }
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("weights", help="resident bytes of block-FP8 weights vs their BF16 copy")
+    p.add_argument("--model", help="a BF16 checkpoint (default: afd bench context's MLA model)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
+    p.set_defaults(func=lambda a: print(json.dumps(run(a), indent=2)) or 0)
