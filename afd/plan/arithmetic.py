@@ -24,10 +24,36 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def kv_elems_per_layer(m: ModelArith) -> int:
-    """Cached elements per token per layer: what one decode step reads per past position."""
+    """Cached elements per token per layer (what memory sizing needs); for dense attention
+    also what one decode step reads per past position."""
+    if m.attention == "dsa":  # the latent row, and the indexer's key beside it
+        return m.kv_lora_rank + m.qk_rope_dim + m.index_head_dim
     if m.attention == "mla":
         return m.kv_lora_rank + m.qk_rope_dim  # one shared latent row (+ decoupled RoPE key)
     return 2 * m.num_kv_heads * m.head_dim  # K and V
+
+
+def attended(m: ModelArith, context: int) -> int:
+    """Positions the attention core reads for one query: all of them, or DSA's top-k."""
+    return min(context, m.index_topk) if m.attention == "dsa" else context
+
+
+def kv_read_elems(m: ModelArith, context: int) -> int:
+    """Cache elements one decode step reads per layer at `context`: DSA's indexer reads every
+    position's key, its attention only the selected latent rows."""
+    if m.attention == "dsa":
+        latent = m.kv_lora_rank + m.qk_rope_dim
+        return attended(m, context) * latent + context * m.index_head_dim
+    return context * kv_elems_per_layer(m)
+
+
+def core_flops(m: ModelArith, context: int) -> int:
+    """Attention-core FLOPs per layer for one query token at `context` (DSA: its indexer's
+    scores over every position, plus the attention over the selected ones)."""
+    flops = attended(m, context) * core_flops_per_position(m)
+    if m.attention == "dsa":
+        flops += context * 2 * m.index_n_heads * (m.index_head_dim + 1)  # q.k, then weights
+    return flops
 
 
 def core_flops_per_position(m: ModelArith) -> int:
@@ -37,7 +63,7 @@ def core_flops_per_position(m: ModelArith) -> int:
     latent row (kv_lora + rope = 576 wide), which is what gives its quoted intensity of 512 at
     8-bit KV. (Counting PV over the 512-wide latent only would lower MLA core FLOPs by 6%.)
     """
-    if m.attention == "mla":
+    if m.attention in ("mla", "dsa"):
         return 2 * 2 * m.num_heads * (m.kv_lora_rank + m.qk_rope_dim)
     return 2 * 2 * m.num_heads * m.head_dim  # GQA and MFA: every query head reads its K/V head
 
@@ -45,7 +71,7 @@ def core_flops_per_position(m: ModelArith) -> int:
 def attention_linear_params_per_layer(m: ModelArith) -> int:
     """Weights of the attention projections of one layer (= MACs per token in decode)."""
     h = m.hidden_size
-    if m.attention == "mla":
+    if m.attention in ("mla", "dsa"):
         qk_head = m.qk_nope_dim + m.qk_rope_dim
         q = (
             (h * m.q_lora_rank + m.q_lora_rank * m.num_heads * qk_head)
@@ -57,7 +83,11 @@ def attention_linear_params_per_layer(m: ModelArith) -> int:
         # the cache, costing the same MACs per token as their parameter count.
         kv_b = m.kv_lora_rank * m.num_heads * (m.qk_nope_dim + m.v_head_dim)
         o = m.num_heads * m.v_head_dim * h
-        return q + kv_a + kv_b + o
+        indexer = 0
+        if m.attention == "dsa":  # wq_b from the query latent, wk and the head weights from x
+            indexer = m.q_lora_rank * m.index_n_heads * m.index_head_dim
+            indexer += h * (m.index_head_dim + m.index_n_heads)
+        return q + kv_a + kv_b + o + indexer
     q_size = m.num_heads * m.head_dim
     if m.q_lora_rank:  # MFA: x -> share_q_dim -> norm -> all heads
         q = h * m.q_lora_rank + m.q_lora_rank * q_size
@@ -146,13 +176,13 @@ def token_arith(m: ModelArith, context: int, kv_dtype: str = "fp8") -> TokenArit
     if context < 1:
         raise PlanError(f"context length must be at least 1 (got {context})")
     p = param_counts(m)
-    positions = m.num_layers * context
+    n = m.num_layers
     return TokenArith(
         context=context,
         kv_dtype=kv_dtype,
-        attn_core_flops=float(positions * core_flops_per_position(m)),
+        attn_core_flops=float(n * core_flops(m, context)),
         attn_linear_flops=2.0 * p.attention,
-        kv_bytes=float(positions * kv_elems_per_layer(m) * dtype_bytes(kv_dtype)),
+        kv_bytes=float(n * kv_read_elems(m, context) * dtype_bytes(kv_dtype)),
         router_flops=2.0 * p.router,
         lm_head_flops=2.0 * m.vocab_size * m.hidden_size,
         ffn_routed_flops=2.0 * p.routed_active,
@@ -161,8 +191,12 @@ def token_arith(m: ModelArith, context: int, kv_dtype: str = "fp8") -> TokenArit
     )
 
 
-def arithmetic_intensity(m: ModelArith, kv_dtype: str = "fp8") -> float:
-    """Attention-core FLOPs per KV byte; independent of context length."""
+def arithmetic_intensity(m: ModelArith, kv_dtype: str = "fp8", context: int = 0) -> float:
+    """Attention-core FLOPs per KV byte read: independent of context for dense attention; for
+    DSA at `context` (0: past its top-k, where it has settled to the indexer's)."""
+    if m.attention == "dsa":
+        ctx = context or 64 * m.index_topk
+        return core_flops(m, ctx) / (kv_read_elems(m, ctx) * dtype_bytes(kv_dtype))
     return core_flops_per_position(m) / (kv_elems_per_layer(m) * dtype_bytes(kv_dtype))
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from afd.config import ModelConfig
 from afd.plan.errors import PlanError
 
-ATTENTION_KINDS = ("gqa", "mfa", "mla")
+ATTENTION_KINDS = ("gqa", "mfa", "mla", "dsa")
+LATENT_KINDS = ("mla", "dsa")  # a shared latent row per token instead of K/V heads
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class ModelArith:
     """Cost-relevant shapes of one MoE decoder (every layer has the same attention)."""
 
     name: str
-    attention: str  # "gqa" | "mfa" | "mla"
+    attention: str  # "gqa" | "mfa" | "mla" | "dsa" (MLA reading index_topk tokens)
     hidden_size: int
     num_layers: int
     moe_layers: int  # how many of num_layers are MoE; the rest are dense MLP layers
@@ -39,6 +40,9 @@ class ModelArith:
     qk_nope_dim: int = 0  # MLA only
     qk_rope_dim: int = 0  # MLA only
     v_head_dim: int = 0  # MLA only
+    index_n_heads: int = 0  # DSA only: the lightning indexer's heads
+    index_head_dim: int = 0  # DSA only
+    index_topk: int = 0  # DSA only: tokens each query attends to
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
@@ -61,9 +65,15 @@ class ModelArith:
                 f"model {self.name!r}: {self.dense_layers} dense layers need a dense "
                 "intermediate size"
             )
-        if self.attention == "mla" and (self.kv_lora_rank <= 0 or self.v_head_dim <= 0):
+        latent = self.attention in LATENT_KINDS
+        if latent and (self.kv_lora_rank <= 0 or self.v_head_dim <= 0):
             raise PlanError(f"model {self.name!r}: MLA needs kv_lora_rank and v_head_dim")
-        if self.attention != "mla" and (self.head_dim <= 0 or self.num_kv_heads <= 0):
+        if (
+            self.attention == "dsa"
+            and min(self.index_n_heads, self.index_head_dim, self.index_topk) <= 0
+        ):
+            raise PlanError(f"model {self.name!r}: DSA needs the indexer's heads, width, top-k")
+        if not latent and (self.head_dim <= 0 or self.num_kv_heads <= 0):
             raise PlanError(f"model {self.name!r}: {self.attention} needs head_dim, num_kv_heads")
 
     @property
@@ -72,9 +82,21 @@ class ModelArith:
 
 
 def from_model_config(cfg: ModelConfig, name: str = "") -> ModelArith:
-    """Any model afd serves (GQA or MFA) as planner arithmetic."""
+    """Any model afd serves as planner arithmetic."""
     if len(cfg.moe_layers) != cfg.num_layers:
         raise PlanError(f"model config lists {len(cfg.moe_layers)} moe_layers for {cfg.num_layers}")
+    latent: dict = {}
+    if cfg.mla is not None:
+        m = cfg.mla
+        latent = dict(
+            kv_lora_rank=m.kv_lora_rank,
+            qk_nope_dim=m.qk_nope_head_dim,
+            qk_rope_dim=m.qk_rope_head_dim,
+            v_head_dim=m.v_head_dim,
+        )
+    if cfg.indexer is not None:
+        ix = cfg.indexer
+        latent |= dict(index_n_heads=ix.n_heads, index_head_dim=ix.head_dim, index_topk=ix.topk)
     return ModelArith(
         name=name or Path(cfg.path).name or cfg.model_type,
         attention=cfg.attention,
@@ -90,13 +112,15 @@ def from_model_config(cfg: ModelConfig, name: str = "") -> ModelArith:
         vocab_size=cfg.vocab_size,
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
         dense_intermediate_size=cfg.intermediate_size,
-        q_lora_rank=cfg.q_lora_dim if cfg.attention == "mfa" else 0,
+        q_lora_rank=cfg.q_lora_dim,
         tie_word_embeddings=cfg.tie_word_embeddings,
+        **latent,
     )
 
 
 # Public config.json values (Hugging Face). Step-3: stepfun-ai/step3 (text part; layers 0-3 and
-# 60 dense). DeepSeek-V3: first_k_dense_replace 3, 1 shared expert. Qwen3 MoE: every layer MoE.
+# 60 dense). DeepSeek-V3: first_k_dense_replace 3, 1 shared expert; V3.2 adds its indexer (64
+# heads of 128, top 2048 tokens). Qwen3 MoE: every layer MoE.
 PRESETS: dict[str, ModelArith] = {
     m.name: m
     for m in (
@@ -111,6 +135,15 @@ PRESETS: dict[str, ModelArith] = {
             name="deepseek-v3", attention="mla", hidden_size=7168, num_layers=61, moe_layers=58,
             num_heads=128, num_kv_heads=0, head_dim=0, q_lora_rank=1536, kv_lora_rank=512,
             qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
+            num_experts=256, top_k=8, moe_intermediate_size=2048,
+            shared_expert_intermediate_size=2048, dense_intermediate_size=18432,
+            vocab_size=129280,
+        ),
+        ModelArith(
+            name="deepseek-v3.2", attention="dsa", hidden_size=7168, num_layers=61,
+            moe_layers=58, num_heads=128, num_kv_heads=0, head_dim=0, q_lora_rank=1536,
+            kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
+            index_n_heads=64, index_head_dim=128, index_topk=2048,
             num_experts=256, top_k=8, moe_intermediate_size=2048,
             shared_expert_intermediate_size=2048, dense_intermediate_size=18432,
             vocab_size=129280,
@@ -137,6 +170,8 @@ ALIASES = {
     "step-3": "step3",
     "dsv3": "deepseek-v3",
     "deepseek-r1": "deepseek-v3",  # same architecture
+    "dsv32": "deepseek-v3.2",
+    "deepseek-v32": "deepseek-v3.2",
     "qwen3-moe": "qwen3-235b-a22b",
     "qwen3-235b": "qwen3-235b-a22b",
     "qwen3-30b": "qwen3-30b-a3b",

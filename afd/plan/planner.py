@@ -136,8 +136,8 @@ class _Unit:
         self.wf = ar.dtype_bytes(hf.compute_dtype(r.compute_dtype))
         p = ar.param_counts(m)
         self.p, n = p, m.num_layers
-        self.core = ar.core_flops_per_position(m) * r.context
-        self.kv = ar.kv_elems_per_layer(m) * ar.dtype_bytes(r.kv_dtype) * r.context
+        self.core = ar.core_flops(m, r.context)
+        self.kv = ar.kv_read_elems(m, r.context) * ar.dtype_bytes(r.kv_dtype)
         self.attn_params = (p.attention + p.router) / n  # per layer, router included
         self.head_params = m.vocab_size * m.hidden_size
         self.ffn_flops = 2.0 * p.ffn_active / n  # per token per layer

@@ -38,7 +38,7 @@ def arith_dict(m: ModelArith, t: TokenArith) -> dict[str, Any]:
         "attention": m.attention,
         "activated_params": p.activated,
         "total_params": p.total,
-        "attention_intensity": arithmetic_intensity(m, t.kv_dtype),
+        "attention_intensity": arithmetic_intensity(m, t.kv_dtype, t.context),
         "moe_sparsity": moe_sparsity(m),
         "per_token": {**dataclasses.asdict(t), "ffn_flops": t.ffn_flops},
     }
@@ -89,7 +89,8 @@ def cost_text(
         f"best without AFD: {c.best_non_afd} {c.best_non_afd_total:.4f} "
         f"(AFD saves {c.afd_saving:.0%})",
         f"params: {p.activated / 1e9:.1f}B activated / {p.total / 1e9:.1f}B total; "
-        f"{m.attention.upper()} intensity {arithmetic_intensity(m, t.kv_dtype):.0f} FLOP/B; "
+        f"{m.attention.upper()} intensity {arithmetic_intensity(m, t.kv_dtype, t.context):.0f} "
+        "FLOP/B; "
         f"KV read {t.kv_bytes / 1e6:.0f} MB/token; MoE sparsity {moe_sparsity(m):.3f}",
     ]
     if c.unpriced:

@@ -112,6 +112,22 @@ def test_kv_bytes_and_flops_scale_with_context():
         token_arith(m, 0)
 
 
+def test_sparse_attention_reads_topk_rows_past_its_topk():
+    """DeepSeek-V3.2: up to index_topk tokens it costs V3's attention plus its indexer; past
+    it, the latent rows read stay at index_topk and only the indexer's keys grow."""
+    v3, v32 = PRESETS["deepseek-v3"], PRESETS["deepseek-v3.2"]
+    indexer_flops = 61 * 2 * 64 * (128 + 1)  # per position: q.k over 64 heads, then weights
+    for ctx in (1024, 2048):
+        a, b = token_arith(v3, ctx), token_arith(v32, ctx)
+        assert b.attn_core_flops == a.attn_core_flops + ctx * indexer_flops
+        assert b.kv_bytes == a.kv_bytes + 61 * ctx * 128
+    a, b = token_arith(v32, 16384), token_arith(v32, 131072)
+    assert b.kv_bytes - a.kv_bytes == 61 * (131072 - 16384) * 128  # indexer keys only
+    assert token_arith(v32, 131072).attn_core_flops < token_arith(v3, 131072).attn_core_flops / 4
+    assert b.attn_linear_flops > token_arith(v3, 8192).attn_linear_flops  # the indexer's weights
+    assert arithmetic_intensity(v32, context=2048) < 512  # its indexer reads every key
+
+
 def test_ffn_flops_split_routed_shared_dense():
     t = token_arith(PRESETS["step3"], 8192)
     expert = 3 * 7168 * 5120
@@ -165,3 +181,13 @@ def test_layer_traffic():
     t = layer_traffic(m, 128, 1)
     assert t.a2f_bytes == 128 * (7168 + 4 + 8 * 3)  # fp8 hidden + scale + ids/weights
     assert t.f2a_bytes == 128 * 7168 * 2
+
+
+def test_deepseek_checkpoints_cost_as_their_attention_kind(tmp_path):
+    from tests.helpers.checkpoints import deepseek_v3, deepseek_v32
+
+    m3 = from_model_config(ModelConfig.from_hf(deepseek_v3(tmp_path / "v3")))
+    m32 = from_model_config(ModelConfig.from_hf(deepseek_v32(tmp_path / "v32")))
+    assert (m3.attention, m3.kv_lora_rank, m3.qk_rope_dim, m3.q_lora_rank) == ("mla", 32, 8, 48)
+    assert (m32.attention, m32.index_topk, m32.index_head_dim) == ("dsa", 8, 16)
+    assert token_arith(m32, 64).kv_bytes == 3 * (8 * 40 + 64 * 16)
