@@ -19,8 +19,14 @@ class AttentionKind:
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
         self.cfg = cfg
-        self.rope = rope_for(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
-        self.scale = cfg.head_dim**-0.5 * yarn_softmax_scale(cfg.rope_scaling)
+        dim, width = self.rope_dims(cfg)
+        self.rope = rope_for(dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
+        self.scale = width**-0.5 * yarn_softmax_scale(cfg.rope_scaling)
+
+    @staticmethod
+    def rope_dims(cfg: ModelConfig) -> tuple[int, int]:
+        """(the dims RoPE rotates, the q.k width the softmax scale is taken from)."""
+        return cfg.head_dim, cfg.head_dim
 
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> CacheLayout:

@@ -19,7 +19,6 @@ from afd.ops import Linear, bmm, rms_norm
 from services.attention.kinds.base import AttentionKind
 from services.attention.kv_cache import CacheLayout, KVCache
 from services.attention.paged_attention import AttnMeta, paged_attention
-from services.attention.rope import rope_for, yarn_softmax_scale
 
 # The latent norms are built with their module's default epsilon, not the model's rms_norm_eps
 _LATENT_EPS = 1e-6
@@ -40,8 +39,6 @@ class MLA(AttentionKind):
         self.m = m
         b, nh = f"layers.{layer}", cfg.num_heads
         dn, dr, dv, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
-        self.rope = rope_for(dr, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
-        self.scale = m.qk_head_dim**-0.5 * yarn_softmax_scale(cfg.rope_scaling)
         kv_a = w.pop(f"{b}.kv_a_proj")  # [r + dr, H]
         q = w.pop(f"{b}.q_b_proj" if m.q_lora_rank else f"{b}.q_proj")  # [nh*(dn+dr), in]
         if m.rope_interleave:  # row permutations: dense and block-FP8 weights alike
@@ -61,6 +58,12 @@ class MLA(AttentionKind):
         kv_b = w.pop(f"{b}.kv_b_proj").view(nh, dn + dv, r)  # dense: the loader expands it
         self.w_uk = kv_b[:, :dn].contiguous()  # [nh, dn, r]: q_nope -> latent space
         self.w_uv = kv_b[:, dn:].transpose(1, 2).contiguous()  # [nh, r, dv]: latent -> value
+
+    @staticmethod
+    def rope_dims(cfg: ModelConfig) -> tuple[int, int]:
+        m = cfg.mla
+        assert m is not None
+        return m.qk_rope_head_dim, m.qk_head_dim  # only the rotary part turns
 
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> CacheLayout:
