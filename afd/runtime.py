@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import logging
 
 log = logging.getLogger("afd.runtime")
@@ -34,3 +35,18 @@ def tune_allocator() -> bool:
     if not ok:
         log.debug("mallopt not honoured; large temporaries will be re-faulted each step")
     return ok
+
+
+def freeze_startup_heap() -> None:
+    """Exempt everything alive at the end of start-up (imported modules, loaded weights' Python
+    objects) from the garbage collector, just before a service starts serving.
+
+    A service process holds a few hundred thousand such objects (torch and the services are
+    imported by every `afd` command). Left to the collector, each full collection walks them
+    all, a pause of tens to over a hundred milliseconds that lands on whichever request or
+    step is in flight (a test saw the gateway's time to first token at the client exceed the
+    gateway's own by ~120 ms on the first requests). Frozen, they are never walked again;
+    what requests allocate is collected as before.
+    """
+    gc.collect()
+    gc.freeze()

@@ -56,11 +56,14 @@ def _run_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_parser(sub) -> None:
+def bench_parser() -> argparse.ArgumentParser:
+    """`afd bench`'s own parser. Its subcommands import torch and the services, so it is built
+    only when a benchmark runs: every other command (the gateway above all, which loads no
+    torch) starts without them."""
     from afd_cli.bench import context, engine, http, peer, pipeline, serve, weights, wire
 
-    p = sub.add_parser("bench", help="benchmarks that print JSON")
-    bsub = p.add_subparsers(dest="bench", required=True)
+    parser = argparse.ArgumentParser(prog="afd bench", description="benchmarks that print JSON")
+    bsub = parser.add_subparsers(dest="bench", required=True)
     for bench in (engine, pipeline, http, serve, peer, context, weights):
         bench.add_parser(bsub)
     w = bsub.add_parser(
@@ -68,6 +71,22 @@ def _bench_parser(sub) -> None:
     )
     w.add_argument("rest", nargs=argparse.REMAINDER)
     w.set_defaults(func=lambda a: wire.main(a.rest) or 0)
+    return parser
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    inner = bench_parser().parse_args(args.rest)
+    return int(inner.func(inner) or 0)
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks that print JSON (afd bench --help lists them)",
+        add_help=False,
+    )
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_run_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":  # `afd bench --help` and the like go to the bench parser
+        args.rest = extra + args.rest
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s [%(name)s] %(message)s",

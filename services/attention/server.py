@@ -32,6 +32,7 @@ from afd.control import (
     stats_to_pb,
 )
 from afd.errors import ErrorCode, RequestError, TransportError
+from afd.runtime import freeze_startup_heap
 from afd.security import add_port
 from afd.sidecar import SidePortConfig
 from services.attention.engine import Engine
@@ -207,6 +208,7 @@ async def _serve(cfg: AttentionServerConfig) -> None:
     port = add_port(server, cfg.listen, cfg.engine.security)
     if port == 0:
         raise TransportError(f"cannot listen on {cfg.listen}")
+    freeze_startup_heap()
     await server.start()
     side = sidecar.start(cfg.side, servicer.readiness)
     log.info(

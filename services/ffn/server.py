@@ -26,6 +26,7 @@ from afd import metrics, sidecar
 from afd.config import COMPUTE_DTYPES, ModelConfig, check
 from afd.dtypes import compute_dtype
 from afd.errors import ConfigError
+from afd.runtime import freeze_startup_heap
 from afd.security import Security
 from afd.sharding import ExpertShard
 from afd.sidecar import SidePortConfig
@@ -95,6 +96,7 @@ def serve(cfg: FFNServerConfig) -> int:
             INJECT_DELAY_ENV,
             cfg.inject_delay_s * 1e3,
         )
+    freeze_startup_heap()
     listener = listen(cfg.listen, serving, security=cfg.security)
     log.info(
         "FFN shard %d/%d (experts %d..%d%s) listening on %s",

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from afd import metrics
 from afd.config import ModelConfig, check
+from afd.runtime import freeze_startup_heap
 from afd.security import Security
 from afd.tokenizer import ModelTokenizer
 from services.gateway import handlers as h
@@ -276,5 +277,6 @@ def serve(cfg: GatewayConfig) -> int:
         # installed (uvicorn's "auto"), several times cheaper per request than h11.
         loop="asyncio",
     )
+    freeze_startup_heap()
     DrainingServer(config, state.lifecycle, cfg.drain_timeout_s).run()
     return 0
