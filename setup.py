@@ -57,6 +57,7 @@ def _kernels() -> list[Extension]:
                     "norm_rope",
                     "decode_layer",
                     "fp8",
+                    "indexer",
                 )
             ],
             depends=["afd/kernels/bf16.h"],

@@ -48,6 +48,8 @@ def _lib() -> ctypes.CDLL | None:
     f = ctypes.c_float
     lib.afd_bf16_decode_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
     lib.afd_bf16_decode_attention.restype = i
+    lib.afd_bf16_index_scores.argtypes = [p, p, p, p, i, p, i, i, i, i, i, i, f, i]
+    lib.afd_bf16_index_scores.restype = i
     L = ctypes.c_long
     lib.afd_bf16_rms_norm.argtypes = [p, L, L, p, p, i, i, i, f]
     lib.afd_bf16_rms_norm.restype = i

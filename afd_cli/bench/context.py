@@ -67,8 +67,10 @@ def write_checkpoint(kind: str, path: Path, index_topk: int) -> Path:
     elif kind == "mla":
         model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**_COMMON, **_MLA))
     else:
+        # the indexer in DeepSeek-V3.2's proportions: half as many heads as the attention,
+        # each as wide as 64/544 of an absorbed head's key and value (V3.2: 128/1088)
         cfg = tf.DeepseekV32Config(
-            **_COMMON, **_MLA, index_n_heads=16, index_head_dim=64, index_topk=index_topk
+            **_COMMON, **_MLA, index_n_heads=8, index_head_dim=64, index_topk=index_topk
         )
         model = tf.DeepseekV32ForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(path)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.kernels import indexer
 from afd.ops import bmm
 from services.attention.paged_attention import AttnMeta
 
@@ -43,10 +44,14 @@ def select(
     G, nb = blocks.shape
     bs = index_pool.shape[1]
     L = nb * bs
-    keys = index_pool.index_select(0, blocks.reshape(-1)).view(G, L, -1).float()  # [G, L, Di]
-    q = iq.q[rows].float()  # [n, hI, Di]
-    scores = torch.relu(torch.matmul(q, keys.transpose(1, 2)) * iq.scale)  # [n, hI, L]
-    index = torch.matmul(iq.weights[rows].unsqueeze(1), scores).squeeze(1) + bias  # [n, L]
+    if indexer.usable(index_pool, iq.q):  # the pool read in place, one pass
+        index = indexer.index_scores(iq.q[rows], iq.weights[rows], index_pool, blocks, iq.scale)
+    else:
+        keys = index_pool.index_select(0, blocks.reshape(-1)).view(G, L, -1).float()
+        q = iq.q[rows].float()  # [n, hI, Di]
+        scores = torch.relu(torch.matmul(q, keys.transpose(1, 2)) * iq.scale)  # [n, hI, L]
+        index = torch.matmul(iq.weights[rows].unsqueeze(1), scores).squeeze(1)  # [n, L]
+    index = index + bias
     k = min(topk, L)
     best, pos = index.topk(k, dim=-1)  # [n, k]
     table = blocks.expand(pos.shape[0], nb) if G == 1 else blocks

@@ -1,0 +1,51 @@
+"""The sparse-attention indexer's native scores (afd/kernels/indexer.c) against the torch path
+they replace in services/attention/sparse_attention.select: the same scores to fp32 summation
+order, the same selected tokens, for rows with their own block tables and rows sharing one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd.kernels import indexer
+from services.attention import sparse_attention
+from services.attention.sparse_attention import IndexQuery
+
+
+def _case(seed: int, n: int, shared: bool, Di: int = 64, hI: int = 8, nb: int = 9, bs: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    NB = 64
+    pool = torch.randn(NB, bs, Di, generator=g).to(torch.bfloat16)
+    q = torch.randn(n, hI, Di, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, hI, generator=g) * hI**-0.5
+    blocks = torch.randperm(NB, generator=g)[: nb * (1 if shared else n)].view(-1, nb)
+    L = nb * bs
+    lens = torch.randint(1, L + 1, (n,), generator=g)
+    bias = torch.zeros(n, L).masked_fill(torch.arange(L) >= lens[:, None], -torch.inf)
+    return IndexQuery(q, w, Di**-0.5), pool, blocks, bias
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_native_scores_match_the_torch_path(native_path, shared, monkeypatch):
+    iq, pool, blocks, bias = _case(0, 5, shared)
+    assert indexer.usable(pool, iq.q)
+    native = indexer.index_scores(iq.q, iq.weights, pool, blocks, iq.scale)
+    G, nb = blocks.shape
+    keys = pool.index_select(0, blocks.reshape(-1)).view(G, nb * pool.shape[1], -1).float()
+    ref = torch.relu(torch.matmul(iq.q.float(), keys.transpose(1, 2)) * iq.scale)
+    ref = torch.matmul(iq.weights.unsqueeze(1), ref).squeeze(1)
+    torch.testing.assert_close(native, ref, rtol=1e-5, atol=1e-5)
+
+    got = sparse_attention.select(iq, slice(0, 5), pool, blocks, bias, 24)
+    monkeypatch.setattr(indexer, "usable", lambda *a: False)
+    want = sparse_attention.select(iq, slice(0, 5), pool, blocks, bias, 24)
+    for s_got, s_want in zip(got, want, strict=True):
+        assert torch.equal(s_got, s_want)
+
+
+def test_a_block_outside_the_pool_is_an_error(native_path):
+    iq, pool, blocks, _ = _case(1, 2, True)
+    blocks = blocks.clone()
+    blocks[0, 3] = pool.shape[0]
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        indexer.index_scores(iq.q, iq.weights, pool, blocks, iq.scale)
