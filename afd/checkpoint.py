@@ -184,8 +184,21 @@ def _read(handles: dict, files: dict[str, Path], key: str, stack_index: int | No
         handles[fpath] = safe_open(str(fpath), "pt")
     h = handles[fpath]
     if stack_index is None:
-        return h.get_tensor(key)
-    return h.get_slice(key)[stack_index]  # one expert of a stacked [E, ...], not the stack
+        t = h.get_tensor(key)
+    else:
+        t = h.get_slice(key)[stack_index]  # one expert of a stacked [E, ...], not the stack
+    # A tensor read as it is stored can be a view of the file's mapping. Kept, it would keep
+    # the whole mapping alive, and with it every page loading touched (the originals of
+    # tensors since concatenated or converted): an owned copy lets the mapping go.
+    return t.clone() if _maps_file(t) else t
+
+
+def _maps_file(t: torch.Tensor) -> bool:
+    """Whether a tensor's storage is not one torch allocated (a file mapping)."""
+    try:
+        return t.untyped_storage().resizable() is False
+    except RuntimeError:
+        return True
 
 
 def _role_of(name: str) -> str:

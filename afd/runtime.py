@@ -37,6 +37,21 @@ def tune_allocator() -> bool:
     return ok
 
 
+def release_load_memory() -> bool:
+    """Give the OS back what loading freed (the read originals of weights since concatenated,
+    converted or re-laid out), once: `tune_allocator` keeps freed memory for the per-step
+    temporaries, which would otherwise hold a load's garbage resident for good. glibc only;
+    returns whether it ran."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 def freeze_startup_heap() -> None:
     """Exempt everything alive at the end of start-up (imported modules, loaded weights' Python
     objects) from the garbage collector, just before a service starts serving.

@@ -77,6 +77,12 @@ def write_checkpoint(kind: str, path: Path, index_topk: int) -> Path:
     return path
 
 
+def checkpoint_path(cache: Path, kind: str, index_topk: int) -> Path:
+    """The cached checkpoint of one kind, written on first use; the name changes with what
+    the writer writes (v2: the indexer in V3.2's proportions)."""
+    return write_checkpoint(kind, cache / f"bench-context-v2-{kind}-{index_topk}", index_topk)
+
+
 def _measure(path: Path, batch: int, context: int, steps: int, threads: int) -> dict:
     mc = ModelConfig.from_hf(path)
     bs = 16
@@ -98,12 +104,7 @@ def _measure(path: Path, batch: int, context: int, steps: int, threads: int) -> 
 
 def run(args: argparse.Namespace) -> dict:
     cache = Path(args.cache_dir)
-    paths = {
-        kind: write_checkpoint(
-            kind, cache / f"bench-context-{kind}-{args.index_topk}", args.index_topk
-        )
-        for kind in ("gqa", "mla", "dsa")
-    }
+    paths = {kind: checkpoint_path(cache, kind, args.index_topk) for kind in ("gqa", "mla", "dsa")}
     plan = [("gqa", c) for c in args.gqa_contexts] + [("mla", c) for c in args.mla_contexts]
     plan += [("dsa", c) for c in args.mla_contexts]
     runs: dict[tuple[str, int], list[dict]] = {p: [] for p in plan}

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from afd_cli.bench.context import write_checkpoint
+from afd_cli.bench.context import checkpoint_path
 from afd_cli.bench.engine import _cpu
 from afd_cli.quantize import fp8_block
 
@@ -57,11 +57,7 @@ def _resident(role: str, path: Path) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     cache = Path(args.cache_dir)
-    bf16 = (
-        Path(args.model)
-        if args.model
-        else write_checkpoint("mla", cache / "bench-context-mla-512", 512)
-    )
+    bf16 = Path(args.model) if args.model else checkpoint_path(cache, "mla", 512)
     fp8 = cache / f"{bf16.name}-fp8"
     if not (fp8 / "config.json").is_file():
         fp8_block(bf16, fp8, (128, 128), progress=False)

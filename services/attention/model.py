@@ -15,6 +15,7 @@ from afd.checkpoint import load_weights
 from afd.config import ModelConfig
 from afd.kernels.decode_layer import NativeDecodeLayer
 from afd.ops import Linear, native, rms_norm
+from afd.runtime import release_load_memory
 from services.attention.kinds import ATTENTION_KINDS, AttentionKind
 from services.attention.kv_cache import KVCache
 from services.attention.moe_router import ROUTERS
@@ -65,6 +66,8 @@ class AttentionModel:
             for i in range(cfg.num_layers)
         ]
         self.layers = [replace(lw, fused=self._fused(lw)) for lw in self.layers]
+        del w
+        release_load_memory()
         self.cache_layout = kind.cache_layout(cfg)  # what a token leaves in the KV cache
         self.route_fn = ROUTERS[cfg.router]
 

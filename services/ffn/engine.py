@@ -17,7 +17,7 @@ from afd.config import ModelConfig
 from afd.messages import FFNRequest
 from afd.ops import Linear, swiglu
 from afd.quant import dequantize_fp8
-from afd.runtime import tune_allocator
+from afd.runtime import release_load_memory, tune_allocator
 from afd.sharding import ExpertShard
 from services.ffn.experts import ExpertGroup, MLPWeights, routed_experts
 
@@ -62,6 +62,7 @@ class FFNEngine:
             elif shard.owns_dense:
                 self.dense[i] = _mlp(w, f"layers.{i}.mlp")
         del w
+        release_load_memory()
 
     def compute(self, layer: int, group: list[FFNRequest]) -> list[torch.Tensor]:
         """The partial outputs [T_i, H] of one layer's requests (validated by the serving
