@@ -2,7 +2,8 @@
 
 For each service role (the attention side, one FFN shard holding every expert) and each copy,
 a fresh process loads what that service loads and reports how much its resident set grew
-(RSS after the load minus RSS before it, torch and afd already imported); copies alternate,
+(RSS after the load minus RSS before it, torch and afd already imported and the kernel path's
+start-up measurement done); copies alternate,
 `--repeat` times, medians reported with the FP8/BF16 ratio per role and in all. The FP8 copy is
 written by `afd quantize --fp8-block` from the BF16 checkpoint (cached).
 """
@@ -33,6 +34,9 @@ def rss():
 
 role, path = sys.argv[1], sys.argv[2]
 cfg = ModelConfig.from_hf(path)
+from afd.kernels import paths  # the kernel path and its start-up measurement: not weights
+paths.active()
+paths.onednn_from_rows(torch.get_num_threads())
 gc.collect()
 before = rss()
 if role == "attention":
