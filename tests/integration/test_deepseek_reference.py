@@ -34,6 +34,54 @@ def test_full_q_proj_variant_matches_transformers(tmp_path):
         assert afd_greedy(engine_cfg(path, S=S))[0] == ref
 
 
+@pytest.fixture
+def expand_every_prefill(monkeypatch):
+    """Long prefills run expanded (kv_b_proj over the context's latents), short ones and
+    decodes absorbed; the tiny checkpoint's prompts are all short: make every prefill long."""
+    real = mla_kind.MLA.__init__
+
+    def init(self, *a, **kw):
+        real(self, *a, **kw)
+        self.expand_from = 1
+
+    monkeypatch.setattr(mla_kind.MLA, "__init__", init)
+
+
+@pytest.mark.parametrize("S,budget", [(1, 24), (2, 8)])
+def test_expanded_prefill_matches_transformers(ds, expand_every_prefill, S, budget):
+    path, ref = ds
+    assert afd_greedy(engine_cfg(path, S=S, budget=budget))[0] == ref  # budget 8: chunked
+
+
+def test_planted_expanded_prefill_without_rotary_keys_is_caught(
+    ds, expand_every_prefill, monkeypatch
+):
+    path, ref = ds
+    real = mla_kind.MLA.expanded
+
+    def no_rope(self, q_nope, q_pe, pool, p):
+        return real(self, q_nope, torch.zeros_like(q_pe), pool, p)
+
+    monkeypatch.setattr(mla_kind.MLA, "expanded", no_rope)
+    assert afd_greedy(engine_cfg(path, S=1))[0] != ref
+
+
+def test_the_expanded_form_takes_over_where_it_is_cheaper(ds):
+    cfg = ModelConfig.from_hf(ds[0])
+    kind = AttentionModel(cfg, torch.float32, progress=False).layers[0].kind
+    m, nh = cfg.mla, cfg.num_heads
+    r, dn, dr, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+
+    def absorbed(n: int) -> int:  # multiply-adds per key for n query rows
+        return n * nh * (2 * r + dr)
+
+    def expanded(n: int) -> int:
+        return nh * r * (dn + dv) + n * nh * (dn + dr + dv)
+
+    n = kind.expand_from
+    assert expanded(n) <= absorbed(n) and expanded(n - 1) > absorbed(n - 1)
+
+
 def test_the_cache_holds_the_latent_not_full_keys_and_values(ds):
     path, _ = ds
     cfg = ModelConfig.from_hf(path)

@@ -53,7 +53,8 @@ class DSA(MLA):
         return IndexQuery(q, weights.float() * ix.n_heads**-0.5, ix.head_dim**-0.5)
 
     def attend(self, x: torch.Tensor, meta: AttnMeta, cache: KVCache, layer: int) -> torch.Tensor:
-        q_abs, q_lat = self.project(x, meta, cache, layer)
+        q_nope, q_pe, q_lat = self.project(x, meta, cache, layer)
+        q_abs = self.absorb(q_nope, q_pe)
         assert q_lat is not None  # ModelConfig requires a query latent with an indexer
         iq = self.index_query(x, q_lat, meta, cache, layer)
         r = self.m.kv_lora_rank

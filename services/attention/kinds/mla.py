@@ -11,6 +11,8 @@ the shared paged attention serves as it serves MQA.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from afd.blockfp8 import cat_rows, take_rows
@@ -18,10 +20,11 @@ from afd.config import ModelConfig
 from afd.ops import Linear, bmm, rms_norm
 from services.attention.kinds.base import AttentionKind
 from services.attention.kv_cache import CacheLayout, KVCache
-from services.attention.paged_attention import AttnMeta, paged_attention
+from services.attention.paged_attention import AttnMeta, PrefillSeq, paged_attention
 
 # The latent norms are built with their module's default epsilon, not the model's rms_norm_eps
 _LATENT_EPS = 1e-6
+NEVER = 1 << 62
 
 
 def _halves(rows: int) -> torch.Tensor:
@@ -58,6 +61,12 @@ class MLA(AttentionKind):
         kv_b = w.pop(f"{b}.kv_b_proj").view(nh, dn + dv, r)  # dense: the loader expands it
         self.w_uk = kv_b[:, :dn].contiguous()  # [nh, dn, r]: q_nope -> latent space
         self.w_uv = kv_b[:, dn:].transpose(1, 2).contiguous()  # [nh, r, dv]: latent -> value
+        self.out_width = nh * dv
+        # From how many query rows a prefill runs expanded: per (query, key) pair the absorbed
+        # form does nh(2r + dr) multiply-adds and the expanded one nh(dn + dr + dv), which
+        # first pays nh r (dn + dv) per key to expand it.
+        saved = nh * (2 * r + dr - (dn + dr + dv))
+        self.expand_from = -(-nh * r * (dn + dv) // saved) if saved > 0 else NEVER
 
     @staticmethod
     def rope_dims(cfg: ModelConfig) -> tuple[int, int]:
@@ -78,15 +87,25 @@ class MLA(AttentionKind):
         cache: KVCache,
         layer: int,
     ) -> torch.Tensor:  # [T, nh * dv]
-        q_abs, _ = self.project(x, meta, cache, layer)
-        o = paged_attention(q_abs, cache.k[layer], cache.v[layer], meta, self.scale)  # [T, nh*r]
-        return self.values(o)
+        q_nope, q_pe, _ = self.project(x, meta, cache, layer)
+        long = tuple(p for p in meta.prefills if p.q_len >= self.expand_from)
+        rest = replace(meta, prefills=tuple(p for p in meta.prefills if p not in long))
+        o = self.values(
+            paged_attention(self.absorb(q_nope, q_pe), cache.k[layer], cache.v[layer], rest,
+                            self.scale)
+        ) if rest.num_decode or rest.prefills else torch.empty(x.shape[0], self.out_width,
+                                                                dtype=x.dtype)  # fmt: skip
+        for p in long:  # rows of these were left unwritten above
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            o[rows] = self.expanded(q_nope[rows], q_pe[rows], cache.k[layer], p)
+        return o
 
     def project(
         self, x: torch.Tensor, meta: AttnMeta, cache: KVCache, layer: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [T, H] -> (queries in latent space [T, nh, r + dr], the normalised query latent
-        [T, qr] or None), with this step's latent and rotary key written into the cache."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [T, H] -> (q_nope [T, nh, dn], q_pe [T, nh, dr] after RoPE, the normalised query
+        latent [T, qr] or None), with this step's latent and rotary key written into the
+        cache."""
         m, nh, T = self.m, self.cfg.num_heads, x.shape[0]
         dn, dr, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
         q_in, kv = self.w_a(x).split(self.a_split, dim=-1)
@@ -95,8 +114,35 @@ class MLA(AttentionKind):
         latent = rms_norm(kv[:, :r], self.kv_a_norm, _LATENT_EPS)  # [T, r]
         q_pe, k_pe = self.rope(q[..., dn:], kv[:, None, r:], meta.positions)  # [T,nh|1,dr]
         cache.write(layer, meta.slots, torch.cat([latent[:, None], k_pe], dim=-1), None)
-        q_nope = bmm(q[..., :dn].transpose(0, 1), self.w_uk)  # [nh, T, r]
-        return torch.cat([q_nope.transpose(0, 1), q_pe], dim=-1), q_lat
+        return q[..., :dn], q_pe, q_lat
+
+    def absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """Queries in latent space [T, nh, r + dr]: each head's q_nope through W_UK."""
+        q_lat = bmm(q_nope.transpose(0, 1), self.w_uk)  # [nh, T, r]
+        return torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)
+
+    def expanded(
+        self,
+        q_nope: torch.Tensor,  # [n, nh, dn]
+        q_pe: torch.Tensor,  # [n, nh, dr]
+        pool: torch.Tensor,  # [1, NB, bs, r + dr]
+        p: PrefillSeq,
+    ) -> torch.Tensor:  # [n, nh * dv]
+        """One prefill's attention the way the checkpoint was trained: its context's latents
+        expanded into every head's key and value (kv_b_proj), then attention at head width
+        dn + dr: fewer FLOPs than the absorbed form from `expand_from` query rows on."""
+        m, nh, n = self.m, self.cfg.num_heads, q_nope.shape[0]
+        r, dr = m.kv_lora_rank, m.qk_rope_head_dim
+        rows = pool[0].index_select(0, p.blocks).view(-1, r + dr)  # [L, r + dr]
+        L = rows.shape[0]
+        latent = rows[:, :r].expand(nh, L, r)
+        k_nope = bmm(self.w_uk, latent.transpose(1, 2))  # [nh, dn, L]
+        k = torch.cat([k_nope.transpose(1, 2), rows[:, r:].expand(nh, L, dr)], dim=-1)
+        v = bmm(latent, self.w_uv)  # [nh, L, dv]
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [nh, n, dn + dr]
+        scores = bmm(q, k.transpose(1, 2)).float() * self.scale + p.bias  # [nh, n, L]
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return bmm(probs, v).transpose(0, 1).reshape(n, -1)  # [n, nh * dv]
 
     def values(self, o: torch.Tensor) -> torch.Tensor:
         """Attention-weighted latents [T, nh * r] -> each head's value [T, nh * dv]."""
