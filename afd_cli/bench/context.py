@@ -8,6 +8,8 @@ tokens per query), and a GQA model of equal width (Qwen3-MoE, 4 K/V heads). For 
 the run reports the step time, decode tok/s, its attention-side share (the step minus the FFN
 waits) and the KV bytes per token. Models alternate within each repeat; medians are reported,
 with the ratios: MLA against GQA (tok/s, KV bytes) and DSA against dense MLA (attention time).
+Then MLA's prefill of one prompt per `--prefill-lengths`, in the absorbed form against afd's
+choice (expanded from `expand_from` query rows on), alternating.
 """
 
 from __future__ import annotations
@@ -102,6 +104,47 @@ def _measure(path: Path, batch: int, context: int, steps: int, threads: int) -> 
     return r
 
 
+def _prefill_forms(path: Path, lengths: list[int], repeat: int, threads: int) -> list[dict]:
+    """MLA prefill of one prompt per length, in the absorbed form and in afd's choice (the
+    expanded form from `expand_from` rows), alternating; medians of `repeat`, in ms."""
+    import time
+
+    from afd.control import SamplingParams
+    from afd_cli.local import local_engine
+    from services.attention.kinds.mla import NEVER
+
+    mc = ModelConfig.from_hf(path)
+    top = max(lengths)
+    cfg = EngineConfig(
+        model=mc,
+        dtype="bfloat16",
+        a2f_dtype="bf16",
+        threads=threads,
+        cache=CacheConfig(block_size=16, num_blocks=top // 16 + 16),
+        scheduler=SchedulerConfig(max_num_batched_tokens=top, max_model_len=mc.max_position),
+    )
+    out = []
+    g = torch.Generator().manual_seed(0)
+    with local_engine(cfg, 1, progress=False) as eng:
+        kinds = [lw.kind for lw in eng.model.layers]
+        chosen = kinds[0].expand_from
+        for n in lengths:
+            prompt = torch.randint(10, mc.vocab_size, (n,), generator=g).tolist()
+            times: dict[str, list[float]] = {"absorbed_ms": [], "chosen_ms": []}
+            for rep in range(repeat + 1):  # the first round warms up
+                for name, start in (("absorbed_ms", NEVER), ("chosen_ms", chosen)):
+                    for k in kinds:
+                        k.expand_from = start
+                    t = time.perf_counter()
+                    eng.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+                    if rep:
+                        times[name].append((time.perf_counter() - t) * 1e3)
+            med = {k: round(statistics.median(v), 1) for k, v in times.items()}
+            ratio = round(med["chosen_ms"] / med["absorbed_ms"], 2)
+            out.append({"prompt": n, "expand_from": chosen, **med, "chosen_vs_absorbed": ratio})
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     cache = Path(args.cache_dir)
     paths = {kind: checkpoint_path(cache, kind, args.index_topk) for kind in ("gqa", "mla", "dsa")}
@@ -133,6 +176,11 @@ def run(args: argparse.Namespace) -> dict:
             for c in args.mla_contexts
         },
     }
+    prefill = (
+        _prefill_forms(paths["mla"], args.prefill_lengths, args.repeat, args.threads)
+        if args.prefill_lengths
+        else []
+    )
     return {
         "benchmark": "context_decode",
         "cpu": _cpu(),
@@ -144,6 +192,7 @@ def run(args: argparse.Namespace) -> dict:
         "attention_kinds": sorted(ATTENTION_KINDS),
         "results": results,
         "ratios": ratios,
+        "mla_prefill": prefill,
     }
 
 
@@ -155,6 +204,13 @@ def add_parser(sub) -> None:
     p.add_argument("--index-topk", type=int, default=512)
     p.add_argument("--gqa-contexts", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--mla-contexts", type=int, nargs="+", default=[1024, 2048, 8192, 16384])
+    p.add_argument(
+        "--prefill-lengths",
+        type=int,
+        nargs="*",
+        default=[64, 256, 2048],
+        help="MLA prefill, absorbed form vs afd's choice, at these prompt lengths",
+    )
     p.add_argument("--repeat", type=int, default=3, help="alternating runs; medians reported")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
     p.set_defaults(func=lambda a: print(json.dumps(run(a), indent=2)) or 0)
