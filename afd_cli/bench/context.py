@@ -54,7 +54,7 @@ _MLA = dict(
 )
 
 
-def write_checkpoint(kind: str, path: Path, index_topk: int) -> Path:
+def write_checkpoint(kind: str, path: Path, index_topk: int, experts: int = 16) -> Path:
     """A random-weight bf16 checkpoint of one attention kind (gqa, mla, dsa), written once."""
     import transformers as tf
 
@@ -67,7 +67,8 @@ def write_checkpoint(kind: str, path: Path, index_topk: int) -> Path:
         )
         model = tf.Qwen3MoeForCausalLM(cfg)
     elif kind == "mla":
-        model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**_COMMON, **_MLA))
+        mla = {**_MLA, "n_routed_experts": experts}
+        model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**_COMMON, **mla))
     else:
         # the indexer in DeepSeek-V3.2's proportions: half as many heads as the attention,
         # each as wide as 64/544 of an absorbed head's key and value (V3.2: 128/1088)
@@ -79,10 +80,11 @@ def write_checkpoint(kind: str, path: Path, index_topk: int) -> Path:
     return path
 
 
-def checkpoint_path(cache: Path, kind: str, index_topk: int) -> Path:
+def checkpoint_path(cache: Path, kind: str, index_topk: int, experts: int = 16) -> Path:
     """The cached checkpoint of one kind, written on first use; the name changes with what
     the writer writes (v2: the indexer in V3.2's proportions)."""
-    return write_checkpoint(kind, cache / f"bench-context-v2-{kind}-{index_topk}", index_topk)
+    name = f"bench-context-v2-{kind}-{index_topk}" + (f"-e{experts}" if experts != 16 else "")
+    return write_checkpoint(kind, cache / name, index_topk, experts)
 
 
 def _measure(path: Path, batch: int, context: int, steps: int, threads: int) -> dict:

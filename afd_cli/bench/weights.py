@@ -61,7 +61,7 @@ def _resident(role: str, path: Path) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     cache = Path(args.cache_dir)
-    bf16 = Path(args.model) if args.model else checkpoint_path(cache, "mla", 512)
+    bf16 = Path(args.model) if args.model else checkpoint_path(cache, "mla", 512, args.experts)
     fp8 = cache / f"{bf16.name}-fp8"
     if not (fp8 / "config.json").is_file():
         fp8_block(bf16, fp8, (128, 128), progress=False)
@@ -100,6 +100,12 @@ def run(args: argparse.Namespace) -> dict:
 def add_parser(sub) -> None:
     p = sub.add_parser("weights", help="resident bytes of block-FP8 weights vs their BF16 copy")
     p.add_argument("--model", help="a BF16 checkpoint (default: afd bench context's MLA model)")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=16,
+        help="routed experts per layer of the default model (DeepSeek-V3 has 256)",
+    )
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
     p.set_defaults(func=lambda a: print(json.dumps(run(a), indent=2)) or 0)
