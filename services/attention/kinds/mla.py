@@ -88,14 +88,17 @@ class MLA(AttentionKind):
         layer: int,
     ) -> torch.Tensor:  # [T, nh * dv]
         q_nope, q_pe, _ = self.project(x, meta, cache, layer)
-        long = tuple(p for p in meta.prefills if p.q_len >= self.expand_from)
-        rest = replace(meta, prefills=tuple(p for p in meta.prefills if p not in long))
-        o = self.values(
-            paged_attention(self.absorb(q_nope, q_pe), cache.k[layer], cache.v[layer], rest,
-                            self.scale)
-        ) if rest.num_decode or rest.prefills else torch.empty(x.shape[0], self.out_width,
-                                                                dtype=x.dtype)  # fmt: skip
-        for p in long:  # rows of these were left unwritten above
+        long = [p for p in meta.prefills if p.q_len >= self.expand_from]
+        short = tuple(p for p in meta.prefills if p.q_len < self.expand_from)
+        if meta.num_decode or short:  # absorbed; the long prefills' rows are left unwritten
+            rest = replace(meta, prefills=short)
+            q_abs = self.absorb(q_nope, q_pe)
+            o = self.values(
+                paged_attention(q_abs, cache.k[layer], cache.v[layer], rest, self.scale)
+            )
+        else:
+            o = torch.empty(x.shape[0], self.out_width, dtype=x.dtype)
+        for p in long:
             rows = slice(p.q_start, p.q_start + p.q_len)
             o[rows] = self.expanded(q_nope[rows], q_pe[rows], cache.k[layer], p)
         return o
