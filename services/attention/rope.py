@@ -65,17 +65,20 @@ class Rope:
             attention = 1.0
         else:
             inv_freq, attention = _yarn(dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.cos = emb.cos() * attention
-        self.sin = emb.sin() * attention
-        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.inv_freq, self.attention, self.max_position = inv_freq, attention, max_position
+        # [P, D] per dtype asked for, built on first use: a bf16 server never holds the
+        # float32 tables (twice the bytes; tens of MB at 100K+ positions)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed in float32, applied in the activations' dtype, as the HF reference does.
-        if dtype not in self._cast:
-            self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
-        return self._cast[dtype]
+        if dtype not in self._tables:
+            positions = torch.arange(self.max_position, dtype=torch.float32)
+            freqs = torch.outer(positions, self.inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+            cos, sin = emb.cos().mul_(self.attention), emb.sin().mul_(self.attention)
+            self._tables[dtype] = (cos.to(dtype), sin.to(dtype))
+        return self._tables[dtype]
 
     def __call__(
         self,
