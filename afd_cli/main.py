@@ -75,6 +75,10 @@ def bench_parser() -> argparse.ArgumentParser:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    if args.rest[:1] == ["wire"]:  # its own parser takes the rest, options first included
+        from afd_cli.bench import wire
+
+        return int(wire.main(args.rest[1:]) or 0)
     inner = bench_parser().parse_args(args.rest)
     return int(inner.func(inner) or 0)
 
@@ -116,10 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "bench":  # `afd bench --help` and the like go to the bench parser
-        args.rest = extra + args.rest
+    if args.command == "bench":  # everything after it is the bench parser's, --help included
+        args.rest = argv[argv.index("bench") + 1 :]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
