@@ -153,3 +153,44 @@ def test_planted_kv_slot_off_by_one_is_caught(refs, monkeypatch):
     real = batch._slots
     monkeypatch.setattr(batch, "_slots", lambda blocks, pos, bs: real(blocks, pos, bs) + 1)
     assert afd_greedy(engine_cfg(path, S=1))[0] != ref
+
+
+# --- YaRN on a family other than DeepSeek (the RoPE scaling is read for every family) ------
+
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_yarn(tmp_path_factory):
+    from tests.helpers.checkpoints import qwen3_moe
+
+    path = qwen3_moe(tmp_path_factory.mktemp("yarn") / "ckpt", rope_parameters=YARN)
+    return path, hf_greedy(hf_model(path, torch.float32), PROMPTS, NEW)
+
+
+def test_yarn_rope_matches_transformers(qwen3_yarn):
+    path, ref = qwen3_yarn
+    assert ModelConfig.from_hf(path).rope_scaling.factor == 4.0
+    assert afd_greedy(engine_cfg(path, S=2))[0] == ref
+
+
+def test_planted_yarn_ignored_is_caught(qwen3_yarn):
+    path, ref = qwen3_yarn
+    cfg = engine_cfg(path, S=2)
+    assert afd_greedy(replace(cfg, model=replace(cfg.model, rope_scaling=None)))[0] != ref
+
+
+def test_other_rope_scalings_are_refused(qwen3_yarn):
+    import json
+
+    from afd.errors import ConfigError
+
+    raw = json.loads((qwen3_yarn[0] / "config.json").read_text())
+    raw["rope_parameters"] = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ConfigError, match="rope scaling 'linear' is not supported"):
+        ModelConfig.from_dict(raw)
