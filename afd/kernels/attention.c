@@ -21,15 +21,6 @@
 
 #include "bf16.h"
 
-/* The sums of 8 vectors, one lane each: [sum(a0), ..., sum(a7)]. */
-static inline __m256 sum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
-                            __m256 a6, __m256 a7) {
-  __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
-  __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
-  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 /* Rows sit in 16-position blocks scattered over the pool, so the hardware prefetcher sees
  * only short runs: ask for K rows two 8-position groups ahead. V is asked for later, in
  * weighted_sum: fetched here, beside K, a long sequence's V (256 KB at 2048 positions) had left

@@ -132,4 +132,13 @@ int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const 
                               int kvh, int g, int D, int NB, int bs, int nb, float scale,
                               int threads);
 
+/* The sums of 8 vectors, one lane each: [sum(a0), ..., sum(a7)]. */
+static inline __m256 sum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                            __m256 a6, __m256 a7) {
+  __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+  __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 #endif

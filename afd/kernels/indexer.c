@@ -14,15 +14,6 @@
 
 #include "bf16.h"
 
-/* The sums of 8 vectors, one lane each. */
-static inline __m256 sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
-                           __m256 a6, __m256 a7) {
-  __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
-  __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
-  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 /* Scores of up to 8 positions whose keys (fp32, zero-padded) are kt[8][D]. */
 static inline __m256 score8(const float *q, const float *w, const float *kt, int H, int D,
                             float scale) {
@@ -42,7 +33,7 @@ static inline __m256 score8(const float *q, const float *w, const float *kt, int
       a6 = _mm256_fmadd_ps(c, _mm256_loadu_ps(kt + 6 * D + d), a6);
       a7 = _mm256_fmadd_ps(c, _mm256_loadu_ps(kt + 7 * D + d), a7);
     }
-    __m256 s = _mm256_max_ps(_mm256_mul_ps(sums8(a0, a1, a2, a3, a4, a5, a6, a7), vscale), zero);
+    __m256 s = _mm256_max_ps(_mm256_mul_ps(sum8x8(a0, a1, a2, a3, a4, a5, a6, a7), vscale), zero);
     acc = _mm256_fmadd_ps(_mm256_set1_ps(w[h]), s, acc);
   }
   return acc;

@@ -72,50 +72,38 @@ def mixtral(out: Path, seed: int = 1, **over) -> Path:
     return out
 
 
-def deepseek_v3(out: Path, seed: int = 4, **over) -> Path:
-    """MLA with a low-rank query (q_lora_rank=None for a full q_proj), YaRN RoPE with both
-    mscales, 8 experts in 4 groups of which 2 compete, a random selection bias (transformers
-    initialises it to zeros, which would hide a bias applied to the weights), one dense layer."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+# The tiny DeepSeek shape both DeepSeek writers share: MLA with a low-rank query, 8 experts in 4
+# groups of which 2 compete (top-3), a shared expert, one dense layer.
+_DEEPSEEK = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=24,
+    max_position_embeddings=128,
+    initializer_range=INIT,
+    eos_token_id=None,
+    bos_token_id=None,
+)
 
+
+def _deepseek(config_cls, model_cls, out: Path, seed: int, kw: dict) -> Path:
+    """Write a DeepSeek checkpoint with a random selection bias (transformers initialises it to
+    zeros, which would hide a bias applied to the weights)."""
     torch.manual_seed(seed)
-    kw = dict(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.5,
-        kv_lora_rank=32,
-        q_lora_rank=48,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=24,
-        max_position_embeddings=128,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 32,
-            "mscale": 0.8,
-            "mscale_all_dim": 1.0,
-            "beta_fast": 32,
-            "beta_slow": 1,
-        },
-        initializer_range=INIT,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    kw.update(over)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**kw)).eval()
+    model = model_cls(config_cls(**kw)).eval()
     with torch.no_grad():
         for layer in model.model.layers:
             gate = getattr(layer.mlp, "gate", None)
@@ -123,49 +111,35 @@ def deepseek_v3(out: Path, seed: int = 4, **over) -> Path:
                 gate.e_score_correction_bias.copy_(torch.randn(kw["n_routed_experts"]) * 0.3)
     model.save_pretrained(out)
     return out
+
+
+def deepseek_v3(out: Path, seed: int = 4, **over) -> Path:
+    """The shared DeepSeek shape (q_lora_rank=None for a full q_proj) with YaRN RoPE and both
+    mscales."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 0.8,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
+    extra = dict(num_key_value_heads=4, routed_scaling_factor=2.5, rope_parameters=yarn)
+    kw = {**_DEEPSEEK, **extra, **over}
+    return _deepseek(DeepseekV3Config, DeepseekV3ForCausalLM, out, seed, kw)
 
 
 def deepseek_v32(out: Path, seed: int = 5, **over) -> Path:
-    """DeepSeek-V3's tiny checkpoint plus the sparse-attention indexer, keeping 8 tokens per
-    query, so that the test prompts (up to 53 tokens) drop most of their context."""
+    """The shared DeepSeek shape plus the sparse-attention indexer, keeping 8 tokens per query,
+    so that the test prompts (up to 53 tokens) drop most of their context."""
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-    torch.manual_seed(seed)
-    kw = dict(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        kv_lora_rank=32,
-        q_lora_rank=48,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=24,
-        index_n_heads=8,
-        index_head_dim=16,
-        index_topk=8,
-        max_position_embeddings=128,
-        initializer_range=INIT,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    kw.update(over)
-    model = DeepseekV32ForCausalLM(DeepseekV32Config(**kw)).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and hasattr(gate, "e_score_correction_bias"):
-                gate.e_score_correction_bias.copy_(torch.randn(kw["n_routed_experts"]) * 0.3)
-    model.save_pretrained(out)
-    return out
+    kw = {**_DEEPSEEK, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 8, **over}
+    return _deepseek(DeepseekV32Config, DeepseekV32ForCausalLM, out, seed, kw)
 
 
 def step3_text(out: Path, seed: int = 3, **over) -> Path:
