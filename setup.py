@@ -58,6 +58,7 @@ def _kernels() -> list[Extension]:
                     "decode_layer",
                     "fp8",
                     "indexer",
+                    "mxfp4",
                 )
             ],
             depends=["afd/kernels/bf16.h"],

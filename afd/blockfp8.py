@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from afd.mxfp4 import MXFP4
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # e4m3 bits placed at fp32 bits 26..20 (and the sign at 31) read as 2^-120 times the fp8 value
@@ -94,11 +96,14 @@ class BlockFP8:
         return out
 
 
-def cat_rows(parts: list) -> torch.Tensor | BlockFP8:
-    """Row-wise concatenation of dense tensors or of BlockFP8 weights with one block width (a
-    mix is dequantized: the dense part cannot be FP8 without a rounding it never had)."""
+def cat_rows(parts: list) -> torch.Tensor | BlockFP8 | MXFP4:
+    """Row-wise concatenation of dense tensors, of MXFP4 weights, or of BlockFP8 weights with
+    one block width (a mix is dequantized: the dense part cannot be FP8 without a rounding it
+    never had)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
+    if all(isinstance(p, MXFP4) for p in parts):
+        return MXFP4.cat(parts)
     fp8 = [p for p in parts if isinstance(p, BlockFP8)]
     if len(fp8) == len(parts) and len({p.block_k for p in fp8}) == 1:
         return BlockFP8(
@@ -108,14 +113,15 @@ def cat_rows(parts: list) -> torch.Tensor | BlockFP8:
     return torch.cat([dense(p, dtype) for p in parts])
 
 
-def take_rows(w: torch.Tensor | BlockFP8, index: torch.Tensor) -> torch.Tensor | BlockFP8:
-    return w.rows(index) if isinstance(w, BlockFP8) else w[index]
+def take_rows(w, index: torch.Tensor | slice):
+    """Rows of a dense, BlockFP8 or MXFP4 weight (or of a bias), contiguous."""
+    return w[index].contiguous() if isinstance(w, torch.Tensor) else w.rows(index)
 
 
-def dense(w: torch.Tensor | BlockFP8, dtype: torch.dtype) -> torch.Tensor:
+def dense(w: torch.Tensor | BlockFP8 | MXFP4, dtype: torch.dtype) -> torch.Tensor:
     """A weight as a dense tensor of `dtype` (where a consumer needs one: embeddings, MLA's
     absorbed per-head matrices)."""
-    return w.dequantize(dtype) if isinstance(w, BlockFP8) else w.to(dtype)
+    return w.to(dtype) if isinstance(w, torch.Tensor) else w.dequantize(dtype)
 
 
 def quantize_blocks(

@@ -3,14 +3,15 @@
 afd's canonical names (what the services index by):
   attention role: embed, lm_head, final_norm, layers.{i}.{attn_norm, ffn_norm, router,
                   router_bias, o_proj} and per attention kind
-                  gqa: layers.{i}.{q_proj, k_proj, v_proj, q_norm, k_norm}
+                  gqa: layers.{i}.{q_proj, k_proj, v_proj, q_norm, k_norm}, with biases
+                       {q,k,v,o}_proj_bias and sink logits `sinks` where the model has them
                   mfa: layers.{i}.{q_proj, k_proj, v_proj, inter_norm, wq}
                   mla: layers.{i}.{q_proj or q_a_proj, q_a_norm, q_b_proj; kv_a_proj,
                        kv_a_norm, kv_b_proj}
                   dsa: mla's, and layers.{i}.{index_wq, index_wk, index_k_norm,
                        index_k_norm_bias, index_weights}
-  ffn role:       layers.{i}.experts.{e}.{gate, up, down}, layers.{i}.shared.{gate, up, down},
-                  layers.{i}.mlp.{gate, up, down}
+  ffn role:       layers.{i}.experts.{e}.{gate, up, down} (and {gate,up,down}_bias where the
+                  model has them), layers.{i}.shared.{gate, up, down}, layers.{i}.mlp.{...}
 How a family spells them is the family's business (its `WeightNames`); what is generic stays
 here: finding the tensors, keeping those one role and shard need, checking their shapes.
 Stacked expert tensors [E, ...] (Step-3) are split per expert so that a shard loads only its own.
@@ -29,10 +30,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from afd.blockfp8 import BlockFP8, dense
+from afd.blockfp8 import BlockFP8, dense, take_rows
 from afd.config import ModelConfig
 from afd.errors import CheckpointError
 from afd.families import family
+from afd.mxfp4 import MXFP4
 from afd.sharding import ExpertShard
 
 log = logging.getLogger("afd.checkpoint")
@@ -40,11 +42,13 @@ log = logging.getLogger("afd.checkpoint")
 
 @dataclass(frozen=True)
 class _Entry:
-    """Where one canonical tensor comes from: a file key, optionally one slice of a stack."""
+    """Where one canonical tensor comes from: a file key, optionally one slice of a stack;
+    `transpose`: a bare stacked matrix stored [in, out] (gpt-oss)."""
 
     name: str
     key: str
     stack_index: int | None = None
+    transpose: bool = False
 
 
 def bars(progress: bool) -> bool:
@@ -93,14 +97,41 @@ def _plan(cfg: ModelConfig, files: dict[str, Path], want: Callable[[str], bool])
         name = names.canonical(strip_prefix(key, cfg.weight_prefix))
         if name is None:
             continue
+        # a bare stacked matrix (no ".weight", not MXFP4 blocks) in a transposed layout
+        bare = not key.endswith((".weight", "_bias", "_blocks"))
+        transpose = names.stacked_transposed and bare
         if ".experts.*." in name:  # stacked [E, ...]: one entry per expert, read as a slice
             for e in range(cfg.num_experts):
                 one = name.replace("*", str(e))
-                if want(one):
-                    entries.append(_Entry(one, key, stack_index=e))
+                if want(_split_name(one, "gate")):
+                    entries.append(_Entry(one, key, stack_index=e, transpose=transpose))
         elif want(name):
             entries.append(_Entry(name, key))
     return entries
+
+
+def _split_name(name: str, part: str) -> str:
+    """A fused interleaved gate/up tensor's name -> the name of its `part` ("gate" or "up")."""
+    return name.replace(".gate_up", f".{part}")
+
+
+def loaded_names(name: str) -> list[str]:
+    """The canonical names one mapped tensor is loaded as: an interleaved gate/up matrix or
+    bias (gpt-oss: rows alternate gate, up) becomes its gate rows and its up rows."""
+    if ".gate_up" not in name:
+        return [name]
+    return [_split_name(name, "gate"), _split_name(name, "up")]
+
+
+def _parts(name: str, t):
+    """(canonical name, tensor) pairs of one loaded tensor (see loaded_names)."""
+    names = loaded_names(name)
+    if len(names) == 1:
+        return [(name, t)]
+    return [
+        (names[0], take_rows(t, slice(0, None, 2))),
+        (names[1], take_rows(t, slice(1, None, 2))),
+    ]
 
 
 def load_weights(
@@ -109,9 +140,10 @@ def load_weights(
     dtype: torch.dtype,
     shard: ExpertShard | None = None,
     progress: bool = True,
-) -> dict[str, torch.Tensor | BlockFP8]:
+) -> dict[str, torch.Tensor | BlockFP8 | MXFP4]:
     """Load the tensors one role needs, converted to `dtype`, checked against `cfg`'s shapes.
-    A block-FP8 weight (a `weight_scale_inv` beside it) stays FP8, as a `BlockFP8`.
+    A block-FP8 weight (a `weight_scale_inv` beside it) stays FP8, as a `BlockFP8`; MXFP4
+    experts (`*_blocks` with `*_scales`) stay MXFP4.
 
     role "attention": embeddings, attention, norms, router, LM head.
     role "ffn": the experts of `shard` (all if None), plus the shared expert and dense MLPs
@@ -132,33 +164,26 @@ def load_weights(
         return True
 
     entries = _plan(cfg, files, want)
-    out: dict[str, torch.Tensor | BlockFP8] = {}
+    out: dict[str, torch.Tensor | BlockFP8 | MXFP4] = {}
     handles: dict[Path, object] = {}
     desc = f"loading {role} weights"
     bar = tqdm(entries, desc=desc, unit="t", disable=not bars(progress), leave=False)
     try:
         for ent in bar:
             t = _read(handles, files, ent.key, ent.stack_index)
-            if tuple(t.shape) != expected[ent.name]:
-                raise CheckpointError(
-                    f"tensor {ent.key!r} has shape {tuple(t.shape)}, expected "
-                    f"{expected[ent.name]} for {cfg.model_type} with this config.json"
-                )
-            scale_key = ent.key + "_scale_inv"
-            if scale_key in files and cfg.weight_block is not None:
-                scale = _read(handles, files, scale_key, ent.stack_index)
+            if ent.key.endswith("_blocks"):  # MXFP4: e2m1 pairs, an e8m0 scale per 32 values
+                scales_key = ent.key.removesuffix("_blocks") + "_scales"
+                if scales_key not in files:
+                    raise CheckpointError(f"tensor {ent.key!r} has no {scales_key!r} beside it")
                 try:
-                    w = BlockFP8.from_checkpoint(t, scale, cfg.weight_block)
+                    t = MXFP4.from_checkpoint(t, _read(handles, files, scales_key, ent.stack_index))
                 except ValueError as e:
                     raise CheckpointError(f"tensor {ent.key!r}: {e}") from e
-                # kept FP8 (dequantized run by run in each matmul) unless read as a whole
-                out[ent.name] = dense(w, dtype) if ent.name.endswith(_DENSE) else w
-            elif ent.name.endswith(".router_bias"):
-                # a selection bias in bf16 would reorder experts whose scores differ by less
-                # than its rounding: it stays float32, as the reference keeps it
-                out[ent.name] = t.float()
-            else:
-                out[ent.name] = t.to(dtype)
+            elif ent.transpose:
+                t = t.t().contiguous()
+            for name, part in _parts(ent.name, t):
+                _check_shape(ent.key, name, part, expected, cfg)
+                out[name] = _convert(name, part, ent, files, handles, cfg, dtype)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"reading weights from {model_dir} failed: {e}") from e
     if role == "attention" and cfg.tie_word_embeddings and "lm_head" not in out:
@@ -170,6 +195,40 @@ def load_weights(
         )
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors: {shown}")
     return out
+
+
+def _check_shape(key: str, name: str, t, expected: dict, cfg: ModelConfig) -> None:
+    if tuple(t.shape) != expected[name]:
+        raise CheckpointError(
+            f"tensor {key!r} has shape {tuple(t.shape)}, expected "
+            f"{expected[name]} for {cfg.model_type} with this config.json"
+        )
+
+
+def _convert(
+    name: str, t, ent: _Entry, files: dict, handles: dict, cfg: ModelConfig, dtype: torch.dtype
+):
+    """One checked tensor as the services keep it."""
+    if isinstance(t, MXFP4):
+        return t  # kept in 4 bits: services/ffn multiplies it directly or converts it on use
+    scale_key = ent.key + "_scale_inv"
+    if scale_key in files and cfg.weight_block is not None:
+        scale = _read(handles, files, scale_key, ent.stack_index)
+        try:
+            w = BlockFP8.from_checkpoint(t, scale, cfg.weight_block)
+        except ValueError as e:
+            raise CheckpointError(f"tensor {ent.key!r}: {e}") from e
+        # kept FP8 (dequantized run by run in each matmul) unless read as a whole
+        return dense(w, dtype) if name.endswith(_DENSE) else w
+    if name.endswith(_FLOAT32):
+        return t.float()
+    return t.to(dtype)
+
+
+# Kept in float32 whatever the compute dtype: a selection bias in bf16 would reorder experts
+# whose scores differ by less than its rounding (as the reference keeps it); sink logits and
+# router biases join softmaxes computed in float32.
+_FLOAT32 = (".router_bias", ".sinks")
 
 
 # FP8 weights that are read whole, not multiplied by rows: dequantized at load. MLA's kv_b_proj
@@ -221,10 +280,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         _attention_shapes(s, cfg, b)
         if cfg.is_moe(i):
             s[f"{b}.router"] = (cfg.num_experts, H)
-            if cfg.router == "sigmoid_group_topk":
+            if cfg.router in _BIASED_ROUTERS:
                 s[f"{b}.router_bias"] = (cfg.num_experts,)
             for e in range(cfg.num_experts):
-                _mlp_shapes(s, f"{b}.experts.{e}", H, cfg.moe_intermediate_size)
+                _mlp_shapes(s, f"{b}.experts.{e}", H, cfg.moe_intermediate_size, cfg.expert_bias)
             if cfg.shared_expert_intermediate_size:
                 _mlp_shapes(s, f"{b}.shared", H, cfg.shared_expert_intermediate_size)
         else:
@@ -267,9 +326,25 @@ def _attention_shapes(s: dict[str, tuple[int, ...]], cfg: ModelConfig, b: str) -
     if cfg.qk_norm:
         s[f"{b}.q_norm"] = (D,)
         s[f"{b}.k_norm"] = (D,)
+    if cfg.attention_bias:
+        for proj, n in (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)):
+            s[f"{b}.{proj}_bias"] = (n,)
+        s[f"{b}.o_proj_bias"] = (H,)
+    if cfg.attention_sinks:
+        s[f"{b}.sinks"] = (cfg.num_heads,)
 
 
-def _mlp_shapes(s: dict[str, tuple[int, ...]], base: str, hidden: int, inter: int) -> None:
+def _mlp_shapes(
+    s: dict[str, tuple[int, ...]], base: str, hidden: int, inter: int, bias: bool = False
+) -> None:
     s[f"{base}.gate"] = (inter, hidden)
     s[f"{base}.up"] = (inter, hidden)
     s[f"{base}.down"] = (hidden, inter)
+    if bias:
+        s[f"{base}.gate_bias"] = (inter,)
+        s[f"{base}.up_bias"] = (inter,)
+        s[f"{base}.down_bias"] = (hidden,)
+
+
+# Router kinds with a per-expert bias: a selection bias (DeepSeek) or the logits' (gpt-oss)
+_BIASED_ROUTERS = ("sigmoid_group_topk", "topk_softmax")

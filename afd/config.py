@@ -99,7 +99,8 @@ class ModelConfig:
     # "mla" (latent KV, `mla` below) or "dsa" (MLA reading the tokens `indexer` selects)
     attention: str
     router: str  # a key of services/attention/moe_router.py's ROUTERS
-    ffn: str  # "swiglu": experts, shared expert and dense MLPs
+    # a key of services/ffn/kinds.py's FFN_KINDS: "swiglu", or "swiglu_clamped" (gpt-oss)
+    ffn: str
     q_lora_dim: int  # MFA only: rank of the low-rank query (Step-3 `share_q_dim`)
     qk_norm: bool
     rope_theta: float
@@ -123,6 +124,19 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # gpt-oss: biases on q/k/v/o, a learned sink logit per head in every softmax, and
+    # `sliding_window` keys (0: none) on the layers `sliding_layers` marks (empty: none)
+    attention_bias: bool = False
+    attention_sinks: bool = False
+    sliding_window: int = 0
+    sliding_layers: tuple[bool, ...] = ()
+    # gpt-oss experts: biases on gate/up/down; the "swiglu_clamped" FFN kind's gate limit and
+    # sigmoid gain
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
+    # routed experts stored as MXFP4 (`*_blocks` e2m1 pairs, `*_scales` e8m0 per 32 values)
+    mxfp4_experts: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
@@ -151,8 +165,21 @@ class ModelConfig:
             f"{self.num_experts} experts do not split into {self.n_group} groups",
         )
 
+        check(
+            not self.sliding_layers or len(self.sliding_layers) == self.num_layers,
+            f"sliding_layers names {len(self.sliding_layers)} layers, not {self.num_layers}",
+        )
+        check(
+            self.sliding_window >= 0 and (self.sliding_window > 0 or not any(self.sliding_layers)),
+            f"sliding layers need a sliding window >= 1, got {self.sliding_window}",
+        )
+
     def is_moe(self, layer: int) -> bool:
         return self.moe_layers[layer]
+
+    def window(self, layer: int) -> int:
+        """Keys a query of `layer` sees, itself included (0: all before it)."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0
 
     @property
     def q_size(self) -> int:
@@ -247,6 +274,29 @@ class SchedulerConfig:
         )
 
 
+EXPERT_COMPUTE = ("auto", "direct", "workspace")
+
+
+@dataclass(frozen=True)
+class ExpertConfig:
+    """How an FFN server multiplies MXFP4 experts (others are multiplied as stored).
+
+    direct: afd's kernel reads the 4-bit weights in every matmul; workspace: experts are
+    converted on use into a shared pool of `workspace_mb` MiB (least recently used out) and
+    multiplied on the dense path; auto: this CPU's default (services/ffn/engine.py).
+    """
+
+    compute: str = "auto"
+    workspace_mb: int = 1024
+
+    def __post_init__(self) -> None:
+        check(
+            self.compute in EXPERT_COMPUTE,
+            f"expert compute must be one of {EXPERT_COMPUTE}, got {self.compute!r}",
+        )
+        check(self.workspace_mb >= 0, f"workspace MiB must be >= 0, got {self.workspace_mb}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What an attention-side engine needs; built once from CLI flags or a test."""
@@ -268,6 +318,7 @@ class EngineConfig:
     # replica to come back before they fail; 0: fail at once.
     ffn_grace_s: float = 20.0
     security: Security = field(default_factory=Security)  # data-plane CURVE / TLS
+    experts: ExpertConfig = field(default_factory=ExpertConfig)  # in-process FFN shards
 
     def __post_init__(self) -> None:
         check(

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, TypeVar
 
-from afd.config import ModelConfig
+from afd.config import EXPERT_COMPUTE, ExpertConfig, ModelConfig
 from afd.errors import ConfigError
 from afd.security import Security
 from afd.sidecar import SidePortConfig
@@ -125,6 +125,36 @@ def add_security_flags(p: argparse.ArgumentParser, curve: bool = True) -> None:
         "tls_ca",
         help="CA bundle that verifies the peer; on a server it demands client certs",
     )
+
+
+EXPERT_FLAGS = ("--expert-compute", "--expert-workspace-mb")
+
+
+def add_expert_flags(group: Group) -> list[argparse.Action]:
+    """How FFN shards multiply MXFP4 experts (`afd ffn`, and in-process shards)."""
+    x = ExpertConfig
+    return [
+        option(
+            group,
+            EXPERT_FLAGS[0],
+            x,
+            "compute",
+            choices=EXPERT_COMPUTE,
+            help="MXFP4 experts: direct (a kernel reads the 4-bit weights), workspace (converted "
+            "on use into a shared pool, least recently used out), auto (this CPU's default)",
+        ),
+        option(
+            group,
+            EXPERT_FLAGS[1],
+            x,
+            "workspace_mb",
+            help="MiB of the converted-expert workspace (--expert-compute workspace)",
+        ),
+    ]
+
+
+def experts(args: argparse.Namespace) -> ExpertConfig:
+    return build(ExpertConfig, args)
 
 
 def add_side_port_flags(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm, norm_rope, paths
+from afd.mxfp4 import MXFP4
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,10 +48,17 @@ class Linear:
     A block-FP8 weight (afd/blockfp8.py) stays FP8: each call dequantizes a run of rows at a
     time and multiplies it on the same path as the dense weight would be (afd's kernel on the
     row-major or re-laid-out run, or F.linear), so the result is the dense weight's.
+    An MXFP4 weight (afd/mxfp4.py) stays in 4 bits, multiplied by afd's kernel that reads it
+    directly. `bias` [N], if any, is added to the result.
     """
 
-    def __init__(self, w: torch.Tensor | BlockFP8):
+    def __init__(self, w: torch.Tensor | BlockFP8 | MXFP4, bias: torch.Tensor | None = None):
         self.out_features, self.in_features = w.shape
+        self.bias = bias
+        self.mx = w if isinstance(w, MXFP4) else None
+        if self.mx is not None:
+            self.fp8, self.matmul, self.isa, self.onednn_from, self.w = None, "mxfp4", None, 0, w
+            return
         k = self.in_features
         self.fp8 = w if isinstance(w, BlockFP8) else None
         dense_dtype = torch.bfloat16 if self.fp8 is not None else w.dtype
@@ -88,6 +96,12 @@ class Linear:
         return self.isa is not None and rows < self.onednn_from
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        y = self._matmul(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mx is not None:
+            return self.mx.linear(x)
         if self.fp8 is not None:
             return self.fp8.linear(x, self._fp8_kernel(x))
         if self.matmul == "onednn":

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from afd.config import check
 from afd.errors import AfdError
-from afd.flags import served_name
+from afd.flags import EXPERT_FLAGS, served_name
 
 log = logging.getLogger("afd.serve")
 
@@ -219,6 +219,7 @@ class Cluster:
         if self.transport != "inproc":
             for i, addr in enumerate(self.ffn_addresses):
                 argv = [*py, "ffn", *model, *threads, "--shard", f"{i}/{c.ffn}", "--listen", addr]
+                argv += _expert_args(c.engine_args)
                 # stopped last, once no attention server is left to send them anything
                 argv += ["--drain-timeout", "0"]
                 children.append(_with_metrics_port(Child(f"ffn-{i}", argv)))
@@ -338,6 +339,15 @@ class Cluster:
                 log.warning("%s did not stop within %.0f s; killing it", c.name, timeout)
                 _signal_group(c.proc, signal.SIGKILL)
                 c.proc.wait()
+
+
+def _expert_args(engine_args: tuple[str, ...]) -> list[str]:
+    """The engine flags that FFN servers take too: how they multiply MXFP4 experts."""
+    out = []
+    for flag, value in zip(engine_args, engine_args[1:], strict=False):
+        if flag in EXPERT_FLAGS:
+            out += [flag, value]
+    return out
 
 
 def _with_metrics_port(child: Child) -> Child:

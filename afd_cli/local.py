@@ -39,7 +39,9 @@ def serve_ffn_inproc(cfg: EngineConfig, progress: bool = True) -> list[Listener]
     for i, replicas in enumerate(shards):
         for addr in replicas:
             shard = ExpertShard(i, len(shards), model.num_experts)
-            engine = FFNEngine(model, shard, compute_dtype(cfg.dtype), progress=progress)
+            engine = FFNEngine(
+                model, shard, compute_dtype(cfg.dtype), progress=progress, experts=cfg.experts
+            )
             # With one micro-batch there is nothing to overlap: compute on the engine's thread.
             serving = FFNServing(engine.compute, limits)
             listeners.append(listen(addr, serving, inline=cfg.micro_batches == 1))

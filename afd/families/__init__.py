@@ -8,6 +8,7 @@ soon as anything looks a family up. Adding a family: a new module here, named in
 from afd.families import (  # noqa: F401 (each registers itself)
     deepseek_v3,
     deepseek_v32,
+    gpt_oss,
     mixtral,
     qwen3_moe,
     step3_text,

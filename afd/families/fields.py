@@ -82,14 +82,23 @@ class Fields:
         if not q:
             return None
         method = q.get("quant_method") if isinstance(q, dict) else None
+        if method == "mxfp4":
+            return None  # experts only: mxfp4() below
         if method != "fp8":
-            raise ValueError(f"quantization {method!r} is not supported (afd loads block fp8)")
+            raise ValueError(
+                f"quantization {method!r} is not supported (afd loads block fp8 and mxfp4)"
+            )
         block = q.get("weight_block_size") or [128, 128]
         if len(block) != 2 or min(int(b) for b in block) < 1:
             raise ValueError(f"weight_block_size {block!r} is not two positive sizes")
         if q.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"fp8 format {q.get('fmt')!r} is not supported (afd reads e4m3)")
         return int(block[0]), int(block[1])
+
+    def mxfp4(self) -> bool:
+        """Whether the routed experts are stored as MXFP4 (gpt-oss's layout)."""
+        q = self.raw.get("quantization_config")
+        return isinstance(q, dict) and q.get("quant_method") == "mxfp4"
 
     def eos(self) -> tuple[int, ...]:
         v = self.raw.get("eos_token_id")
@@ -114,6 +123,7 @@ class Fields:
             rms_norm_eps=self.float("rms_norm_eps", 1e-6),
             rope_scaling=self.rope_scaling(),
             weight_block=self.weight_block(),
+            mxfp4_experts=self.mxfp4(),
             tie_word_embeddings=bool(self.raw.get("tie_word_embeddings", False)),
             eos_token_ids=self.eos(),
             bos_token_id=self.raw.get("bos_token_id"),

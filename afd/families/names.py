@@ -45,7 +45,11 @@ class WeightNames:
                    group ("mlp" -> "mlp" for a dense layer, "share_expert" -> "shared")
       stacked:     "{module}.{projection}" for a module whose tensors stack every expert [E, ...]
       experts:     "{module}.{e}.{projection}" for modules holding one MLP per expert
-    with `projections` naming the MLP's three matrices (-> "gate", "up", "down").
+    with `projections` naming the MLP's matrices (-> "gate", "up", "down"; "gate_up" for one
+    matrix whose rows alternate gate and up, which the loader splits).
+    A stacked module may also hold its tensors bare (gpt-oss): "{module}.{projection}" [E, ...],
+    its bias "{projection}_bias" [E, out], or MXFP4 "{projection}_blocks" (the loader reads the
+    "_scales" beside it); `stacked_transposed`: bare matrices are stored [E, in, out].
     """
 
     layer: Mapping[str, str]
@@ -53,6 +57,7 @@ class WeightNames:
     mlps: Mapping[str, str] = field(default_factory=dict)
     stacked: str | None = None
     experts: tuple[str, ...] = ()
+    stacked_transposed: bool = False
     top: Mapping[str, str] = field(default_factory=lambda: TOP)
 
     def canonical(self, key: str) -> str | None:
@@ -66,7 +71,9 @@ class WeightNames:
             return None
         base, rest = f"layers.{int(m.group(1))}", m.group(2)
         if not rest.endswith(".weight"):
-            return f"{base}.{self.layer[rest]}" if rest in self.layer else None
+            if rest in self.layer:
+                return f"{base}.{self.layer[rest]}"
+            return self._bare_stacked(base, rest)
         rest = rest.removesuffix(".weight")
         if rest in self.layer:
             return f"{base}.{self.layer[rest]}"
@@ -82,3 +89,15 @@ class WeightNames:
         if owner in self.experts and expert.isdecimal():
             return f"{base}.experts.{int(expert)}.{part}"
         return None
+
+    def _bare_stacked(self, base: str, rest: str) -> str | None:
+        """ "{stacked}.{projection}[_bias|_blocks]" -> "{base}.experts.*.{part}[_bias]"."""
+        module, _, leaf = rest.rpartition(".")
+        if self.stacked is None or module != self.stacked:
+            return None
+        proj, bias = leaf, ""
+        for suffix in ("_bias", "_blocks"):
+            if leaf.endswith(suffix):
+                proj, bias = leaf.removesuffix(suffix), "_bias" if suffix == "_bias" else ""
+        part = self.projections.get(proj)
+        return None if part is None else f"{base}.experts.*.{part}{bias}"

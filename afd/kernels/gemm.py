@@ -1,6 +1,6 @@
 """afd's kernels library (gemm.c, gemm512.c, moe.c, attention.c, norm_rope.c, decode_layer.c,
-fp8.c), found next to this file when the build compiled it, and its bf16 matmuls: the AVX2 one
-on a packed weight (pack), the AVX-512 BF16 one on the weight as it is.
+fp8.c, indexer.c, mxfp4.c), found next to this file when the build compiled it, and its bf16
+matmuls: the AVX2 one on a packed weight (pack), the AVX-512 BF16 one on the weight as it is.
 
 `available()` is false where the library was not built (no compiler, not x86-64) or does not
 load, or the CPU lacks AVX2/FMA; callers then use torch. Which kernels run is chosen in
@@ -61,6 +61,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_fp8_quantize.restype = i
     lib.afd_fp8_dequantize.argtypes = [p, p, p, i, i, i]
     lib.afd_fp8_dequantize.restype = i
+    lib.afd_mxfp4_to_bf16.argtypes = [p, p, p, i, i, i]
+    lib.afd_mxfp4_to_bf16.restype = i
+    lib.afd_mxfp4_linear.argtypes = [p, p, p, p, i, i, i, i]
+    lib.afd_mxfp4_linear.restype = i
     return lib
 
 

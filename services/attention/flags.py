@@ -80,6 +80,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             help="when an expert shard loses its last FFN server: how long its requests wait, "
             "paused with their KV cache, for it to come back before they fail, s (0: fail at once)",
         ),
+        *flags.add_expert_flags(g),
     ]
 
 
@@ -90,6 +91,7 @@ def engine_config(args: argparse.Namespace, **given) -> EngineConfig:
         model=flags.model_config(args.model),
         cache=build(CacheConfig, args),
         scheduler=build(SchedulerConfig, args),
+        experts=flags.experts(args),
         **given,
     )
 

@@ -59,7 +59,7 @@ class AttentionModel:
                 attn_norm=w[f"layers.{i}.attn_norm"],
                 ffn_norm=w[f"layers.{i}.ffn_norm"],
                 kind=kind(cfg, w, i),
-                o_proj=Linear(w.pop(f"layers.{i}.o_proj")),
+                o_proj=Linear(w.pop(f"layers.{i}.o_proj"), w.pop(f"layers.{i}.o_proj_bias", None)),
                 router=Linear(w.pop(f"layers.{i}.router")) if cfg.is_moe(i) else None,
                 router_bias=w.get(f"layers.{i}.router_bias"),
             )
@@ -75,7 +75,7 @@ class AttentionModel:
         """Where afd's own kernels carry the bf16 compute (ops.native), a layer's decode runs
         as one native call: the same kernels, the same bits, ~15 fewer Python calls."""
         c, dw = self.cfg, lw.kind.decode_weights()
-        if dw is None or not (native() and lw.o_proj.native):
+        if dw is None or not (native() and lw.o_proj.native) or lw.o_proj.bias is not None:
             return None
         dims = (c.num_heads, c.num_kv_heads, c.head_dim)
         norms = (lw.attn_norm, lw.ffn_norm)

@@ -57,7 +57,19 @@ def sigmoid_group_topk(
     return ids.to(torch.int32), weights * cfg.routed_scaling_factor
 
 
+def topk_softmax(
+    logits: torch.Tensor,  # [T, E]
+    cfg: ModelConfig,
+    bias: torch.Tensor | None,  # [E] float32: added to the logits
+) -> tuple[torch.Tensor, torch.Tensor]:  # ids [T, k] int32, weights [T, k] float32
+    """gpt-oss: the top-k logits (bias added), then a softmax over those k alone."""
+    scores = logits.float() if bias is None else logits.float() + bias
+    top, ids = torch.topk(scores, cfg.top_k, dim=-1)
+    return ids.to(torch.int32), torch.softmax(top, dim=-1)
+
+
 ROUTERS: dict[str, RouterFn] = {
+    "topk_softmax": topk_softmax,
     "softmax_topk": softmax_topk,
     "sigmoid_group_topk": sigmoid_group_topk,
 }

@@ -39,6 +39,8 @@ def paged_attention(
     v_cache: torch.Tensor,  # [kvh, NB, bs, Dv]
     meta: AttnMeta,
     scale: float,
+    sinks: torch.Tensor | None = None,  # [nh] float32: a logit per head that takes no value
+    window: int = 0,  # keys a query sees, itself included (0: every earlier one)
 ) -> torch.Tensor:  # [T, nh * Dv]
     T, nh, D = q.shape
     Dv = v_cache.shape[-1]
@@ -46,19 +48,32 @@ def paged_attention(
     nd = meta.num_decode
     fused = native() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
     fused = fused and Dv == D and k_cache.is_contiguous() and v_cache.is_contiguous()
+    fused = fused and sinks is None and not window
     if nd and fused and k_cache.device.type == "cpu":
         lens = meta.decode_lens
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale)
     elif nd:
-        o = _attend(
-            q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_blocks, meta.decode_bias, scale
-        )
+        assert meta.decode_bias is not None
+        bias = _windowed(meta.decode_bias, meta.positions[:nd], window)
+        o = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_blocks, bias, scale, sinks)
         out[:nd] = o.reshape(nd, -1)
     for p in meta.prefills:
-        qs = q[p.q_start : p.q_start + p.q_len].unsqueeze(0)  # [1, n, nh, D]
-        o = _attend(qs, k_cache, v_cache, p.blocks.unsqueeze(0), p.bias.unsqueeze(0), scale)
-        out[p.q_start : p.q_start + p.q_len] = o.reshape(p.q_len, -1)
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        qs = q[rows].unsqueeze(0)  # [1, n, nh, D]
+        bias = _windowed(p.bias, meta.positions[rows], window).unsqueeze(0)
+        o = _attend(qs, k_cache, v_cache, p.blocks.unsqueeze(0), bias, scale, sinks)
+        out[rows] = o.reshape(p.q_len, -1)
     return out
+
+
+def _windowed(bias: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """A mask [rows, ..., L] with the keys at or before position - window also hidden (the
+    gathered key j is position j of the row's sequence)."""
+    if not window:
+        return bias
+    L = bias.shape[-1]
+    first = (positions - window + 1).view(-1, *([1] * (bias.dim() - 1)))  # first visible key
+    return bias.masked_fill(torch.arange(L) < first, -torch.inf)
 
 
 def _attend(
@@ -68,6 +83,7 @@ def _attend(
     blocks: torch.Tensor,  # [B, nb] long: each sequence's block table (padded)
     bias: torch.Tensor,  # [B, n or 1, L] float32, L = nb * bs: 0 visible, -inf masked
     scale: float,
+    sinks: torch.Tensor | None = None,  # [nh] float32
 ) -> torch.Tensor:  # [B, n, nh, Dv]
     """Softmax attention as batched matmuls over (K/V head, sequence) pairs; the g query heads
     of a K/V head and the n query tokens of a sequence share one matmul."""
@@ -84,6 +100,11 @@ def _attend(
         v = v_cache.index_select(1, blocks.reshape(-1)).view(kvh * B, L, Dv)
     qg = q.view(B, n, kvh, g, D).permute(2, 0, 3, 1, 4).reshape(kvh * B, g * n, D)
     scores = bmm(qg, k.transpose(1, 2)).float().view(kvh, B, g, n, L) * scale
-    probs = torch.softmax(scores + bias.view(1, B, 1, -1, L), dim=-1)
+    scores = scores + bias.view(1, B, 1, -1, L)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the sink joins each softmax's denominator and takes no value
+        sink = sinks.float().view(kvh, 1, g, 1, 1).expand(kvh, B, g, n, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :L].contiguous()
     o = bmm(probs.to(q.dtype).view(kvh * B, g * n, L), v)  # [kvh*B, g*n, Dv]
     return o.view(kvh, B, g, n, Dv).permute(1, 3, 0, 2, 4).reshape(B, n, nh, Dv)

@@ -7,19 +7,24 @@ request. Validation, deadlines, draining, timing traces and metrics belong to th
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from afd.blockfp8 import BlockFP8, cat_rows
 from afd.checkpoint import load_weights
-from afd.config import ModelConfig
+from afd.config import ExpertConfig, ModelConfig
 from afd.messages import FFNRequest
-from afd.ops import Linear, swiglu
+from afd.ops import Linear
 from afd.quant import dequantize_fp8
 from afd.runtime import release_load_memory, tune_allocator
 from afd.sharding import ExpertShard
 from services.ffn.experts import ExpertGroup, MLPWeights, routed_experts
+from services.ffn.kinds import activation
+from services.ffn.workspace import ExpertWorkspace
+
+log = logging.getLogger("afd.ffn")
 
 
 class FFNEngine:
@@ -31,6 +36,7 @@ class FFNEngine:
         weights: dict[str, torch.Tensor] | None = None,
         progress: bool = True,
         inject_delay_s: float = 0.0,
+        experts: ExpertConfig | None = None,
     ):
         tune_allocator()
         self.cfg = cfg
@@ -49,20 +55,32 @@ class FFNEngine:
         self.experts: dict[int, ExpertGroup] = {}
         self.shared: dict[int, MLPWeights] = {}
         self.dense: dict[int, MLPWeights] = {}
+        act = activation(cfg)
+        self.expert_compute = _expert_compute(cfg, experts or ExpertConfig())
+        self.workspace = (
+            ExpertWorkspace((experts or ExpertConfig()).workspace_mb << 20)
+            if self.expert_compute == "workspace"
+            else None
+        )
         for i in range(cfg.num_layers):
             if cfg.is_moe(i):
                 ids = range(shard.start, shard.end)
                 self.experts[i] = ExpertGroup.build(
                     first=shard.start,
-                    w13=[Linear(_cat_gate_up(w, f"layers.{i}.experts.{e}")) for e in ids],
-                    w2=[Linear(w.pop(f"layers.{i}.experts.{e}.down")) for e in ids],
+                    w13=[_gate_up(w, f"layers.{i}.experts.{e}") for e in ids],
+                    w2=[_down(w, f"layers.{i}.experts.{e}") for e in ids],
+                    act=act,
+                    workspace=self.workspace,
+                    layer=i,
                 )
                 if cfg.shared_expert_intermediate_size and shard.owns_dense:
-                    self.shared[i] = _mlp(w, f"layers.{i}.shared")
+                    self.shared[i] = _mlp(w, f"layers.{i}.shared", act)
             elif shard.owns_dense:
-                self.dense[i] = _mlp(w, f"layers.{i}.mlp")
+                self.dense[i] = _mlp(w, f"layers.{i}.mlp", act)
         del w
         release_load_memory()
+        if cfg.mxfp4_experts:
+            log.info("MXFP4 experts, computed %s", self.expert_compute)
 
     def compute(self, layer: int, group: list[FFNRequest]) -> list[torch.Tensor]:
         """The partial outputs [T_i, H] of one layer's requests (validated by the serving
@@ -86,9 +104,9 @@ class FFNEngine:
             wts = group[0].expert_weights if one else torch.cat([r.expert_weights for r in group])
             routed_experts(x, ids, wts, self.experts[layer], out)
         if layer in self.shared:
-            out += _swiglu(x, self.shared[layer])
+            out += self.shared[layer](x)
         if layer in self.dense:
-            out += _swiglu(x, self.dense[layer])
+            out += self.dense[layer](x)
         reply_dtype = torch.float32 if group[0].hidden.dtype == torch.float32 else torch.bfloat16
         out = out.to(reply_dtype)
         return [out] if len(group) == 1 else list(out.split([r.num_tokens for r in group]))
@@ -99,13 +117,25 @@ class FFNEngine:
         return r.hidden.to(self.dtype)
 
 
-def _swiglu(x: torch.Tensor, m: MLPWeights) -> torch.Tensor:
-    return swiglu(x, m.w13, m.w2)
+def _expert_compute(cfg: ModelConfig, experts: ExpertConfig) -> str:
+    """How MXFP4 experts are multiplied here ("" where they are not MXFP4)."""
+    if not cfg.mxfp4_experts:
+        return ""
+    return "direct" if experts.compute == "auto" else experts.compute
 
 
-def _cat_gate_up(w: dict, base: str) -> torch.Tensor | BlockFP8:
-    return cat_rows([w.pop(f"{base}.gate"), w.pop(f"{base}.up")])  # [2I, H]
+def _gate_up(w: dict, base: str) -> Linear:
+    """gate and up [I, H] (and their biases, where the model has them) as one [2I, H]."""
+    weight: torch.Tensor | BlockFP8 = cat_rows([w.pop(f"{base}.gate"), w.pop(f"{base}.up")])
+    bias = None
+    if f"{base}.gate_bias" in w:
+        bias = torch.cat([w.pop(f"{base}.gate_bias"), w.pop(f"{base}.up_bias")])
+    return Linear(weight, bias)
 
 
-def _mlp(w: dict, base: str) -> MLPWeights:
-    return MLPWeights(Linear(_cat_gate_up(w, base)), Linear(w.pop(f"{base}.down")))
+def _down(w: dict, base: str) -> Linear:
+    return Linear(w.pop(f"{base}.down"), w.pop(f"{base}.down_bias", None))
+
+
+def _mlp(w: dict, base: str, act) -> MLPWeights:
+    return MLPWeights(_gate_up(w, base), _down(w, base), act)

@@ -41,6 +41,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "typed 'unavailable' (draining) error for this many seconds (attention servers move its "
         "work to another replica at once instead of waiting out their FFN timeout), then exit 0",
     )
+    flags.add_expert_flags(p.add_argument_group("MXFP4 experts"))
     flags.add_side_port_flags(p)
     flags.add_security_flags(p)
     return p
@@ -56,4 +57,5 @@ def config(args: argparse.Namespace) -> FFNServerConfig:
         side=build(SidePortConfig, args),
         security=flags.security(args),
         inject_delay_s=inject_delay_from_env(),
+        experts=flags.experts(args),
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd import metrics, sidecar
-from afd.config import COMPUTE_DTYPES, ModelConfig, check
+from afd.config import COMPUTE_DTYPES, ExpertConfig, ModelConfig, check
 from afd.dtypes import compute_dtype
 from afd.errors import ConfigError
 from afd.runtime import freeze_startup_heap
@@ -49,6 +49,7 @@ class FFNServerConfig:
     side: SidePortConfig = field(default_factory=SidePortConfig)
     security: Security = field(default_factory=Security)
     inject_delay_s: float = 0.0  # fault injection; see the module docstring
+    experts: ExpertConfig = field(default_factory=ExpertConfig)  # MXFP4 experts' compute
     # After SIGTERM: finish the messages being computed, then answer every message with a
     # typed 'unavailable' (draining) error this long, then exit.
     drain_timeout_s: float = 3.0
@@ -87,7 +88,11 @@ def serve(cfg: FFNServerConfig) -> int:
         torch.set_num_threads(cfg.threads)
     metrics.register("ffn")
     engine = FFNEngine(
-        cfg.model, cfg.shard, compute_dtype(cfg.dtype), inject_delay_s=cfg.inject_delay_s
+        cfg.model,
+        cfg.shard,
+        compute_dtype(cfg.dtype),
+        inject_delay_s=cfg.inject_delay_s,
+        experts=cfg.experts,
     )
     serving = FFNServing(engine.compute, WireLimits.for_model(cfg.model, cfg.max_tokens))
     if cfg.inject_delay_s:

@@ -142,6 +142,50 @@ def deepseek_v32(out: Path, seed: int = 5, **over) -> Path:
     return _deepseek(DeepseekV32Config, DeepseekV32ForCausalLM, out, seed, kw)
 
 
+def gpt_oss(out: Path, seed: int = 6, **over) -> Path:
+    """gpt-oss with a sliding window (8 keys) much shorter than the test contexts, sliding and
+    full layers alternating, YaRN, and random sinks and biases (transformers initialises the
+    biases to zeros, which would hide a bias dropped)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    }
+    kw = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        max_position_embeddings=128,
+        initializer_range=INIT,
+        rope_parameters=yarn,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    kw.update(over)
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(GptOssConfig(**kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.copy_(torch.randn_like(p) * INIT)
+    model.save_pretrained(out)
+    return out
+
+
 def step3_text(out: Path, seed: int = 3, **over) -> Path:
     """Step-3 as afd's demo model writes it: MFA, a shared expert, dense layers 0 and 3, two
     safetensors shards."""
@@ -169,6 +213,7 @@ REFERENCE_CHECKPOINTS: dict[str, Writer] = {
     "step3_text": step3_text,
     "deepseek_v3": deepseek_v3,
     "deepseek_v32": deepseek_v32,
+    "gpt_oss": gpt_oss,
 }
 # model_type -> an independent dense forward of our own, for families transformers cannot run.
 DENSE_REFERENCES: dict[str, Greedy] = {"step3_text": step3_dense_greedy}

@@ -4,10 +4,12 @@ family transformers runs (tests/helpers/checkpoints.py: TRANSFORMERS_REFERENCED)
 float32 with an fp32 wire: the tokens must be identical. bf16 with a bf16 wire: each token
 afd picks is judged against the float32 reference teacher-forced on afd's own tokens: at 90%
 of steps or more it must be the reference's argmax, and at every step within BF16_GAP of the
-reference's best logit (a near-tie, not a bug). Where attention selects tokens (DeepSeek
-Sparse Attention), bf16 rounding flips selections and moves logits by more than any near-tie:
-there afd's bf16 must stay as close to the float32 reference as transformers' own bf16 forward
-does on the same prompts (its worst gap, and its agreement less 5 points).
+reference's best logit (a near-tie, not a bug). Where bf16 rounding moves a model by more than
+that (attention that selects tokens, DeepSeek Sparse Attention: a flipped selection; gpt-oss's
+clamped experts and sinks: transformers' own bf16 forward agrees with its float32 one at 89%
+of steps on the test prompts), afd's bf16 must stay as close to the float32 reference as
+transformers' own bf16 forward does on the same prompts (its worst gap, and its agreement
+less 5 points), whichever bound is looser.
 """
 
 from __future__ import annotations
@@ -89,15 +91,22 @@ def test_bf16_within_near_tie_tolerance(refs, family, kernel_path):
     """On every kernel path this machine runs (AFD_KERNELS): afd's kernels, oneDNN, torch."""
     path, ref_model, _ = refs[family]
     cfg = engine_cfg(path, dtype="bfloat16", S=2)
-    max_gap, min_agree = BF16_GAP, 0.9
-    if cfg.model.indexer is not None:
-        hf_gap, hf_agree = _gaps_summary(
-            ref_model, hf_greedy(hf_model(path, torch.bfloat16), PROMPTS, NEW)
-        )
-        max_gap, min_agree = max(max_gap, hf_gap), min(min_agree, hf_agree - 0.05)
+    hf_gap, hf_agree = _hf_bf16(family, path, ref_model)
+    max_gap, min_agree = max(BF16_GAP, hf_gap), min(0.9, hf_agree - 0.05)
     gap, agree = _gaps_summary(ref_model, afd_greedy(cfg)[0])
     assert gap <= max_gap, f"afd chose a token {gap:.3f} below the reference best"
     assert agree >= min_agree, f"afd bf16 agrees with the reference argmax at only {agree:.0%}"
+
+
+_HF_BF16: dict[str, tuple[float, float]] = {}
+
+
+def _hf_bf16(family: str, path, ref_model) -> tuple[float, float]:
+    """transformers' own bf16 greedy against its float32 reference (computed once a family)."""
+    if family not in _HF_BF16:
+        hf = hf_greedy(hf_model(path, torch.bfloat16), PROMPTS, NEW)
+        _HF_BF16[family] = _gaps_summary(ref_model, hf)
+    return _HF_BF16[family]
 
 
 def _gaps_summary(ref_model, got: list[list[int]]) -> tuple[float, float]:

@@ -16,12 +16,13 @@ from dataclasses import replace
 import pytest
 
 import afd.families
-from afd.checkpoint import expected_shapes, strip_prefix, tensor_files
+from afd.checkpoint import expected_shapes, loaded_names, strip_prefix, tensor_files
 from afd.config import ModelConfig
 from afd.errors import ConfigError
 from afd.families import FAMILIES, family, register
 from services.attention.kinds import ATTENTION_KINDS
 from services.attention.moe_router import ROUTERS
+from services.ffn.kinds import FFN_KINDS
 from tests.helpers.checkpoints import DENSE_REFERENCES, REFERENCE_CHECKPOINTS
 
 NOT_FAMILIES = {"base", "fields", "names"}  # the package's own modules
@@ -62,7 +63,7 @@ def test_family_kinds_resolve_in_the_services_registries(model_type):
     assert f.model_type == model_type
     assert f.attention in ATTENTION_KINDS
     assert f.router in ROUTERS
-    assert f.ffn == "swiglu"  # the FFN service's one kind so far
+    assert f.ffn in FFN_KINDS
 
 
 def test_a_model_type_registers_once():
@@ -94,7 +95,10 @@ def test_each_family_parses_its_config_and_maps_every_tensor(model_type, tmp_pat
         name = f.weights.canonical(strip_prefix(key, cfg.weight_prefix))
         assert name is not None, f"{model_type}: {key} maps to no canonical name"
         stacked = "*" in name
-        mapped |= {name.replace("*", str(e)) for e in range(cfg.num_experts)} if stacked else {name}
+        for one in loaded_names(name):
+            mapped |= (
+                {one.replace("*", str(e)) for e in range(cfg.num_experts)} if stacked else {one}
+            )
     assert mapped == set(expected_shapes(cfg))
 
 

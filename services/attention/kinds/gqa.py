@@ -1,4 +1,4 @@
-"""Grouped-query attention (Qwen3-MoE, Mixtral)."""
+"""Grouped-query attention (Qwen3-MoE, Mixtral, gpt-oss)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,24 @@ from afd.config import ModelConfig
 from afd.kernels.decode_layer import DecodeWeights
 from afd.ops import Linear, rms_norm
 from services.attention.kinds.base import AttentionKind
+from services.attention.paged_attention import paged_attention
 
 
 class GQA(AttentionKind):
-    """Grouped-query attention; Qwen3 adds an RMSNorm over each q and k head."""
+    """Grouped-query attention; Qwen3 adds an RMSNorm over each q and k head; gpt-oss adds
+    biases to the projections, a sink logit per head and sliding-window layers."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int):
         super().__init__(cfg, w, layer)
         b = f"layers.{layer}"
-        self.w_qkv = Linear(cat_rows([w.pop(f"{b}.{n}_proj") for n in "qkv"]))
+        bias = None
+        if f"{b}.q_proj_bias" in w:
+            bias = torch.cat([w.pop(f"{b}.{n}_proj_bias") for n in "qkv"])
+        self.w_qkv = Linear(cat_rows([w.pop(f"{b}.{n}_proj") for n in "qkv"]), bias)
         self.q_norm = w.get(f"{b}.q_norm")
         self.k_norm = w.get(f"{b}.k_norm")
+        self.sinks = w.get(f"{b}.sinks")  # [nh] float32
+        self.window = cfg.window(layer)
 
     def qkv(self, x):
         c = self.cfg
@@ -31,7 +38,19 @@ class GQA(AttentionKind):
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
         return q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)
 
+    def attend(self, x, meta, cache, layer):
+        if self.sinks is None and not self.window:
+            return super().attend(x, meta, cache, layer)
+        q, k, v = self.qkv(x)
+        q, k = self.rope(q, k, meta.positions)
+        cache.write(layer, meta.slots, k, v)
+        return paged_attention(
+            q, cache.k[layer], cache.v[layer], meta, self.scale, self.sinks, self.window
+        )
+
     def decode_weights(self) -> DecodeWeights | None:
-        if not self.w_qkv.native:
+        if not self.w_qkv.native or self.w_qkv.bias is not None or self.sinks is not None:
+            return None
+        if self.window:
             return None
         return DecodeWeights(self.w_qkv.w, self.cfg.q_size, self.q_norm, self.k_norm)

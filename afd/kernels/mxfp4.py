@@ -1,0 +1,42 @@
+"""MXFP4 weights through afd's native kernels (mxfp4.c): a bf16 matmul that reads the 4-bit
+codes directly, and the expansion of rows into bf16."""
+
+from __future__ import annotations
+
+import torch
+
+from afd.kernels import gemm
+
+
+def usable() -> bool:
+    """The library is loaded (an AVX2 CPU); the kernels need nothing else of the weight."""
+    return gemm.available()
+
+
+def to_bf16(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [N, G, 16], scales [N, G] uint8 (contiguous) -> W [N, 32 G] bf16."""
+    N, G, _ = blocks.shape
+    out = torch.empty(N, G * 32, dtype=torch.bfloat16)
+    b, s = blocks.contiguous(), scales.contiguous()
+    lib = gemm._lib()
+    if lib.afd_mxfp4_to_bf16(b.data_ptr(), s.data_ptr(), out.data_ptr(), N, G * 32,
+                             torch.get_num_threads()):  # fmt: skip
+        raise RuntimeError(f"afd_mxfp4_to_bf16 failed for {tuple(blocks.shape)}")
+    return out
+
+
+def linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16 @ W.T -> [..., N] bf16, W [N, K] as MXFP4 blocks and scales."""
+    N, G, _ = blocks.shape
+    K = G * 32
+    x2 = x.reshape(-1, K)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(x.shape[:-1] + (N,), dtype=torch.bfloat16)
+    if M and gemm._lib().afd_mxfp4_linear(
+        x2.data_ptr(), blocks.data_ptr(), scales.data_ptr(), y.data_ptr(), M, N, K,
+        torch.get_num_threads(),
+    ):  # fmt: skip
+        raise RuntimeError(f"afd_mxfp4_linear failed for x {tuple(x.shape)} @ w [{N}, {K}]")
+    return y
