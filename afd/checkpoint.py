@@ -94,7 +94,8 @@ def _plan(cfg: ModelConfig, files: dict[str, Path], want: Callable[[str], bool])
     names = family(cfg.model_type).weights
     entries: list[_Entry] = []
     for key in files:
-        name = names.canonical(strip_prefix(key, cfg.weight_prefix))
+        # MXFP4 "{tensor}_blocks" (its "_scales" is read beside it) loads as "{tensor}"
+        name = names.canonical(strip_prefix(key.removesuffix("_blocks"), cfg.weight_prefix))
         if name is None:
             continue
         # a bare stacked matrix (no ".weight", not MXFP4 blocks) in a transposed layout

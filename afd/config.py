@@ -287,7 +287,7 @@ class ExpertConfig:
     """
 
     compute: str = "auto"
-    workspace_mb: int = 1024
+    workspace_mb: float = 1024.0
 
     def __post_init__(self) -> None:
         check(

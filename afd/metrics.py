@@ -281,6 +281,27 @@ FFN_ERRORS = Counter(
     registry=None,
 )
 
+WORKSPACE_LOOKUPS = Counter(
+    "afd_ffn_expert_workspace_lookups",
+    "MXFP4 experts looked up in the converted-expert workspace, by result (hit, miss)",
+    ["result"],
+    registry=None,
+)
+WORKSPACE_CONVERSION = Histogram(
+    "afd_ffn_expert_workspace_conversion_seconds",
+    "Converting one MXFP4 expert (both its matrices) into the compute dtype on a miss",
+    buckets=LAYER_BUCKETS,
+    registry=None,
+)
+WORKSPACE_EVICTIONS = Counter(
+    "afd_ffn_expert_workspace_evictions",
+    "Converted experts evicted (least recently used) to make room",
+    registry=None,
+)
+WORKSPACE_BYTES = Gauge(
+    "afd_ffn_expert_workspace_bytes", "Bytes of converted experts held", registry=None
+)
+
 GATEWAY = (
     GATEWAY_REQUESTS,
     PROMPT_TOKENS,
@@ -321,6 +342,10 @@ FFN = (
     FFN_COMPUTE,
     FFN_QUEUE,
     FFN_ERRORS,
+    WORKSPACE_LOOKUPS,
+    WORKSPACE_CONVERSION,
+    WORKSPACE_EVICTIONS,
+    WORKSPACE_BYTES,
 )
 GROUPS = {"gateway": GATEWAY, "attention": ATTENTION, "ffn": FFN}
 

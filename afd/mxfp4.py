@@ -75,10 +75,11 @@ class MXFP4:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ W.T -> [..., N], reading the 4-bit values directly where afd's kernel
-        runs (bf16 on an AVX2 CPU), else through a dequantized copy."""
+        runs (bf16 or float32 on an AVX2 CPU), else through a dequantized copy."""
         from afd.kernels import mxfp4 as native
 
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and native.usable():
+        kernel_dtype = x.dtype in (torch.bfloat16, torch.float32)
+        if kernel_dtype and x.device.type == "cpu" and native.usable():
             return native.linear(x, self.blocks, self.scales)
         return F.linear(x, self.dequantize(x.dtype))
 

@@ -47,9 +47,9 @@ class WeightNames:
       experts:     "{module}.{e}.{projection}" for modules holding one MLP per expert
     with `projections` naming the MLP's matrices (-> "gate", "up", "down"; "gate_up" for one
     matrix whose rows alternate gate and up, which the loader splits).
-    A stacked module may also hold its tensors bare (gpt-oss): "{module}.{projection}" [E, ...],
-    its bias "{projection}_bias" [E, out], or MXFP4 "{projection}_blocks" (the loader reads the
-    "_scales" beside it); `stacked_transposed`: bare matrices are stored [E, in, out].
+    A stacked module may also hold its tensors bare (gpt-oss): "{module}.{projection}" [E, ...]
+    and its bias "{projection}_bias" [E, out]; `stacked_transposed`: bare matrices are stored
+    [E, in, out]. (MXFP4 "{tensor}_blocks" is mapped as "{tensor}" by the loader.)
     """
 
     layer: Mapping[str, str]

@@ -1,7 +1,7 @@
 /* MXFP4 weights (loaded with ctypes by afd/kernels/mxfp4.py): W [N, K] as blocks [N, K/32, 16]
  * (two e2m1 codes a byte, the even element in the low nibble) and scales [N, K/32] (e8m0).
  *
- * afd_mxfp4_linear multiplies x [M, K] bf16 by W.T reading the 4-bit codes directly: a decode
+ * afd_mxfp4_linear multiplies x [M, K] (bf16 or float32) by W.T reading the 4-bit codes directly: a decode
  * step streams 17 bytes per 32 weights instead of 64. A block's 32 codes become int8 values
  * of twice the e2m1 value with one table lookup (vpshufb), then fp32; x times them is exact in
  * fp32, each block's sum is scaled by its power of two and accumulated, so results differ from
@@ -55,8 +55,9 @@ int afd_mxfp4_to_bf16(const uint8_t *blocks, const uint8_t *scales, uint16_t *ou
 #define MT 8 /* rows of x per pass over a weight row */
 #define NU 8 /* weight rows per work unit */
 
-int afd_mxfp4_linear(const uint16_t *x, const uint8_t *blocks, const uint8_t *scales,
-                     uint16_t *y, int M, int N, int K, int threads) {
+/* x [M, K] and y [M, N] are bf16, or float32 with f32 set. */
+int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales, void *y, int M,
+                     int N, int K, int f32, int threads) {
   if (K % 32) return -1;
   init_scales();
   const int G = K / 32;
@@ -65,7 +66,9 @@ int afd_mxfp4_linear(const uint16_t *x, const uint8_t *blocks, const uint8_t *sc
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < (int64_t)M * K; i += 8) _mm256_storeu_ps(xf + i, load_bf16(x + i));
+    for (int64_t i = 0; i < (int64_t)M * K; i += 8)
+      _mm256_storeu_ps(xf + i, f32 ? _mm256_loadu_ps((const float *)x + i)
+                                   : load_bf16((const uint16_t *)x + i));
 #pragma omp for schedule(dynamic)
     for (int n0 = 0; n0 < N; n0 += NU) {
       int n1 = n0 + NU < N ? n0 + NU : N;
@@ -89,7 +92,13 @@ int afd_mxfp4_linear(const uint16_t *x, const uint8_t *blocks, const uint8_t *sc
               acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
             }
           }
-          for (int m = 0; m < mt; m++) y[(size_t)(m0 + m) * N + n] = to_bf16(hsum(acc[m]));
+          for (int m = 0; m < mt; m++) {
+            size_t at = (size_t)(m0 + m) * N + n;
+            if (f32)
+              ((float *)y)[at] = hsum(acc[m]);
+            else
+              ((uint16_t *)y)[at] = to_bf16(hsum(acc[m]));
+          }
         }
       }
     }

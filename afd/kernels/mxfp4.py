@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from afd.kernels import gemm
+from afd.kernels import gemm, paths
 
 
 def usable() -> bool:
-    """The library is loaded (an AVX2 CPU); the kernels need nothing else of the weight."""
-    return gemm.available()
+    """afd's kernels run on the active path (AFD_KERNELS: avx2 or avx512bf16; an AVX2 CPU is
+    all these need); elsewhere MXFP4 goes through torch."""
+    return paths.active().native
 
 
 def to_bf16(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -26,16 +27,18 @@ def to_bf16(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 @ W.T -> [..., N] bf16, W [N, K] as MXFP4 blocks and scales."""
+    """x [..., K] @ W.T -> [..., N] in x's dtype (bf16 or float32), W [N, K] as MXFP4 blocks
+    and scales."""
     N, G, _ = blocks.shape
     K = G * 32
     x2 = x.reshape(-1, K)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = torch.empty(x.shape[:-1] + (N,), dtype=torch.bfloat16)
+    f32 = x.dtype == torch.float32
+    y = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype)
     if M and gemm._lib().afd_mxfp4_linear(
-        x2.data_ptr(), blocks.data_ptr(), scales.data_ptr(), y.data_ptr(), M, N, K,
+        x2.data_ptr(), blocks.data_ptr(), scales.data_ptr(), y.data_ptr(), M, N, K, int(f32),
         torch.get_num_threads(),
     ):  # fmt: skip
         raise RuntimeError(f"afd_mxfp4_linear failed for x {tuple(x.shape)} @ w [{N}, {K}]")

@@ -58,7 +58,7 @@ class FFNEngine:
         act = activation(cfg)
         self.expert_compute = _expert_compute(cfg, experts or ExpertConfig())
         self.workspace = (
-            ExpertWorkspace((experts or ExpertConfig()).workspace_mb << 20)
+            ExpertWorkspace(int((experts or ExpertConfig()).workspace_mb * (1 << 20)))
             if self.expert_compute == "workspace"
             else None
         )

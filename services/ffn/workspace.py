@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from afd import metrics
 from afd.ops import Linear
 
 
@@ -54,21 +55,27 @@ class ExpertWorkspace:
             if hit is not None:
                 self._entries.move_to_end(key)
                 self.stats.hits += 1
+                metrics.WORKSPACE_LOOKUPS.labels("hit").inc()
                 return hit[0], hit[1]
             self.stats.misses += 1
+            metrics.WORKSPACE_LOOKUPS.labels("miss").inc()
         t0 = time.perf_counter()
         w13, w2 = convert()
         size = _nbytes(w13) + _nbytes(w2)
+        took = time.perf_counter() - t0
+        metrics.WORKSPACE_CONVERSION.observe(took)
         with self._lock:
-            self.stats.convert_seconds += time.perf_counter() - t0
+            self.stats.convert_seconds += took
             if size > self.capacity or key in self._entries:
                 return w13, w2
             while self.used + size > self.capacity:
                 _, (_, _, freed) = self._entries.popitem(last=False)
                 self.used -= freed
                 self.stats.evictions += 1
+                metrics.WORKSPACE_EVICTIONS.inc()
             self._entries[key] = (w13, w2, size)
             self.used += size
+            metrics.WORKSPACE_BYTES.set(self.used)
         return w13, w2
 
 

@@ -251,6 +251,71 @@ def greedy_gaps(model, prompt: list[int], generated: list[int]) -> list[float]:
     return (logits.max(dim=1).values - chosen).tolist()
 
 
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [..., N, K] -> (blocks [..., N, K/32, 16], scales [..., N, K/32]) uint8, quantized here
+    independently of afd's writer: per 32 values the power of two 2^ceil(log2(amax / 6)), each
+    value to the nearest e2m1 magnitude (random data has no ties), the even element in the low
+    nibble; scales as biased exponents."""
+    *lead, N, K = w.shape
+    b = w.float().reshape(*lead, N, K // 32, 32)
+    amax = b.abs().amax(-1)
+    e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax))
+    v = b / torch.exp2(e).unsqueeze(-1)
+    idx = (v.abs().unsqueeze(-1) - _FP4).abs().argmin(-1)
+    code = idx + 8 * ((v < 0) & (idx > 0)).long()
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (e + 127).to(torch.uint8)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The inverse, [..., N, K/32, 16] and [..., N, K/32] -> [..., N, K] float32."""
+    signed = torch.cat([_FP4, -_FP4])
+    lo, hi = signed[(blocks & 15).long()], signed[(blocks >> 4).long()]
+    vals = torch.stack([lo, hi], dim=-1).flatten(-2)  # [..., N, G, 32]
+    w = vals * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return w.flatten(-2)
+
+
+def gpt_oss_mxfp4(src: Path, out: Path) -> tuple[Path, Path]:
+    """From a gpt-oss checkpoint: (its experts as MXFP4 in the released layout, `*_blocks`
+    [E, out, in/32, 16] and `*_scales` with `quant_method: mxfp4`, which transformers
+    dequantizes on load; the same numbers as a dense float32 checkpoint)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    mx_dir, dense_dir = out / "mxfp4", out / "dense"
+    tensors = load_file(str(src / "model.safetensors"))
+    mx, dense = {}, {}
+    for name, t in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            mx[name] = dense[name] = t
+            continue
+        blocks, scales = mxfp4_quantize(t.transpose(1, 2))  # stored [E, in, out]
+        mx[name + "_blocks"], mx[name + "_scales"] = blocks, scales
+        dense[name] = mxfp4_dequantize(blocks, scales).transpose(1, 2).contiguous()
+    for d, ts in ((mx_dir, mx), (dense_dir, dense)):
+        d.mkdir(parents=True)
+        save_file(ts, str(d / "model.safetensors"), metadata={"format": "pt"})
+        shutil.copy(src / "config.json", d / "config.json")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (mx_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return mx_dir, dense_dir
+
+
 # Tensors a block-FP8 checkpoint keeps in high precision (as DeepSeek's do): embeddings, the LM
 # head, norms, routers and their biases.
 _NOT_FP8 = ("embed_tokens", "lm_head", "norm", "layernorm", "mlp.gate.", "bias")

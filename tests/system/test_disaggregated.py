@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from afd.control import pb
-from tests.helpers.checkpoints import REFERENCE_CHECKPOINTS, hf_greedy, hf_model
+from tests.helpers.checkpoints import REFERENCE_CHECKPOINTS, gpt_oss_mxfp4, hf_greedy, hf_model
 from tests.helpers.procs import Procs, free_port, generate, wait_attention_ready
 
 PROMPTS = [[5, 9, 17, 3, 250], list(range(20, 57)), [7, 7, 7], list(range(100, 119))]
@@ -45,18 +45,20 @@ def _ffn_addr(transport: str, tmp, i: int) -> str:
     return f"{transport}://127.0.0.1:{free_port()}"
 
 
-def _start_ffn(procs: Procs, model, ffn: list[str], i: int) -> None:
+def _start_ffn(procs: Procs, model, ffn: list[str], i: int, *extra: str) -> None:
     shard = f"{i}/{len(ffn)}"
     procs.start(
         f"ffn{i}", "ffn", "--model", str(model), "--shard", shard, "--listen", ffn[i],
-        "--dtype", "float32",
+        "--dtype", "float32", *extra,
     )  # fmt: skip
 
 
-def _start_cluster(procs: Procs, model, transport, n_att, n_ffn, S, tmp, timeout="20", grace="20"):
+def _start_cluster(
+    procs: Procs, model, transport, n_att, n_ffn, S, tmp, timeout="20", grace="20", ffn_args=()
+):
     ffn = [_ffn_addr(transport, tmp, i) for i in range(n_ffn)]
     for i in range(n_ffn):
-        _start_ffn(procs, model, ffn, i)
+        _start_ffn(procs, model, ffn, i, *ffn_args)
     att = []
     for j in range(n_att):
         addr = f"127.0.0.1:{free_port()}"
@@ -88,8 +90,8 @@ def _start_cluster(procs: Procs, model, transport, n_att, n_ffn, S, tmp, timeout
     return ffn, att
 
 
-def _cluster_tokens(procs, model, transport, n_att, n_ffn, S, tmp) -> list[list[int]]:
-    _, att = _start_cluster(procs, model, transport, n_att, n_ffn, S, tmp)
+def _cluster_tokens(procs, model, transport, n_att, n_ffn, S, tmp, ffn_args=()) -> list[list[int]]:
+    _, att = _start_cluster(procs, model, transport, n_att, n_ffn, S, tmp, ffn_args=ffn_args)
     # All prompts at once, spread over the attention servers: they batch on each server
     # and their FFN messages meet on the shared FFN servers.
     with ThreadPoolExecutor(len(PROMPTS)) as ex:
@@ -106,16 +108,30 @@ def test_topology_matches_transformers(qwen3_dir, reference, tmp_path, transport
         procs.stop_all()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
-def test_deepseek_1a2f_over_tcp_matches_transformers(family, tmp_path):
-    """MLA's latent cache (and V3.2's indexer pool) on the attention server, the experts and
-    shared expert split over two FFN servers: the router's ids and weights are all that
-    crosses the wire."""
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "gpt_oss"])
+def test_1a2f_over_tcp_matches_transformers(family, tmp_path):
+    """MLA's latent cache (and V3.2's indexer pool), gpt-oss's sinks and sliding windows on the
+    attention server, the experts (with their biases) and shared expert split over two FFN
+    servers: the router's ids and weights are all that crosses the wire."""
     path = REFERENCE_CHECKPOINTS[family](tmp_path / "ckpt")
     ref = hf_greedy(hf_model(path, torch.float32), PROMPTS, NEW)
     procs = Procs(tmp_path)
     try:
         assert _cluster_tokens(procs, path, "tcp", 1, 2, 2, tmp_path) == ref
+    finally:
+        procs.stop_all()
+
+
+@pytest.mark.parametrize("compute", ["direct", "workspace"])
+def test_mxfp4_experts_1a2f_over_tcp_match_transformers(compute, tmp_path):
+    """gpt-oss with its experts in MXFP4 (the released layout, which transformers dequantizes
+    on load), kept in 4 bits by two FFN servers; the workspace smaller than a layer's experts."""
+    mx, _ = gpt_oss_mxfp4(REFERENCE_CHECKPOINTS["gpt_oss"](tmp_path / "src"), tmp_path)
+    ref = hf_greedy(hf_model(mx, torch.float32), PROMPTS, NEW)
+    args = ("--expert-compute", compute, "--expert-workspace-mb", "0.1")
+    procs = Procs(tmp_path)
+    try:
+        assert _cluster_tokens(procs, mx, "tcp", 1, 2, 2, tmp_path, ffn_args=args) == ref
     finally:
         procs.stop_all()
 

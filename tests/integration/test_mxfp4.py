@@ -1,0 +1,204 @@
+"""MXFP4 experts (gpt-oss's released format) kept in 4 bits: greedy tokens identical to
+transformers on a checkpoint in the released layout (which transformers dequantizes on load),
+on both compute paths (direct: afd's kernel reads the 4-bit weights; workspace: experts
+converted on use into a shared LRU pool), in float32, and in bf16 on every kernel path the same
+tokens as the dequantized numbers served dense; a workspace smaller than one layer's experts
+changes nothing but its hit rate; the weights stay 4.25 bits; planted bugs in the format, the
+attention sinks and the sliding window are caught."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from afd import metrics
+from afd import mxfp4 as mxfp4_mod
+from afd.config import ExpertConfig, ModelConfig
+from afd.errors import CheckpointError
+from afd.kernels import mxfp4 as native
+from afd.mxfp4 import MXFP4
+from afd.sharding import ExpertShard
+from services.ffn.engine import FFNEngine
+from tests.helpers.checkpoints import (
+    gpt_oss,
+    gpt_oss_mxfp4,
+    hf_greedy,
+    hf_model,
+    mxfp4_dequantize,
+    mxfp4_quantize,
+)
+from tests.integration.test_engine_reference import NEW, PROMPTS, afd_greedy, engine_cfg
+
+COMPUTE = ["direct", "workspace"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """(the MXFP4 checkpoint, its float32 transformers model, that model's greedy tokens)."""
+    base = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    mx, _ = gpt_oss_mxfp4(gpt_oss(base / "src"), base)
+    model = hf_model(mx, torch.float32)  # dequantized by transformers on load
+    return mx, model, hf_greedy(model, PROMPTS, NEW)
+
+
+def cfg_for(path, compute: str, workspace_mb: float = 1024.0, **kw):
+    cfg = engine_cfg(path, **kw)
+    return replace(cfg, experts=ExpertConfig(compute=compute, workspace_mb=workspace_mb))
+
+
+@pytest.mark.parametrize("compute", COMPUTE)
+@pytest.mark.parametrize("S", [1, 2])
+def test_tokens_identical_to_transformers(ckpt, compute, S):
+    path, _, ref = ckpt
+    assert ModelConfig.from_hf(path).mxfp4_experts
+    assert afd_greedy(cfg_for(path, compute, S=S))[0] == ref
+
+
+@pytest.mark.parametrize("compute", COMPUTE)
+def test_bf16_tokens_identical_to_the_same_numbers_dense(ckpt, compute, kernel_path):
+    """bf16 on every kernel path (the direct kernel runs on afd's paths, torch elsewhere): the
+    same tokens as the dequantized weights served as a dense checkpoint. (How close afd's bf16
+    stays to transformers is the bf16 reference tests' business: test_engine_reference.py.)"""
+    path, _, _ = ckpt
+    dense = path.parent / "dense"
+    want = afd_greedy(engine_cfg(dense, dtype="bfloat16", S=2))[0]
+    assert afd_greedy(cfg_for(path, compute, dtype="bfloat16", S=2))[0] == want
+
+
+def _counts() -> tuple[float, float, float]:
+    lookups = metrics.WORKSPACE_LOOKUPS
+    return (
+        lookups.labels("hit")._value.get(),
+        lookups.labels("miss")._value.get(),
+        metrics.WORKSPACE_EVICTIONS._value.get(),
+    )
+
+
+def test_a_workspace_smaller_than_one_layer_gives_the_same_tokens(ckpt):
+    """0.1 MiB holds two of this model's float32 experts (48 KiB each): a layer has eight."""
+    path, _, ref = ckpt
+    cfg = ModelConfig.from_hf(path)
+    expert_bytes = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
+    assert 0.1 * (1 << 20) < cfg.num_experts * expert_bytes
+    hits, misses, evictions = _counts()
+    assert afd_greedy(cfg_for(path, "workspace", workspace_mb=0.1, S=2))[0] == ref
+    h, m, e = (a - b for a, b in zip(_counts(), (hits, misses, evictions), strict=True))
+    assert m > 0 and e > 0 and h > 0, (h, m, e)
+    # with room for every expert, each is converted once and then always hit
+    hits, misses, _ = _counts()
+    assert afd_greedy(cfg_for(path, "workspace", S=2))[0] == ref
+    h, m, _ = (a - b for a, b in zip(_counts(), (hits, misses, 0), strict=True))
+    assert m <= cfg.num_layers * cfg.num_experts and h > 10 * m
+
+
+def test_experts_stay_in_four_bits(ckpt):
+    path, _, _ = ckpt
+    cfg = ModelConfig.from_hf(path)
+    for compute in COMPUTE:
+        ffn = FFNEngine(
+            cfg,
+            ExpertShard(0, 1, cfg.num_experts),
+            torch.bfloat16,
+            progress=False,
+            experts=ExpertConfig(compute=compute),
+        )
+        lins = [*ffn.experts[0].w13, *ffn.experts[2].w2]
+        assert all(isinstance(lin.w, MXFP4) for lin in lins)
+        for lin in lins:  # half a byte a weight and a byte per 32: 4.25 bits
+            N, K = lin.out_features, lin.in_features
+            assert lin.w.nbytes == N * K // 2 + N * K // 32
+
+
+def test_the_native_kernels_match_the_dequantized_weights(kernel_path):
+    torch.manual_seed(0)
+    w = torch.randn(72, 160)
+    blocks, scales = mxfp4_quantize(w)
+    m = MXFP4.from_checkpoint(blocks, scales)
+    dense = mxfp4_dequantize(blocks, scales)
+    assert torch.equal(m.dequantize(torch.float32), dense)
+    assert torch.equal(m.dequantize(torch.bfloat16), dense.bfloat16())
+    for rows in (1, 3, 9, 17):
+        x = torch.randn(rows, 160)
+        torch.testing.assert_close(m.linear(x), x @ dense.T, rtol=1e-5, atol=1e-4)
+        xb = x.bfloat16()
+        ref = (xb.float() @ dense.T).bfloat16()  # one rounding of the fp32 sum
+        torch.testing.assert_close(m.linear(xb), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_afd_quantizer_matches_the_format():
+    """afd's writer (afd quantize --mxfp4): the independent test quantizer's codes where no
+    value is a tie, ties to the even code, scales that fit each block's largest magnitude."""
+    torch.manual_seed(1)
+    w = torch.randn(16, 64) * torch.logspace(-3, 3, 16).unsqueeze(1)
+    ours, theirs = mxfp4_mod.quantize(w), mxfp4_quantize(w)
+    assert torch.equal(ours[1], theirs[1]) and torch.equal(ours[0], theirs[0])
+    # ties: 0.25 (between 0 and 0.5) and 5 (between 4 and 6) go to the even codes 0 and 6
+    tie = torch.tensor([[6.0, 0.25, 5.0, -5.0] + [0.0] * 28])
+    deq = mxfp4_dequantize(*mxfp4_mod.quantize(tie))
+    assert deq[0, :4].tolist() == [6.0, 0.0, 4.0, -4.0]
+
+
+def test_blocks_without_scales_are_a_checkpoint_error(ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _, _ = ckpt
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    (broken / "config.json").write_text((path / "config.json").read_text())
+    cfg = ModelConfig.from_hf(broken)
+    with pytest.raises(CheckpointError, match="down_proj_blocks.* has no .*down_proj_scales"):
+        FFNEngine(cfg, ExpertShard(0, 1, cfg.num_experts), torch.float32, progress=False)
+
+
+@pytest.mark.parametrize("compute", COMPUTE)
+def test_planted_swapped_nibble_order_is_caught(ckpt, monkeypatch, compute):
+    path, _, ref = ckpt
+    real = MXFP4.from_checkpoint
+
+    def swapped(blocks, scales):  # the odd element read from the low nibble
+        return real(((blocks & 15) << 4) | (blocks >> 4), scales)
+
+    monkeypatch.setattr(mxfp4_mod.MXFP4, "from_checkpoint", staticmethod(swapped))
+    assert afd_greedy(cfg_for(path, compute, S=1))[0] != ref
+
+
+@pytest.mark.parametrize("compute", COMPUTE)
+def test_planted_scale_off_by_one_is_caught(ckpt, monkeypatch, compute):
+    path, _, ref = ckpt
+    real = MXFP4.from_checkpoint
+
+    def doubled(blocks, scales):  # every block read at twice its scale
+        return real(blocks, scales + 1)
+
+    monkeypatch.setattr(mxfp4_mod.MXFP4, "from_checkpoint", staticmethod(doubled))
+    assert afd_greedy(cfg_for(path, compute, S=1))[0] != ref
+
+
+def test_planted_sink_dropped_is_caught(ckpt, monkeypatch):
+    from services.attention import paged_attention as pa
+
+    path, _, ref = ckpt
+    real = pa._attend
+    monkeypatch.setattr(pa, "_attend", lambda *a, **kw: real(*a[:6]))  # no sinks
+    assert afd_greedy(cfg_for(path, "direct", S=1))[0] != ref
+
+
+def test_planted_sliding_window_ignored_is_caught(ckpt, monkeypatch):
+    from services.attention import paged_attention as pa
+
+    path, _, ref = ckpt
+    monkeypatch.setattr(pa, "_windowed", lambda bias, positions, window: bias)
+    assert afd_greedy(cfg_for(path, "direct", S=1))[0] != ref
+
+
+def test_the_native_kernel_runs_on_afds_paths(ckpt, kernel_path):
+    """The direct path multiplies with afd's kernel where afd's kernels run, torch elsewhere
+    (AFD_KERNELS=onednn|torch): the greedy tests above cover both."""
+    from afd.kernels import paths
+
+    assert native.usable() == paths.active().native
