@@ -8,6 +8,7 @@ attention sinks and the sliding window are caught."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -202,3 +203,87 @@ def test_the_native_kernel_runs_on_afds_paths(ckpt, kernel_path):
     from afd.kernels import paths
 
     assert native.usable() == paths.active().native
+
+
+def _dense_copy(quantized, out):
+    """The numbers an MXFP4 checkpoint holds, as a dense checkpoint transformers loads
+    (dequantized by the test's own decoder)."""
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(quantized / "model.safetensors"))
+    dense = {}
+    for k, v in t.items():
+        if k.endswith("_blocks"):
+            name = k.removesuffix("_blocks")
+            dense[name] = mxfp4_dequantize(v, t[name + "_scales"])
+        elif not k.endswith("_scales"):
+            dense[k] = v
+    out.mkdir()
+    save_file(dense, str(out / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((quantized / "config.json").read_text())
+    raw.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+# Teacher-forced logits of the tiny random qwen3_moe (logit std ~1.6) with its experts in MXFP4,
+# against the same model in float32, on the test prompts plus a 64-token one (128 positions).
+# Measured: max |dlogit| 3.59, mean 0.247, top-1 agreement 65%; random Gaussian weights are
+# MXFP4's worst case (no outliers for the shared scale to absorb, 4-bit steps on every value).
+LOGIT_BOUND = {"max": 4.5, "mean": 0.32, "top1": 0.55}
+
+
+def test_afd_quantize_mxfp4_on_qwen3_moe(tmp_path):
+    from afd_cli.main import main
+    from tests.helpers.checkpoints import hf_logits, qwen3_moe
+
+    src = qwen3_moe(tmp_path / "src")
+    q = tmp_path / "q"
+    assert main(["quantize", "--mxfp4", str(src), str(q)]) == 0
+    cfg = ModelConfig.from_hf(q)
+    assert cfg.mxfp4_experts
+    ffn = FFNEngine(cfg, ExpertShard(0, 1, cfg.num_experts), torch.float32, progress=False)
+    assert isinstance(ffn.experts[0].w13[0].w, MXFP4)
+    assert not isinstance(ffn.dense[1].w13.w, MXFP4)  # only routed experts are quantized
+    dense = _dense_copy(q, tmp_path / "dense")
+    theirs = hf_model(dense, torch.float32)
+    for compute in COMPUTE:
+        assert afd_greedy(cfg_for(q, compute, S=2))[0] == hf_greedy(theirs, PROMPTS, NEW)
+    base = hf_model(src, torch.float32)
+    worst, means, agree = 0.0, [], []
+    for p in [*PROMPTS, list(range(200, 264))]:
+        a, b = hf_logits(base, p), hf_logits(theirs, p)
+        d = (a - b).abs()
+        worst, means = max(worst, d.max().item()), [*means, d.mean().item()]
+        agree += (a.argmax(-1) == b.argmax(-1)).tolist()
+    assert worst <= LOGIT_BOUND["max"]
+    assert sum(means) / len(means) <= LOGIT_BOUND["mean"]
+    assert sum(agree) / len(agree) >= LOGIT_BOUND["top1"]
+    assert main(["quantize", "--mxfp4", str(src), str(q)]) == 2  # dst exists: refused
+
+
+def test_afd_quantize_mxfp4_writes_gpt_oss_released_layout(ckpt, tmp_path):
+    """From gpt-oss's bf16 layout ([E, in, out] stacks), afd writes the released MXFP4 one
+    byte for byte as the test's own writer does, which transformers loads."""
+    from safetensors.torch import load_file
+
+    from afd_cli.main import main
+
+    path, _, ref = ckpt
+    src = path.parent / "src"
+    mine = tmp_path / "mine"
+    assert main(["quantize", "--mxfp4", str(src), str(mine)]) == 0
+    theirs, ours = (load_file(str(d / "model.safetensors")) for d in (path, mine))
+    assert theirs.keys() == ours.keys()
+    for k, t in theirs.items():
+        assert torch.equal(t, ours[k]), k
+    assert hf_greedy(hf_model(mine, torch.float32), PROMPTS, NEW) == ref
+
+
+def test_afd_quantize_mxfp4_refuses_rows_not_in_blocks_of_32(tmp_path):
+    from afd_cli.main import main
+    from tests.helpers.checkpoints import qwen3_moe
+
+    src = qwen3_moe(tmp_path / "src", moe_intermediate_size=24)  # down_proj rows of 24
+    assert main(["quantize", "--mxfp4", str(src), str(tmp_path / "q")]) == 2
+    assert not (tmp_path / "q").exists()
