@@ -42,17 +42,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # finish ("stop") on any of these, besides EOS
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's plus the top k
+    # None: none; k >= 0: every prompt token's (after the first) given the tokens before it,
+    # plus the top k (vLLM's prompt_logprobs; with max_tokens 0, a prompt is only scored)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         problem = ""
-        if self.max_tokens < 1:
-            problem = f"max_tokens must be >= 1, got {self.max_tokens}"
+        if self.max_tokens < 0:
+            problem = f"max_tokens must be >= 0, got {self.max_tokens}"
         elif self.temperature < 0:
             problem = f"temperature must be >= 0, got {self.temperature}"
         elif not 0.0 < self.top_p <= 1.0:
             problem = f"top_p must be in (0, 1], got {self.top_p}"
         elif self.logprobs is not None and self.logprobs < 0:
             problem = f"logprobs must be >= 0, got {self.logprobs}"
+        elif self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            problem = f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}"
         elif any(t < 0 for t in self.stop_token_ids):
             problem = "stop_token_ids must be >= 0"
         if problem:
@@ -64,8 +69,8 @@ class SamplingParams:
 
 
 class Logprob(NamedTuple):
-    """One generated token with its log-probability and the top alternatives' (token id,
-    log-probability), under the model's own distribution."""
+    """One token (generated, or of the prompt) with its log-probability and the top
+    alternatives' (token id, log-probability), under the model's own distribution."""
 
     token_id: int
     logprob: float
@@ -93,6 +98,8 @@ class TokenEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # so far
     queue_seconds: float = 0.0  # arrival -> first scheduled (first event only)
+    # prompt tokens 1 .. n-1 given the tokens before each, when asked (first event only)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
 
     @staticmethod
     def failure(request_id: str, code: ErrorCode, message: str) -> TokenEvent:
@@ -138,6 +145,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         msg.seed = s.seed
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     return msg
 
 
@@ -152,6 +161,7 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
 
 
@@ -183,6 +193,14 @@ def event_to_pb(ev: TokenEvent) -> pb.TokenEvent:
         error_code=_CODE_TO_PB[ev.error_code],
         error=ev.error,
         queue_seconds=ev.queue_seconds,
+        prompt_logprobs=[
+            pb.TokenLogprobs(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            )
+            for lp in ev.prompt_logprobs
+        ],
     )
 
 
@@ -202,6 +220,10 @@ def event_from_pb(ev: pb.TokenEvent) -> TokenEvent:
         prompt_tokens=ev.prompt_tokens,
         completion_tokens=ev.completion_tokens,
         queue_seconds=ev.queue_seconds,
+        prompt_logprobs=[
+            Logprob(lp.token_id, lp.logprob, [(a.token_id, a.logprob) for a in lp.top])
+            for lp in ev.prompt_logprobs
+        ],
     )
 
 

@@ -17,6 +17,11 @@ class MicroBatch:
     meta: AttnMeta
     sample_rows: torch.Tensor  # [B] long: row of the last token of each sampling sequence
     sample_seqs: tuple[ScheduledSeq, ...]
+    # prompt logprobs: rows whose next prompt token is scored, those tokens, and per request
+    # (in row order) how many rows are its
+    prompt_rows: torch.Tensor | None = None  # [P] long
+    prompt_targets: torch.Tensor | None = None  # [P] long
+    prompt_owners: tuple[tuple[str, int], ...] = ()
 
 
 def split(seqs: list[ScheduledSeq], n: int) -> list[list[ScheduledSeq]]:
@@ -65,7 +70,20 @@ def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
         decode_lens=lens,
     )
     rows, sample_seqs, row = [], [], 0
+    p_rows: list[int] = []
+    p_targets: list[int] = []
+    owners: list[tuple[str, int]] = []
     for s in ordered:
+        req = s.request
+        # positions of this chunk whose next prompt token is still to be scored
+        score = range(
+            max(s.start_pos, req.prompt_positions_to_score.start),
+            min(s.start_pos + s.num_new_tokens, req.prompt_positions_to_score.stop),
+        )
+        if len(score):
+            p_rows += [row + p - s.start_pos for p in score]
+            p_targets += req.prompt_token_ids[score.start + 1 : score.stop + 1]
+            owners.append((req.request_id, len(score)))
         row += s.num_new_tokens
         if s.sample:
             rows.append(row - 1)
@@ -76,6 +94,9 @@ def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
         meta=meta,
         sample_rows=torch.tensor(rows, dtype=torch.long),
         sample_seqs=tuple(sample_seqs),
+        prompt_rows=torch.tensor(p_rows, dtype=torch.long) if p_rows else None,
+        prompt_targets=torch.tensor(p_targets, dtype=torch.long) if p_rows else None,
+        prompt_owners=tuple(owners),
     )
 
 

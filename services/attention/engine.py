@@ -134,12 +134,12 @@ class Engine:
         if not plan.scheduled:
             return StepResult()
         try:
-            sampled, logprobs = self.runner.execute(plan)
+            sampled, logprobs, prompt_logprobs = self.runner.execute(plan)
         except TransportError as e:
             if self._hold():  # the step is planned again once the shard is back
                 return StepResult(paused=True)
             return StepResult(self._fail(plan, e), tokens, self.dispatcher.timing)
-        updated = self.scheduler.update(plan, sampled, logprobs)
+        updated = self.scheduler.update(plan, sampled, logprobs, prompt_logprobs)
         for req in updated:
             if req.finished:
                 self.runner.release(req.request_id)

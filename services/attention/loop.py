@@ -156,6 +156,7 @@ class EngineLoop:
                 prompt_tokens=req.num_prompt_tokens,
                 completion_tokens=len(req.output_token_ids),
                 queue_seconds=queued if n == 0 else 0.0,
+                prompt_logprobs=req.prompt_logprobs if n == 0 else [],
             )
             if req.finished:
                 self._emit_final(rid, ev)

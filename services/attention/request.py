@@ -25,6 +25,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprob] = field(default_factory=list)  # one per token, when asked
+    # prompt_logprobs[i]: prompt token i + 1 given tokens 0..i, when asked (kept through a
+    # preemption: a recomputed prefill does not score them again)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -45,6 +48,14 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def prompt_positions_to_score(self) -> range:
+        """Prompt positions whose next token still needs its log-probability (none unless
+        the request asked for prompt logprobs)."""
+        if self.sampling.prompt_logprobs is None:
+            return range(0)
+        return range(len(self.prompt_logprobs), self.num_prompt_tokens - 1)
 
     @property
     def finished(self) -> bool:

@@ -10,8 +10,11 @@ from services.attention.dispatch import FFNDispatcher
 from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.pipeline import run_layers
-from services.attention.sampler import sample
+from services.attention.sampler import sample, score
 from services.attention.scheduler import SchedulerOutput
+
+# Prompt rows scored per LM-head call: [rows, V] float32 logits at a time, not the whole prompt.
+SCORE_ROWS = 256
 
 
 class ModelRunner:
@@ -29,18 +32,25 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> tuple[dict[str, int], dict[str, Logprob]]:
+    def execute(
+        self, plan: SchedulerOutput
+    ) -> tuple[dict[str, int], dict[str, Logprob], dict[str, list[Logprob]]]:
+        """(sampled token, its logprob when asked, and the prompt logprobs this step scored)
+        per request id."""
         groups = batch.split(plan.scheduled, self.micro_batches)
         mbs = [batch.build(g, self.cache.block_size) for g in groups]
+        prompt_lps: dict[str, list[Logprob]] = {}
 
         def head(m: int, h: torch.Tensor) -> torch.Tensor:  # [T_m, H] -> [B_m, V] float32
+            if mbs[m].prompt_rows is not None:
+                self._score_prompts(mbs[m], h, prompt_lps)
             rows = mbs[m].sample_rows
             return self.model.logits(h.index_select(0, rows)) if len(rows) else h.new_empty(0)
 
         per_mb = run_layers(self.model, self.cache, self.dispatcher, mbs, head)
         seqs = [s for mb in mbs for s in mb.sample_seqs]
         if not seqs:
-            return {}, {}
+            return {}, {}, prompt_lps
         parts = [x for x in per_mb if x.numel()]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B, V] float32
         params = [s.request.sampling for s in seqs]
@@ -50,7 +60,24 @@ class ModelRunner:
         logprobs = {
             s.request.request_id: lp for s, lp in zip(seqs, lps, strict=True) if lp is not None
         }
-        return sampled, logprobs
+        return sampled, logprobs, prompt_lps
+
+    def _score_prompts(
+        self, mb: batch.MicroBatch, h: torch.Tensor, out: dict[str, list[Logprob]]
+    ) -> None:
+        """The log-probability of each prompt token this micro-batch's rows predict, a few
+        hundred rows of logits at a time."""
+        assert mb.prompt_rows is not None and mb.prompt_targets is not None
+        tops = {s.request.request_id: s.request.sampling.prompt_logprobs or 0 for s in mb.seqs}
+        start = 0
+        for rid, n in mb.prompt_owners:
+            got: list[Logprob] = []
+            for a in range(start, start + n, SCORE_ROWS):
+                b = min(start + n, a + SCORE_ROWS)
+                logits = self.model.logits(h.index_select(0, mb.prompt_rows[a:b]))
+                got += score(logits, mb.prompt_targets[a:b], tops[rid])
+            out[rid] = got
+            start += n
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

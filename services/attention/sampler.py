@@ -77,3 +77,23 @@ def _filtered(
         drop &= (ps < 1.0).unsqueeze(1)
         x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
     return x
+
+
+def score(
+    logits: torch.Tensor,  # [P, V] float32
+    targets: torch.Tensor,  # [P] long: the token that followed each row
+    top: int,  # alternatives per row
+) -> list[Logprob]:
+    """Each target's log-probability under its row's distribution, with the row's top `top`
+    alternatives (prompt logprobs: how likely the model found each prompt token)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    ids = targets.tolist()
+    if not top:
+        return [Logprob(t, v, []) for t, v in zip(ids, chosen, strict=True)]
+    best = torch.topk(logp, top, dim=-1)
+    alts = zip(best.indices.tolist(), best.values.tolist(), strict=True)
+    return [
+        Logprob(t, v, list(zip(i, a, strict=True)))
+        for t, v, (i, a) in zip(ids, chosen, alts, strict=True)
+    ]

@@ -100,8 +100,8 @@ class Scheduler:
                 f"prompt has {n} tokens; the context is {self.max_model_len} tokens "
                 "(the prompt must be shorter to leave room for at least one new token)"
             )
-        if req.sampling.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {req.sampling.max_tokens}")
+        if req.sampling.max_tokens < 0:
+            raise RequestError(f"max_tokens must be >= 0, got {req.sampling.max_tokens}")
         if req.request_id in self._requests:
             raise RequestError(f"request id {req.request_id!r} is already in use")
         if req.status is not RequestStatus.WAITING or req.num_computed_tokens or req.block_ids:
@@ -235,7 +235,8 @@ class Scheduler:
             token_ids=req.all_token_ids[start : start + n],
             start_pos=start,
             block_ids=list(req.block_ids),
-            sample=start + n == req.num_tokens,
+            # max_tokens 0: the prompt is only scored (prompt logprobs), nothing is sampled
+            sample=start + n == req.num_tokens and req.sampling.max_tokens > 0,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -257,8 +258,10 @@ class Scheduler:
         output: SchedulerOutput,
         sampled: dict[str, int],
         logprobs: dict[str, Logprob] | None = None,
+        prompt_logprobs: dict[str, list[Logprob]] | None = None,
     ) -> list[Request]:
-        """Apply one executed step; returns the requests that got a new token (to stream).
+        """Apply one executed step; returns the requests that got a new token (to stream), and
+        those asking for no token (max_tokens 0) whose prompt is done.
 
         `sampled` must hold a token for every scheduled seq with `sample=True`. Requests
         aborted between `schedule()` and `update()` are skipped.
@@ -274,7 +277,13 @@ class Scheduler:
                     f"{req.num_computed_tokens} tokens are computed (update applied twice?)"
                 )
             req.num_computed_tokens += seq.num_new_tokens
+            if prompt_logprobs and req.request_id in prompt_logprobs:
+                req.prompt_logprobs += prompt_logprobs[req.request_id]
             if not seq.sample:
+                if req.sampling.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                    self._running.remove(req)
+                    self._finish(req, "length")
+                    new_token.append(req)
                 continue
             if req.request_id not in sampled:
                 raise KeyError(f"no sampled token for request {req.request_id!r}")

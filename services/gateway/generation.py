@@ -29,6 +29,8 @@ class ChoiceSpec:
     params: SamplingParams
     stop: tuple[str, ...] = ()
     prefix: str = ""  # text emitted before the generated text (completions' echo)
+    # the echoed prompt's tokens carry their logprobs (the first token's is null)
+    echo_logprobs: bool = False
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # first delta, when asked
 
 
 class ChoiceRun:
@@ -59,10 +62,11 @@ class ChoiceRun:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._started = False  # the current server has sent something: no retry elsewhere
+        self._echoed = False  # the prompt and its logprobs went out (echo with logprobs)
 
     async def run(self, emit: Callable[[Delta], None]) -> None:
         """Call `emit` with each delta; the last has finish_reason set."""
-        if self.spec.prefix:
+        if self.spec.prefix and not self.spec.echo_logprobs:
             emit(Delta(self.spec.index, self.spec.prefix))
         tried: tuple[AttentionClient, ...] = ()
         client = self._balancer.pick()
@@ -94,6 +98,8 @@ class ChoiceRun:
                     if self._timing is not None:
                         self._timing.event(len(ev.token_ids), ev.queue_seconds)
                     self.completion_tokens = ev.completion_tokens
+                    if ev.prompt_logprobs or (spec.echo_logprobs and not self._echoed):
+                        emit(self._echo(ev.prompt_logprobs))
                     ids += ev.token_ids
                     lps += ev.logprobs
                     finish = ev.finish_reason or None
@@ -114,6 +120,16 @@ class ChoiceRun:
                         if self._timing is not None:
                             self._timing.finish(self.completion_tokens)
                         return
+
+    def _echo(self, prompt_lps: list[Logprob]) -> Delta:
+        """The first delta of a choice asking for prompt logprobs: the echoed prompt with
+        an entry per prompt token (the first has no logprob: nothing comes before it)."""
+        spec = self.spec
+        self._echoed = True
+        if not spec.echo_logprobs:
+            return Delta(spec.index, "", prompt_logprobs=prompt_lps)
+        first = Logprob(spec.prompt_ids[0], None, None)  # type: ignore[arg-type]
+        return Delta(spec.index, spec.prefix, [], [first, *prompt_lps], None, prompt_lps)
 
 
 _DONE = object()  # one choice finished

@@ -159,7 +159,9 @@ async def plan(
                 "context_length_exceeded",
             )
         room = max_len - len(ids)
-        max_tokens = req.max_new_tokens or (min(room, limit) if limit else room)
+        max_tokens = req.max_new_tokens
+        if max_tokens is None:
+            max_tokens = min(room, limit) if limit else room
         if max_tokens > room:
             raise invalid(
                 f"max_tokens is {max_tokens}, but the prompt ({len(ids)} tokens) leaves room for "
@@ -178,10 +180,22 @@ async def plan(
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 logprobs=req.num_logprobs,
+                prompt_logprobs=_prompt_logprobs(req),
             )
-            spec = ChoiceSpec(j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo)
+            spec = ChoiceSpec(
+                j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo,
+                echo_logprobs=_echo_logprobs(req),
+            )  # fmt: skip
             specs.append(spec)
     return specs
+
+
+def _prompt_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    return req.num_prompt_logprobs if isinstance(req, CompletionRequest) else None
+
+
+def _echo_logprobs(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    return isinstance(req, CompletionRequest) and req.echo_logprobs
 
 
 async def respond(
@@ -219,26 +233,35 @@ async def respond(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    choices = await _collect(streams, len(specs))
+    choices, prompt_lps = await _collect(streams, len(specs))
     if streams.disconnected:
         return Response(status_code=499)  # nobody is listening any more
     use = usage(streams.prompt_tokens, streams.completion_tokens)
     _count_finished(streams)
-    return JSONResponse(fmt.response(choices, with_lp, use))
+    body = fmt.response(choices, with_lp, use)
+    if isinstance(req, CompletionRequest) and req.prompt_logprobs is not None:
+        assert isinstance(fmt, CompletionFormatter)
+        fmt.add_prompt_logprobs(body, [prompt_lps[s.index] for s in specs])
+    return JSONResponse(body)
 
 
-async def _collect(streams: ChoiceStreams, n: int) -> list[tuple[str, list, str]]:
+async def _collect(
+    streams: ChoiceStreams, n: int
+) -> tuple[list[tuple[str, list, str]], list[list]]:
+    """Each choice's (text, logprobs, finish reason), and its prompt logprobs."""
     texts: list[list[str]] = [[] for _ in range(n)]
     lps: list[list] = [[] for _ in range(n)]
+    prompt_lps: list[list] = [[] for _ in range(n)]
     finish = [""] * n
     try:
         while (d := await streams.next()) is not None:
             texts[d.index].append(d.text)
             lps[d.index] += d.logprobs
+            prompt_lps[d.index] += d.prompt_logprobs
             finish[d.index] = d.finish_reason or finish[d.index]
     finally:
         await streams.close()
-    return [("".join(texts[i]), lps[i], finish[i]) for i in range(n)]
+    return [("".join(texts[i]), lps[i], finish[i]) for i in range(n)], prompt_lps
 
 
 async def _sse(

@@ -116,6 +116,20 @@ class CompletionFormatter(_Formatter):
     object_name = "text_completion"
     chunk_name = "text_completion"
 
+    def add_prompt_logprobs(self, body: dict[str, Any], per_choice: list[list[Logprob]]) -> None:
+        """vLLM's `prompt_logprobs` in each choice: null for the first prompt token, then per
+        token {token id: {logprob, decoded_token}} for it and its top alternatives."""
+        for choice, lps in zip(body["choices"], per_choice, strict=True):
+            entries: list[dict[str, Any] | None] = [None]
+            for token, lp, top in lps:
+                entry = {str(t): self._scored(t, v) for t, v in top}
+                entry[str(token)] = self._scored(token, lp)
+                entries.append(entry)
+            choice["prompt_logprobs"] = entries
+
+    def _scored(self, token: int, lp: float) -> dict[str, Any]:
+        return {"logprob": lp, "decoded_token": self.tb.text(token)}
+
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._offsets: dict[int, int] = {}  # per choice: text length so far (text_offset)
@@ -132,7 +146,10 @@ class CompletionFormatter(_Formatter):
             text = self.tb.text(token)
             out["tokens"].append(text)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({self.tb.text(t): v for t, v in top})
+            # an echoed prompt's first token has neither (None), as OpenAI answers
+            out["top_logprobs"].append(
+                None if top is None else {self.tb.text(t): v for t, v in top}
+            )
             out["text_offset"].append(offset)
             offset += len(text)
         self._offsets[index] = offset

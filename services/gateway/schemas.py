@@ -129,19 +129,20 @@ Prompt = (
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
-    max_tokens: Annotated[Int, Field(ge=1, le=INT64)] | None = 16  # the OpenAI default here
+    # the OpenAI default here; 0 with echo scores the prompt only (lm-eval, perplexity)
+    max_tokens: Annotated[Int, Field(ge=0, le=INT64)] | None = 16
     echo: Bool = False
     logprobs: Annotated[Int, Field(ge=0, le=5)] | None = None
     suffix: str | None = None
+    # vLLM extra: each prompt token's logprob and the top n, as `prompt_logprobs` in a choice
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError(
-                "echo with logprobs needs prompt logprobs, which this server does not compute"
-            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not streamed; use echo with logprobs")
         if len(self.prompts()) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return self
@@ -162,6 +163,19 @@ class CompletionRequest(_SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The echoed prompt carries logprobs (the prompt's own, after its first token)."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """None: prompt logprobs not needed; k: each prompt token's plus the top k."""
+        wanted = [n for n in (self.prompt_logprobs, self.echo_logprobs and self.logprobs) if n]
+        if self.prompt_logprobs is None and not self.echo_logprobs:
+            return None
+        return max(wanted, default=0)
 
 
 class TokenizeRequest(_Model):

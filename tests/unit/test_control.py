@@ -78,11 +78,12 @@ def test_each_error_type_carries_its_code():
 @pytest.mark.parametrize(
     "bad",
     [
-        {"max_tokens": 0},
+        {"max_tokens": -1},
         {"temperature": -1.0},
         {"top_p": 0.0},
         {"top_p": 1.5},
         {"logprobs": -1},
+        {"prompt_logprobs": -1},
         {"stop_token_ids": (-3,)},
     ],
 )
@@ -93,8 +94,8 @@ def test_sampling_values_no_request_may_carry_are_refused(bad):
 
 def test_a_hostile_generate_request_is_refused_by_type():
     msg = control.request_to_pb(GenerateRequest("r", [1], SamplingParams()))
-    msg.sampling.max_tokens = 0
-    with pytest.raises(RequestError, match="max_tokens"):
+    msg.sampling.temperature = -2.0
+    with pytest.raises(RequestError, match="temperature"):
         control.request_from_pb(msg)
 
 

@@ -339,8 +339,6 @@ def test_prompt_too_long_names_both_numbers() -> None:
         s.add_request(req("a", 16))
     with pytest.raises(RequestError, match="empty"):
         s.add_request(Request("e", []))
-    with pytest.raises(RequestError, match="max_tokens"):
-        s.add_request(req("m", 3, max_tokens=0))
     s.add_request(req("a", 15, max_tokens=1))
     with pytest.raises(RequestError, match="already in use"):
         s.add_request(req("a", 3))
@@ -434,3 +432,21 @@ def test_backpressure_bounds_the_waiting_queue():
     sched.add_request(Request("a", [1] * 10, SamplingParams(max_tokens=4)))
     with pytest.raises(OverloadedError, match="prompt tokens are already waiting"):
         sched.add_request(Request("b", [1] * 10, SamplingParams(max_tokens=4)))
+
+
+def test_max_tokens_zero_scores_the_prompt_and_samples_nothing() -> None:
+    """A request for no token (prompt logprobs only): its prompt is computed, in chunks, and it
+    finishes ("length") without a sampled token, its blocks back in the pool."""
+    s = make(budget=4)
+    a = req("a", 10, max_tokens=0)
+    s.add_request(a)
+    model = FakeModel(4)
+    steps = 0
+    while s.has_unfinished():
+        out = s.schedule()
+        assert not any(seq.sample for seq in out.scheduled)
+        done = s.update(out, model.step(out))
+        steps += 1
+    assert steps == 3 and done == [a]
+    assert a.finish_reason == "length" and a.output_token_ids == []
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
