@@ -1,20 +1,49 @@
 /* MXFP4 weights (loaded with ctypes by afd/kernels/mxfp4.py): W [N, K] as blocks [N, K/32, 16]
  * (two e2m1 codes a byte, the even element in the low nibble) and scales [N, K/32] (e8m0).
  *
- * afd_mxfp4_linear multiplies x [M, K] (bf16 or float32) by W.T reading the 4-bit codes directly: a decode
- * step streams 17 bytes per 32 weights instead of 64. A block's 32 codes become int8 values
- * of twice the e2m1 value with one table lookup (vpshufb), then fp32; x times them is exact in
- * fp32, each block's sum is scaled by its power of two and accumulated, so results differ from
- * a bf16 matmul over the dequantized weights only in the fp32 summation order.
+ * afd_mxfp4_linear multiplies x [M, K] (bf16 or float32) by W.T reading the 4-bit codes
+ * directly: a decode step streams 17 bytes per 32 weights instead of 64. Codes become bf16
+ * bit patterns with two table lookups (vpshufb: the pattern's low and high byte) and one
+ * interleave, 64 weights (two blocks) at a time, with no per-element conversion:
+ *   - AVX2: a pair of bf16 words is one 32-bit lane; the even word shifted up and the odd word
+ *     masked are its two fp32 values, multiplied by x in fp32;
+ *   - AVX-512 BF16: vdpbf16ps multiplies the bf16 words by x in bf16 directly.
+ * The interleave leaves the weights in a fixed scrambled order within each 64; x is copied
+ * into the same order once per call, so no weight is ever moved back. Every product is exact
+ * in fp32 (both factors bf16); each block's sum is scaled by its power of two and
+ * accumulated, so results differ from a matmul over the dequantized weights only in the fp32
+ * summation order (and, on the AVX-512 path, products below fp32's normal range read as 0, as
+ * vdpbf16ps does). An odd last block of a row takes the plain route (decode32).
  * afd_mxfp4_to_bf16 expands rows into bf16 (exact: every MXFP4 value is a bf16 value), the
  * online conversion the FFN server's expert workspace keeps. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
-/* 2 x the e2m1 value of each code, as int8 */
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+/* scale byte s -> 2^(s - 127); and its half, for decode32's doubled values */
+static float scale_of[256], half_scale_of[256];
+static void init_scales(void) {
+  static int done = 0;
+  if (done) return;
+  for (int s = 0; s < 256; s++) {
+    scale_of[s] = ldexpf(1.0f, s - 127);
+    half_scale_of[s] = ldexpf(1.0f, s - 128);
+  }
+  done = 1;
+}
+
+/* e2m1 code -> its value's bf16 bit pattern, low byte and high byte (0, .5, 1, 1.5, 2, 3, 4,
+ * 6, then the negatives) */
+#define LUT_LO 0, 0, 0x80, 0xC0, 0, 0x40, 0x80, 0xC0, 0, 0, 0x80, 0xC0, 0, 0x40, 0x80, 0xC0
+#define LUT_HI 0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, \
+               0xC0, 0xC0
+
+/* One block's 32 codes as 8-lane fp32 vectors of twice their values, in element order. */
 static inline void decode32(const uint8_t *b, __m256 v[4]) {
   const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   const __m128i low4 = _mm_set1_epi8(0x0f);
@@ -28,15 +57,6 @@ static inline void decode32(const uint8_t *b, __m256 v[4]) {
   v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e1, 8)));
 }
 
-/* scale byte s -> 2^(s - 127) / 2 (the codes above are twice their values) */
-static float scale_of[256];
-static void init_scales(void) {
-  static int done = 0;
-  if (done) return;
-  for (int s = 0; s < 256; s++) scale_of[s] = ldexpf(1.0f, s - 128);
-  done = 1;
-}
-
 int afd_mxfp4_to_bf16(const uint8_t *blocks, const uint8_t *scales, uint16_t *out, int N, int K,
                       int threads) {
   if (K % 32) return -1;
@@ -46,63 +66,244 @@ int afd_mxfp4_to_bf16(const uint8_t *blocks, const uint8_t *scales, uint16_t *ou
   for (int64_t i = 0; i < (int64_t)N * G; i++) {
     __m256 v[4];
     decode32(blocks + i * 16, v);
-    __m256 s = _mm256_set1_ps(scale_of[scales[i]]);
+    __m256 s = _mm256_set1_ps(half_scale_of[scales[i]]);
     for (int j = 0; j < 4; j++) store8(out + i * 32 + j * 8, round8(_mm256_mul_ps(v[j], s)));
   }
   return 0;
 }
 
-#define MT 8 /* rows of x per pass over a weight row */
-#define NU 8 /* weight rows per work unit */
+/* ---- AVX2: a group of 64 weights (two blocks) as 8 fp32 vectors ----------------------------
+ * Vector v = 2p + odd (p = 0..3: which interleave, odd: the lane's high word), lane L: the
+ * element 2 * ((p % 2) * 8 + 2 * (L % 4) + odd + (L / 4) * 16) + p / 2 of the group; lanes 0..3
+ * are the first block's, 4..7 the second's. */
+static inline int avx2_element(int v, int L) {
+  int p = v / 2, odd = v % 2;
+  return 2 * ((p % 2) * 8 + 2 * (L % 4) + odd + (L / 4) * 16) + p / 2;
+}
 
-/* x [M, K] and y [M, N] are bf16, or float32 with f32 set. */
-int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales, void *y, int M,
-                     int N, int K, int f32, int threads) {
-  if (K % 32) return -1;
-  init_scales();
-  const int G = K / 32;
-  float *xf = (float *)aligned_alloc(64, ((size_t)M * K * sizeof(float) + 63) / 64 * 64);
-  if (!xf) return -2;
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < (int64_t)M * K; i += 8)
-      _mm256_storeu_ps(xf + i, f32 ? _mm256_loadu_ps((const float *)x + i)
-                                   : load_bf16((const uint16_t *)x + i));
-#pragma omp for schedule(dynamic)
-    for (int n0 = 0; n0 < N; n0 += NU) {
-      int n1 = n0 + NU < N ? n0 + NU : N;
-      for (int n = n0; n < n1; n++) {
-        const uint8_t *wb = blocks + (size_t)n * G * 16, *ws = scales + (size_t)n * G;
-        for (int m0 = 0; m0 < M; m0 += MT) {
-          int mt = M - m0 < MT ? M - m0 : MT;
-          __m256 acc[MT];
-          for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
-          for (int g = 0; g < G; g++) {
-            __m256 w[4];
-            decode32(wb + (size_t)g * 16, w);
-            __m256 s = _mm256_set1_ps(scale_of[ws[g]]);
-            const float *xg = xf + (size_t)m0 * K + (size_t)g * 32;
-            for (int m = 0; m < mt; m++) {
-              const float *xm = xg + (size_t)m * K;
-              __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xm));
-              t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xm + 8), t);
-              t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xm + 16), t);
-              t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xm + 24), t);
-              acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
-            }
-          }
-          for (int m = 0; m < mt; m++) {
-            size_t at = (size_t)(m0 + m) * N + n;
-            if (f32)
-              ((float *)y)[at] = hsum(acc[m]);
-            else
-              ((uint16_t *)y)[at] = to_bf16(hsum(acc[m]));
-          }
-        }
+static inline void decode64_f32(const uint8_t *b, __m256 w[8]) {
+  const __m256i lut_lo = _mm256_setr_epi8(LUT_LO, LUT_LO);
+  const __m256i lut_hi = _mm256_setr_epi8(LUT_HI, LUT_HI);
+  const __m256i low4 = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi32((int)0xffff0000u);
+  __m256i raw = _mm256_loadu_si256((const __m256i *)b);
+  __m256i codes[2] = {_mm256_and_si256(raw, low4),
+                      _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4)};
+  for (int h = 0; h < 2; h++) { /* low nibbles (even elements), then high (odd) */
+    __m256i lo = _mm256_shuffle_epi8(lut_lo, codes[h]), hi = _mm256_shuffle_epi8(lut_hi, codes[h]);
+    __m256i words[2] = {_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi)};
+    for (int u = 0; u < 2; u++) {
+      int p = 2 * h + u;
+      w[2 * p] = _mm256_castsi256_ps(_mm256_slli_epi32(words[u], 16));
+      w[2 * p + 1] = _mm256_castsi256_ps(_mm256_and_si256(words[u], high));
+    }
+  }
+}
+
+#define MT2 4 /* rows of x per pass over a weight row (AVX2: 8 weight + 4 sum registers) */
+#define NU 8  /* weight rows per work unit */
+#define INLINE static inline __attribute__((always_inline))
+
+/* R rows of x (a constant where inlined, so the sums stay in registers: through memory they
+ * would chain every group on a store-to-load round trip) against weight row n. */
+INLINE void rows_avx2(const float *xp, const uint8_t *wb, const uint8_t *ws, float *out, int R,
+                      int N, int G) {
+  const int groups = G / 2, row = G * 32;
+  __m256 acc[MT2];
+  for (int m = 0; m < R; m++) acc[m] = _mm256_setzero_ps();
+  for (int g = 0; g < groups; g++) {
+    __m256 w[8];
+    decode64_f32(wb + (size_t)g * 32, w);
+    __m256 s = _mm256_blend_ps(_mm256_set1_ps(scale_of[ws[2 * g]]),
+                               _mm256_set1_ps(scale_of[ws[2 * g + 1]]), 0xF0);
+    for (int m = 0; m < R; m++) {
+      const float *xg = xp + (size_t)m * row + (size_t)g * 64;
+      __m256 t0 = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
+      __m256 t1 = _mm256_mul_ps(w[1], _mm256_loadu_ps(xg + 8));
+      t0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), t0);
+      t1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), t1);
+      t0 = _mm256_fmadd_ps(w[4], _mm256_loadu_ps(xg + 32), t0);
+      t1 = _mm256_fmadd_ps(w[5], _mm256_loadu_ps(xg + 40), t1);
+      t0 = _mm256_fmadd_ps(w[6], _mm256_loadu_ps(xg + 48), t0);
+      t1 = _mm256_fmadd_ps(w[7], _mm256_loadu_ps(xg + 56), t1);
+      acc[m] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), s, acc[m]);
+    }
+  }
+  if (G % 2) {
+    __m256 w[4];
+    decode32(wb + (size_t)(G - 1) * 16, w);
+    __m256 s = _mm256_set1_ps(half_scale_of[ws[G - 1]]);
+    for (int m = 0; m < R; m++) {
+      const float *xt = xp + (size_t)m * row + (size_t)groups * 64;
+      __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));
+      t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), t);
+      t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), t);
+      t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), t);
+      acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
+    }
+  }
+  for (int m = 0; m < R; m++) out[(size_t)m * N] = hsum(acc[m]);
+}
+
+/* xp: per row, groups * 64 floats in decode64_f32's order, then the odd block's 32 in order */
+static void linear_avx2(const float *xp, const uint8_t *blocks, const uint8_t *scales,
+                        float *acc_out, int M, int N, int G, int n0, int n1) {
+  const size_t row = (size_t)G * 32;
+  for (int n = n0; n < n1; n++) {
+    const uint8_t *wb = blocks + (size_t)n * G * 16, *ws = scales + (size_t)n * G;
+    for (int m0 = 0; m0 < M; m0 += MT2) {
+      const float *x = xp + m0 * row;
+      float *o = acc_out + (size_t)m0 * N + n;
+      switch (M - m0 < MT2 ? M - m0 : MT2) {
+        case 1: rows_avx2(x, wb, ws, o, 1, N, G); break;
+        case 2: rows_avx2(x, wb, ws, o, 2, N, G); break;
+        case 3: rows_avx2(x, wb, ws, o, 3, N, G); break;
+        default: rows_avx2(x, wb, ws, o, 4, N, G); break;
       }
     }
   }
-  free(xf);
+}
+
+/* ---- AVX-512 BF16: a group of 64 weights as two vectors of 32 bf16 words ------------------
+ * Vector z (0: low interleave, 1: high), 128-bit lane q, word t: the element
+ * 2 * ((q % 2) * 16 + z * 8 + t) + q / 2 of the group; after vdpbf16ps, fp32 lanes 0..3 and
+ * 8..11 hold the first block's sums, 4..7 and 12..15 the second's. */
+static inline int avx512_element(int z, int q, int t) {
+  return 2 * ((q % 2) * 16 + z * 8 + t) + q / 2;
+}
+
+#define MT5 8 /* rows of x per pass over a weight row (AVX-512) */
+
+INLINE AVX512BF16 void rows_avx512(const uint16_t *xb, const float *xtail, const uint8_t *wb,
+                                   const uint8_t *ws, float *out, int R, int N, int G) {
+  const int groups = G / 2;
+  const __m512i lut_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(LUT_LO));
+  const __m512i lut_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(LUT_HI));
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[MT5];
+  __m256 acc_tail[MT5];
+  for (int m = 0; m < R; m++) {
+    acc[m] = _mm512_setzero_ps();
+    acc_tail[m] = _mm256_setzero_ps();
+  }
+  for (int g = 0; g < groups; g++) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + (size_t)g * 32));
+    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+    __m512i codes = _mm512_and_si512(both, low4);
+    __m512i lo = _mm512_shuffle_epi8(lut_lo, codes), hi = _mm512_shuffle_epi8(lut_hi, codes);
+    __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+    __m512bh w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+    __m512 s = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(scale_of[ws[2 * g]]),
+                                    _mm512_set1_ps(scale_of[ws[2 * g + 1]]));
+    for (int m = 0; m < R; m++) {
+      const uint16_t *xg = xb + ((size_t)m * groups + g) * 64;
+      __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0,
+                                  (__m512bh)_mm512_loadu_si512((const void *)xg));
+      t = _mm512_dpbf16_ps(t, w1, (__m512bh)_mm512_loadu_si512((const void *)(xg + 32)));
+      acc[m] = _mm512_fmadd_ps(t, s, acc[m]);
+    }
+  }
+  if (G % 2) {
+    __m256 w[4];
+    decode32(wb + (size_t)(G - 1) * 16, w);
+    __m256 s = _mm256_set1_ps(half_scale_of[ws[G - 1]]);
+    for (int m = 0; m < R; m++) {
+      const float *xt = xtail + (size_t)m * 32;
+      __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));
+      t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), t);
+      t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), t);
+      t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), t);
+      acc_tail[m] = _mm256_fmadd_ps(t, s, acc_tail[m]);
+    }
+  }
+  for (int m = 0; m < R; m++)
+    out[(size_t)m * N] = _mm512_reduce_add_ps(acc[m]) + hsum(acc_tail[m]);
+}
+
+static AVX512BF16 void linear_avx512(const uint16_t *xb, const float *xtail,
+                                     const uint8_t *blocks, const uint8_t *scales, float *acc_out,
+                                     int M, int N, int G, int n0, int n1) {
+  const size_t row = (size_t)(G / 2) * 64;
+  for (int n = n0; n < n1; n++) {
+    const uint8_t *wb = blocks + (size_t)n * G * 16, *ws = scales + (size_t)n * G;
+    for (int m0 = 0; m0 < M; m0 += MT5) {
+      const uint16_t *x = xb + m0 * row;
+      const float *xt = xtail + (size_t)m0 * 32;
+      float *o = acc_out + (size_t)m0 * N + n;
+      switch (M - m0 < MT5 ? M - m0 : MT5) {
+        case 1: rows_avx512(x, xt, wb, ws, o, 1, N, G); break;
+        case 2: rows_avx512(x, xt, wb, ws, o, 2, N, G); break;
+        case 3: rows_avx512(x, xt, wb, ws, o, 3, N, G); break;
+        case 4: rows_avx512(x, xt, wb, ws, o, 4, N, G); break;
+        case 5: rows_avx512(x, xt, wb, ws, o, 5, N, G); break;
+        case 6: rows_avx512(x, xt, wb, ws, o, 6, N, G); break;
+        case 7: rows_avx512(x, xt, wb, ws, o, 7, N, G); break;
+        default: rows_avx512(x, xt, wb, ws, o, 8, N, G); break;
+      }
+    }
+  }
+}
+
+static inline float x_at(const void *x, int f32, size_t i) {
+  return f32 ? ((const float *)x)[i] : bf16_value(((const uint16_t *)x)[i]);
+}
+
+/* x [M, K] and y [M, N] are bf16, or float32 with f32 set; isa 1: AVX-512 BF16 (bf16 x only).
+ * Returns 0, -1 for K not a multiple of 32, -2 when out of memory. */
+int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales, void *y, int M,
+                     int N, int K, int f32, int isa, int threads) {
+  if (K % 32) return -1;
+  init_scales();
+  const int G = K / 32, groups = G / 2;
+  const int wide = isa == 1 && !f32;
+  /* x in the weights' scrambled order: fp32 (AVX2) or bf16 words (AVX-512) plus the odd
+   * block's fp32 */
+  float *xp = wide ? NULL : (float *)malloc((size_t)M * K * sizeof(float));
+  uint16_t *xb = wide ? (uint16_t *)malloc((size_t)M * groups * 64 * sizeof(uint16_t) + 64) : NULL;
+  float *xtail = wide ? (float *)malloc((size_t)M * 32 * sizeof(float) + 64) : NULL;
+  float *acc = (float *)malloc((size_t)M * N * sizeof(float));
+  if ((!wide && !xp) || (wide && (!xb || !xtail)) || !acc) {
+    free(xp), free(xb), free(xtail), free(acc);
+    return -2;
+  }
+  int vmap[64]; /* element of the group at each scrambled position */
+  for (int i = 0; i < 64; i++)
+    vmap[i] = wide ? avx512_element(i / 32, (i % 32) / 8, i % 8) : avx2_element(i / 8, i % 8);
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) {
+      for (int g = 0; g < groups; g++)
+        for (int i = 0; i < 64; i++) {
+          size_t src = (size_t)m * K + (size_t)g * 64 + vmap[i];
+          if (wide)
+            xb[((size_t)m * groups + g) * 64 + i] = ((const uint16_t *)x)[src];
+          else
+            xp[(size_t)m * K + (size_t)g * 64 + i] = x_at(x, f32, src);
+        }
+      for (int i = 0; i < 32 * (G % 2); i++) {
+        size_t src = (size_t)m * K + (size_t)groups * 64 + i;
+        if (wide)
+          xtail[(size_t)m * 32 + i] = x_at(x, f32, src);
+        else
+          xp[(size_t)m * K + (size_t)groups * 64 + i] = x_at(x, f32, src);
+      }
+    }
+#pragma omp for schedule(dynamic)
+    for (int n0 = 0; n0 < N; n0 += NU) {
+      int n1 = n0 + NU < N ? n0 + NU : N;
+      if (wide)
+        linear_avx512(xb, xtail, blocks, scales, acc, M, N, G, n0, n1);
+      else
+        linear_avx2(xp, blocks, scales, acc, M, N, G, n0, n1);
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < (int64_t)M * N; i++) {
+      if (f32)
+        ((float *)y)[i] = acc[i];
+      else
+        ((uint16_t *)y)[i] = to_bf16(acc[i]);
+    }
+  }
+  free(xp), free(xb), free(xtail), free(acc);
   return 0;
 }

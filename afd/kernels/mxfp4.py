@@ -36,10 +36,11 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch
         x2 = x2.contiguous()
     M = x2.shape[0]
     f32 = x.dtype == torch.float32
+    isa = gemm.ISAS.get(paths.active().matmul, 0)  # AVX-512 BF16 where the path runs it
     y = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype)
     if M and gemm._lib().afd_mxfp4_linear(
         x2.data_ptr(), blocks.data_ptr(), scales.data_ptr(), y.data_ptr(), M, N, K, int(f32),
-        torch.get_num_threads(),
+        isa, torch.get_num_threads(),
     ):  # fmt: skip
         raise RuntimeError(f"afd_mxfp4_linear failed for x {tuple(x.shape)} @ w [{N}, {K}]")
     return y

@@ -1,0 +1,164 @@
+"""`afd bench mxfp4`: MXFP4 experts against the BF16 experts of the same model: the FFN
+server's resident bytes, and decode throughput at each batch size on each compute path
+(direct: afd's kernel reads the 4-bit weights; workspace: experts converted on use into a
+shared pool), all measured in one run.
+
+The model is `afd bench engine`'s checkpoint (qwen3_moe, hidden 1024, 8 layers, 32 experts
+of 512, top-4, bf16); its MXFP4 copy is written by `afd quantize --mxfp4` (cached). Resident
+bytes: a fresh process per copy loads one FFN shard holding every expert and reports how much
+its resident set grew (copies alternate, `--repeat` times, medians). Decode: in-process
+engines (attention and FFN in one process, as `afd bench engine`), alternating, `--repeat`
+times, medians, with the ratio to BF16 for each path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+_CHILD = r"""
+import gc, os, sys, torch
+from afd.config import ExpertConfig, ModelConfig
+from afd.sharding import ExpertShard
+from services.ffn.engine import FFNEngine
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+path, compute = sys.argv[1], sys.argv[2]
+cfg = ModelConfig.from_hf(path)
+from afd.kernels import paths  # the kernel path and its start-up measurement: not weights
+paths.active()
+paths.onednn_from_rows(torch.get_num_threads())
+gc.collect()
+before = rss()
+held = FFNEngine(cfg, ExpertShard(0, 1, cfg.num_experts), torch.bfloat16, progress=False,
+                 experts=ExpertConfig(compute=compute))
+gc.collect()
+print(rss() - before)
+"""
+
+
+def _resident(path: Path, compute: str) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), compute],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PATH": ""},
+    )
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def run(args: argparse.Namespace) -> dict:
+    from afd.config import CacheConfig, EngineConfig, ExpertConfig, ModelConfig, SchedulerConfig
+    from afd_cli.bench.engine import (
+        REFERENCE_CONFIG,
+        _afd_time,
+        _cpu,
+        _decode_tps,
+        _prompts,
+        build_checkpoint,
+    )
+    from afd_cli.local import local_engine
+    from afd_cli.quantize import write
+
+    torch.set_num_threads(args.threads)
+    cache = Path(args.cache_dir)
+    bf16 = build_checkpoint(cache / "bench-qwen3moe-ref")
+    mx = cache / "bench-qwen3moe-ref-mxfp4"
+    if not (mx / "config.json").is_file():
+        write(bf16, mx, "mxfp4", progress=False)
+
+    variants = {  # name -> (checkpoint, expert compute)
+        "bf16": (bf16, "auto"),
+        "mxfp4_direct": (mx, "direct"),
+        "mxfp4_workspace": (mx, "workspace"),
+    }
+    resident: dict[str, list[int]] = {name: [] for name in variants}
+    for _ in range(args.repeat):
+        for name, (path, compute) in variants.items():
+            resident[name].append(_resident(path, compute))
+    res_med = {name: int(statistics.median(v)) for name, v in resident.items()}
+
+    def engine_cfg(path: Path, compute: str) -> EngineConfig:
+        return EngineConfig(
+            model=ModelConfig.from_hf(path),
+            dtype="bfloat16",
+            a2f_dtype="bf16",
+            threads=args.threads,
+            cache=CacheConfig(block_size=16, kv_cache_memory_gb=0.5),
+            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
+            experts=ExpertConfig(compute=compute, workspace_mb=args.workspace_mb),
+        )
+
+    results = []
+    with ExitStack() as stack:
+        engines = {
+            name: stack.enter_context(local_engine(engine_cfg(p, c), 1, progress=False))
+            for name, (p, c) in variants.items()
+        }
+        for batch in args.batch:
+            prompts = _prompts(batch, args.prompt_len, REFERENCE_CONFIG["vocab_size"], batch)
+            sides = {
+                name: (lambda e: lambda p, n: _afd_time(e, p, n))(eng)
+                for name, eng in engines.items()
+            }
+            for fn in sides.values():
+                fn(prompts, 2)  # warm-up (and the workspace's first conversions)
+            runs: dict[str, list[float]] = {name: [] for name in sides}
+            for _ in range(args.repeat):
+                for name, fn in sides.items():
+                    runs[name].append(_decode_tps(fn, prompts, args.new_tokens))
+            med = {name: statistics.median(v) for name, v in runs.items()}
+            row = {
+                "batch": batch,
+                "tok_s": {name: round(v, 1) for name, v in med.items()},
+                "ratio_to_bf16": {
+                    name: round(med[name] / med["bf16"], 2) for name in med if name != "bf16"
+                },
+                "runs": {name: [round(v, 1) for v in r] for name, r in runs.items()},
+            }
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    return {
+        "benchmark": "mxfp4_experts",
+        "config": "qwen3_moe hidden 1024, 8 layers, 32 experts of 512 top-4; experts MXFP4 vs bf16",
+        "cpu": _cpu(),
+        "threads": args.threads,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "workspace_mb": args.workspace_mb,
+        "repeat": args.repeat,
+        "ffn_resident_bytes": res_med,
+        "ffn_resident_ratio": {
+            name: round(res_med[name] / res_med["bf16"], 3) for name in res_med if name != "bf16"
+        },
+        "resident_runs": resident,
+        "decode": results,
+    }
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("mxfp4", help="MXFP4 experts vs BF16: FFN resident bytes and decode tok/s")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--workspace-mb",
+        type=float,
+        default=1024.0,
+        help="the workspace path's pool (the model's experts are 805 MB in bf16)",
+    )
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
+    p.set_defaults(func=lambda a: print(json.dumps(run(a), indent=2)) or 0)
