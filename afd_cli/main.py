@@ -60,11 +60,22 @@ def bench_parser() -> argparse.ArgumentParser:
     """`afd bench`'s own parser. Its subcommands import torch and the services, so it is built
     only when a benchmark runs: every other command (the gateway above all, which loads no
     torch) starts without them."""
-    from afd_cli.bench import context, engine, http, mxfp4, peer, pipeline, serve, weights, wire
+    from afd_cli.bench import (
+        context,
+        engine,
+        http,
+        mxfp4,
+        peer,
+        pipeline,
+        quality,
+        serve,
+        weights,
+        wire,
+    )  # fmt: skip
 
     parser = argparse.ArgumentParser(prog="afd bench", description="benchmarks that print JSON")
     bsub = parser.add_subparsers(dest="bench", required=True)
-    for bench in (engine, pipeline, http, serve, peer, context, weights, mxfp4):
+    for bench in (engine, pipeline, http, serve, peer, context, weights, mxfp4, quality):
         bench.add_parser(bsub)
     w = bsub.add_parser(
         "wire", help="FP8 codec, per-layer round trip, bytes on the wire", add_help=False

@@ -33,7 +33,7 @@ def parse(f: Fields, path: str, prefix: str) -> ModelConfig:
         rope_theta=f.rope_theta(150000.0),
         max_position=f.int("max_position_embeddings"),
         num_experts=f.int("num_local_experts", "num_experts"),
-        top_k=f.int("num_experts_per_tok"),
+        top_k=f.int("num_experts_per_tok", "experts_per_token"),
         moe_intermediate_size=f.int("intermediate_size"),
         intermediate_size=0,
         shared_expert_intermediate_size=0,

@@ -3,8 +3,11 @@ server's resident bytes, and decode throughput at each batch size on each comput
 (direct: afd's kernel reads the 4-bit weights; workspace: experts converted on use into a
 shared pool), all measured in one run.
 
-The model is `afd bench engine`'s checkpoint (qwen3_moe, hidden 1024, 8 layers, 32 experts
-of 512, top-4, bf16); its MXFP4 copy is written by `afd quantize --mxfp4` (cached). Resident
+The default model is gpt-oss-shaped (the family MXFP4 comes with) and scaled to this box:
+hidden 1024, 8 layers alternating sliding (128) and full attention, 32 experts of 1024, top-4,
+a 32000 vocabulary, random bf16 weights (fixed seed); routed experts are two thirds of the
+bytes a decode step reads, as in gpt-oss-20b. `--model` takes any BF16 checkpoint instead. Its
+MXFP4 copy is written by `afd quantize --mxfp4` (cached). Resident
 bytes: a fresh process per copy loads one FFN shard holding every expert and reports how much
 its resident set grew (copies alternate, `--repeat` times, medians). Decode: in-process
 engines (attention and FFN in one process, as `afd bench engine`), alternating, `--repeat`
@@ -22,6 +25,40 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+
+GPT_OSS_SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def build_gpt_oss(path: Path, seed: int = 0) -> Path:
+    if not (path / "config.json").is_file():
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        from afd.demo import write_tokenizer
+
+        torch.manual_seed(seed)
+        model = GptOssForCausalLM(GptOssConfig(**GPT_OSS_SHAPE)).to(torch.bfloat16)
+        tmp = path.with_name(path.name + ".tmp")
+        model.save_pretrained(tmp)
+        write_tokenizer(tmp)
+        tmp.rename(path)
+    return path
+
 
 _CHILD = r"""
 import gc, os, sys, torch
@@ -61,22 +98,21 @@ def _resident(path: Path, compute: str) -> int:
 def run(args: argparse.Namespace) -> dict:
     from afd.config import CacheConfig, EngineConfig, ExpertConfig, ModelConfig, SchedulerConfig
     from afd_cli.bench.engine import (
-        REFERENCE_CONFIG,
         _afd_time,
         _cpu,
         _decode_tps,
         _prompts,
-        build_checkpoint,
     )
     from afd_cli.local import local_engine
     from afd_cli.quantize import write
 
     torch.set_num_threads(args.threads)
     cache = Path(args.cache_dir)
-    bf16 = build_checkpoint(cache / "bench-qwen3moe-ref")
-    mx = cache / "bench-qwen3moe-ref-mxfp4"
+    bf16 = Path(args.model) if args.model else build_gpt_oss(cache / "bench-gpt-oss-1024")
+    mx = cache / f"{bf16.name}-mxfp4"
     if not (mx / "config.json").is_file():
         write(bf16, mx, "mxfp4", progress=False)
+    vocab = ModelConfig.from_hf(bf16).vocab_size
 
     variants = {  # name -> (checkpoint, expert compute)
         "bf16": (bf16, "auto"),
@@ -107,7 +143,7 @@ def run(args: argparse.Namespace) -> dict:
             for name, (p, c) in variants.items()
         }
         for batch in args.batch:
-            prompts = _prompts(batch, args.prompt_len, REFERENCE_CONFIG["vocab_size"], batch)
+            prompts = _prompts(batch, args.prompt_len, vocab, batch)
             sides = {
                 name: (lambda e: lambda p, n: _afd_time(e, p, n))(eng)
                 for name, eng in engines.items()
@@ -131,7 +167,8 @@ def run(args: argparse.Namespace) -> dict:
             print(json.dumps(row), flush=True)
     return {
         "benchmark": "mxfp4_experts",
-        "config": "qwen3_moe hidden 1024, 8 layers, 32 experts of 512 top-4; experts MXFP4 vs bf16",
+        "model": str(bf16),
+        "mxfp4_model": str(mx),
         "cpu": _cpu(),
         "threads": args.threads,
         "prompt_len": args.prompt_len,
@@ -149,6 +186,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("mxfp4", help="MXFP4 experts vs BF16: FFN resident bytes and decode tok/s")
+    p.add_argument("--model", help="a BF16 checkpoint (default: a gpt-oss-shaped model)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -157,7 +195,7 @@ def add_parser(sub) -> None:
         "--workspace-mb",
         type=float,
         default=1024.0,
-        help="the workspace path's pool (the model's experts are 805 MB in bf16)",
+        help="the workspace path's pool (the default model's experts are 1.6 GB in bf16)",
     )
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
