@@ -43,6 +43,19 @@ def field_default(cls: type, name: str) -> Any:
     raise ConfigError(f"{cls.__name__}.{name} has no default for a flag to take")
 
 
+GIVEN = "_given_flags"  # the dests of the flags a command line gave (set on the namespace)
+
+
+class _Store(argparse.Action):
+    """argparse's "store", remembering that the flag was given: `forward` passes a value the
+    user gave on even when it equals the default (a launcher may otherwise choose its own)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        given = getattr(namespace, GIVEN, None) or set()
+        setattr(namespace, GIVEN, given | {self.dest})
+
+
 def option(group: Group, flag: str, cls: type, name: str, **kwargs: Any) -> argparse.Action:
     """Declare `flag` as the command-line form of `cls.name` (see the module docstring)."""
     default = field_default(cls, name)
@@ -51,6 +64,7 @@ def option(group: Group, flag: str, cls: type, name: str, **kwargs: Any) -> argp
     else:
         if default is not None and "type" not in kwargs and "action" not in kwargs:
             kwargs["type"] = type(default)
+        kwargs.setdefault("action", _Store)
         kwargs.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
         if default not in ("", None):
             kwargs["help"] = (kwargs.get("help", "") + " (default: %(default)s)").strip()
@@ -69,12 +83,13 @@ def build(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
 
 
 def forward(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
-    """The flags that give a child process the values parsed for `actions` (those left at
-    their default are left out: the child has the same default)."""
+    """The flags that give a child process the values parsed for `actions` (those neither given
+    nor changed from their default are left out: the child has the same default)."""
     argv: list[str] = []
+    given = getattr(args, GIVEN, None) or set()
     for a in actions:
         value = getattr(args, a.dest)
-        if value == a.default:
+        if value == a.default and a.dest not in given:
             continue
         if isinstance(a, argparse._StoreTrueAction | argparse._StoreFalseAction):
             argv.append(a.option_strings[0])

@@ -114,3 +114,20 @@ def test_serve_in_one_process_hands_hidden_states_over_in_bf16():
     assert "--a2f-dtype" not in attention_argv(transport="tcp")  # the engine's default: fp8
     asked = attention_argv(transport="inproc", engine_args=("--a2f-dtype", "fp8"))
     assert asked.count("--a2f-dtype") == 1  # what the user asked for stands
+
+
+def test_a_flag_given_at_its_default_is_passed_on():
+    """`afd serve --transport inproc --a2f-dtype fp8`: fp8 is the engine's default, but the user
+    asked for it, so the in-process bf16 hand-over must not replace it (it once did: flags left
+    at their default were not forwarded, so the launcher could not tell)."""
+    from afd_cli.cluster import Cluster
+    from afd_cli.main import build_parser
+    from afd_cli.serve import config
+
+    args = build_parser().parse_args(["serve", "--transport", "inproc", "--a2f-dtype", "fp8"])
+    (child,) = [c for c in Cluster(config(args)).plan() if c.name == "attention-0"]
+    assert child.argv[child.argv.index("--a2f-dtype") + 1] == "fp8"
+    assert child.argv.count("--a2f-dtype") == 1
+    args = build_parser().parse_args(["serve", "--transport", "tcp", "--expert-compute", "direct"])
+    ffn = [c for c in Cluster(config(args)).plan() if c.name.startswith("ffn-")]
+    assert ffn and all(c.argv[c.argv.index("--expert-compute") + 1] == "direct" for c in ffn)
