@@ -56,9 +56,10 @@ class FFNEngine:
         self.shared: dict[int, MLPWeights] = {}
         self.dense: dict[int, MLPWeights] = {}
         act = activation(cfg)
-        self.expert_compute = _expert_compute(cfg, experts or ExpertConfig())
+        experts = experts or ExpertConfig()
+        self.expert_compute = _expert_compute(cfg, experts)
         self.workspace = (
-            ExpertWorkspace(int((experts or ExpertConfig()).workspace_mb * (1 << 20)))
+            ExpertWorkspace(int(experts.workspace_mb * (1 << 20)))
             if self.expert_compute == "workspace"
             else None
         )
@@ -118,7 +119,9 @@ class FFNEngine:
 
 
 def _expert_compute(cfg: ModelConfig, experts: ExpertConfig) -> str:
-    """How MXFP4 experts are multiplied here ("" where they are not MXFP4)."""
+    """How MXFP4 experts are multiplied here ("" where they are not MXFP4). auto is direct on
+    every CPU: it was the faster path at batch 1 and 32 where measured (docs/benchmarks.md;
+    the workspace saves no bytes per step and converts whatever its pool cannot hold)."""
     if not cfg.mxfp4_experts:
         return ""
     return "direct" if experts.compute == "auto" else experts.compute

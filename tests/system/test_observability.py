@@ -61,7 +61,7 @@ def _workload(url: str) -> list[tuple[dict, int]]:
     jobs += [("completions", {**comp, "max_tokens": 4, "n": 2}, 2)]
     with ThreadPoolExecutor(4) as pool:
         usages = list(pool.map(lambda j: post(j[0], j[1]), jobs))
-    bad = httpx.post(f"{url}/completions", json={**comp, "max_tokens": 0}, timeout=30)
+    bad = httpx.post(f"{url}/completions", json={**comp, "max_tokens": -1}, timeout=30)
     assert bad.status_code == 400
     return [(u, n) for u, (_, _, n) in zip(usages, jobs, strict=True)]
 
