@@ -79,8 +79,10 @@ static void scores(const float *qf, const uint16_t *cache,
   }
 }
 
-/* s[j, :len] <- bf16(softmax(s[j, :len])), in place; s rows are padded to a multiple of 8. */
-static void softmax_rows(float *s, int len, int g) {
+/* s[j, :len] <- bf16(softmax(s[j, :len])), in place; s rows are padded to a multiple of 8.
+ * sink (or NULL): a logit per query head that joins each softmax's max and denominator and
+ * takes no value (gpt-oss), as the torch path's extra column does. */
+static void softmax_rows(float *s, int len, int g, const float *sink) {
   for (int j = 0; j < g; j++) {
     float *sj = s + (size_t)j * len, m = sj[0], sum = 0.0f;
     int l = 1;
@@ -98,6 +100,7 @@ static void softmax_rows(float *s, int len, int g) {
       for (int i = 0; i < 32; i++) m = t[i] > m ? t[i] : m;
     }
     for (; l < len; l++) m = sj[l] > m ? sj[l] : m;
+    if (sink) m = sink[j] > m ? sink[j] : m;
     const __m256 vm = _mm256_set1_ps(m);
     l = 0;
     __m256 acc = _mm256_setzero_ps();
@@ -114,6 +117,11 @@ static void softmax_rows(float *s, int len, int g) {
     }
     sum = hsum(acc);
     for (int i = l; i < len; i++) sum += sj[i];
+    if (sink) { /* the same exp as the scores' */
+      float tmp[8] = {sink[j] - m};
+      _mm256_storeu_ps(tmp, exp8(_mm256_loadu_ps(tmp)));
+      sum += tmp[0];
+    }
     const __m256 vs = _mm256_set1_ps(sum);
     for (l = 0; l + 8 <= len; l += 8) _mm256_storeu_ps(sj + l, round8(_mm256_div_ps(_mm256_loadu_ps(sj + l), vs)));
     for (; l < len; l++) sj[l] = bf16_round(sj[l] / sum);
@@ -161,12 +169,15 @@ static void weighted_sum(const float *p, const float *zeros, const uint16_t *cac
 }
 
 /* q [B, kvh * g, D], k/v cache [kvh, NB, bs, D], blocks [B, nb] int64, lens [B] int64,
- * out [B, kvh * g, D]; all bf16 but the indices. Returns 0, or -1 when D is not a multiple of
- * 8, a length exceeds the block table, or memory is short. */
-int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                              const int64_t *blocks, const int64_t *lens, uint16_t *out, int B,
-                              int kvh, int g, int D, int NB, int bs, int nb, float scale,
-                              int threads) {
+ * out [B, kvh * g, D]; all bf16 but the indices. sinks: NULL or [kvh * g] float, a sink logit
+ * per query head; window > 0: each row attends to its last `window` positions only. Returns
+ * 0, or -1 when D is not a multiple of 8, a length exceeds the block table, or memory is
+ * short. */
+int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
+                                  const uint16_t *v_cache, const int64_t *blocks,
+                                  const int64_t *lens, uint16_t *out, int B, int kvh, int g, int D,
+                                  int NB, int bs, int nb, float scale, const float *sinks,
+                                  int window, int threads) {
   if (D % 8 != 0 || B <= 0 || g <= 0) return -1;
   for (int b = 0; b < B; b++)
     if (lens[b] < 1 || lens[b] > (int64_t)nb * bs) return -1;
@@ -174,6 +185,8 @@ int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const 
 #pragma omp parallel for num_threads(t) schedule(dynamic, 1) if (t > 1)
   for (int task = 0; task < B * kvh; task++) {
     int b = task / kvh, h = task % kvh, len = (int)lens[b];
+    int start = window > 0 && len > window ? len - window : 0; /* first visible position */
+    len -= start;
     float *qf = (float *)malloc((size_t)g * D * sizeof(float));
     float *s = (float *)malloc(((size_t)g * len + 8) * sizeof(float));
     float *zeros = (float *)calloc((size_t)len, sizeof(float));
@@ -185,11 +198,13 @@ int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const 
       const uint16_t *qb = q + ((size_t)b * kvh * g + (size_t)h * g) * D;
       for (int i = 0; i < g * D; i += 8) _mm256_storeu_ps(qf + i, load_bf16(qb + i));
       /* element offset of position l's row for this head, the same in the K and V caches */
-      for (int l = 0; l < len; l++)
-        row[l] = (((int64_t)h * NB + blocks[(size_t)b * nb + l / bs]) * bs + l % bs) * D;
+      for (int l = 0; l < len; l++) {
+        int pos = start + l;
+        row[l] = (((int64_t)h * NB + blocks[(size_t)b * nb + pos / bs]) * bs + pos % bs) * D;
+      }
       for (int l = 0; l < 16 && l < len; l++) _mm_prefetch((const char *)(k_cache + row[l]), _MM_HINT_T0);
       scores(qf, k_cache, row, len, g, D, scale, s, kt);
-      softmax_rows(s, len, g);
+      softmax_rows(s, len, g, sinks ? sinks + (size_t)h * g : NULL);
       uint16_t *ob = out + ((size_t)b * kvh * g + (size_t)h * g) * D;
       for (int j0 = 0; j0 < g; j0 += 4)
         weighted_sum(s, zeros, v_cache, row, len, g, j0, D, ob + (size_t)j0 * D);
@@ -197,4 +212,12 @@ int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const 
     free(qf), free(s), free(zeros), free(kt), free(row);
   }
   return failed ? -1 : 0;
+}
+
+int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                              const int64_t *blocks, const int64_t *lens, uint16_t *out, int B,
+                              int kvh, int g, int D, int NB, int bs, int nb, float scale,
+                              int threads) {
+  return afd_bf16_decode_attention_ext(q, k_cache, v_cache, blocks, lens, out, B, kvh, g, D, NB,
+                                       bs, nb, scale, NULL, 0, threads);
 }

@@ -15,6 +15,8 @@ def decode_attention(
     blocks: torch.Tensor,  # [B, nb] long: block table per sequence, padded
     lens: torch.Tensor,  # [B] long: positions 0..len-1 of each sequence are attended
     scale: float,
+    sinks: torch.Tensor | None = None,  # [nh] float32: a logit per head that takes no value
+    window: int = 0,  # > 0: only each sequence's last `window` positions are attended
 ) -> torch.Tensor:  # [B, nh * D] bf16
     B, nh, D = q.shape
     kvh, NB, bs, _ = k_cache.shape
@@ -22,7 +24,8 @@ def decode_attention(
     blocks = blocks.contiguous()
     lens = lens.contiguous()
     out = torch.empty(B, nh * D, dtype=torch.bfloat16)
-    rc = gemm._lib().afd_bf16_decode_attention(
+    sinks = None if sinks is None else sinks.float().contiguous()
+    rc = gemm._lib().afd_bf16_decode_attention_ext(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -37,6 +40,8 @@ def decode_attention(
         bs,
         blocks.shape[1],
         scale,
+        None if sinks is None else sinks.data_ptr(),
+        window,
         torch.get_num_threads(),
     )
     if rc:

@@ -48,6 +48,9 @@ def _lib() -> ctypes.CDLL | None:
     f = ctypes.c_float
     lib.afd_bf16_decode_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
     lib.afd_bf16_decode_attention.restype = i
+    ext = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, p, i, i]
+    lib.afd_bf16_decode_attention_ext.argtypes = ext
+    lib.afd_bf16_decode_attention_ext.restype = i
     lib.afd_bf16_index_scores.argtypes = [p, p, p, p, i, p, i, i, i, i, i, i, f, i]
     lib.afd_bf16_index_scores.restype = i
     L = ctypes.c_long

@@ -48,10 +48,11 @@ def paged_attention(
     nd = meta.num_decode
     fused = native() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
     fused = fused and Dv == D and k_cache.is_contiguous() and v_cache.is_contiguous()
-    fused = fused and sinks is None and not window
     if nd and fused and k_cache.device.type == "cpu":
         lens = meta.decode_lens
-        out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale)
+        out[:nd] = decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale, sinks, window
+        )
     elif nd:
         assert meta.decode_bias is not None
         bias = _windowed(meta.decode_bias, meta.positions[:nd], window)

@@ -179,12 +179,16 @@ needs_library = pytest.mark.skipif(
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_matches_the_torch_path(kvh, g, d, lens, num_blocks, threads):
+@pytest.mark.parametrize("window,sinks", [(0, False), (24, True)], ids=["plain", "sinks-window"])
+def test_decode_attention_matches_the_torch_path(
+    kvh, g, d, lens, num_blocks, threads, window, sinks
+):
     """The native paged decode attention against services/attention's torch path (gathered
     blocks, bmm with bf16 rounding, fp32 softmax) on a shuffled block table: the same to
-    bf16 rounding, and the same bits almost everywhere."""
+    bf16 rounding, and the same bits almost everywhere; also with gpt-oss's sink logits and a
+    sliding window shorter than most rows."""
     from afd.kernels.attention import decode_attention
-    from services.attention.paged_attention import _attend
+    from services.attention.paged_attention import _attend, _windowed
 
     gen = torch.Generator().manual_seed(kvh * 100 + g)
     bs = 16
@@ -197,12 +201,15 @@ def test_decode_attention_matches_the_torch_path(kvh, g, d, lens, num_blocks, th
     bias = torch.full((len(lens), 1, nb * bs), float("-inf"))
     for i, n in enumerate(lens.tolist()):
         bias[i, :, :n] = 0.0
+    bias = _windowed(bias, lens - 1, window)
+    sink = torch.randn(kvh * g, generator=gen) * 2 if sinks else None
     scale = d**-0.5
-    ref = _attend(q.unsqueeze(1), k_cache, v_cache, blocks, bias, scale).reshape(len(lens), -1)
+    ref = _attend(q.unsqueeze(1), k_cache, v_cache, blocks, bias, scale, sink)
+    ref = ref.reshape(len(lens), -1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = decode_attention(q, k_cache, v_cache, blocks, lens, scale)
+        out = decode_attention(q, k_cache, v_cache, blocks, lens, scale, sink, window)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2**-9)
