@@ -42,16 +42,18 @@ REFERENCE_CONFIG = dict(
 )
 
 
-def build_checkpoint(path: Path, seed: int = 0) -> Path:
-    """The benchmark checkpoint (random weights, fixed seed), with afd's demo byte-level
-    tokenizer so that servers can take text (`afd bench serve`, `afd bench peer`)."""
+def write_random_checkpoint(path: Path, arch: str, config: dict, seed: int = 0) -> Path:
+    """A bf16 checkpoint of transformers' `{arch}Config` / `{arch}ForCausalLM` with random
+    weights (fixed seed) and afd's demo byte-level tokenizer, so that servers can take text
+    (`afd bench serve`, `afd bench peer`); written once, then reused."""
     from afd.demo import write_tokenizer
 
     if not (path / "config.json").is_file():
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        import transformers
 
         torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**REFERENCE_CONFIG)).to(torch.bfloat16)
+        cfg = getattr(transformers, f"{arch}Config")(**config)
+        model = getattr(transformers, f"{arch}ForCausalLM")(cfg).to(torch.bfloat16)
         tmp = path.with_name(path.name + ".tmp")
         model.save_pretrained(tmp)
         write_tokenizer(tmp)
@@ -59,6 +61,11 @@ def build_checkpoint(path: Path, seed: int = 0) -> Path:
     elif not (path / "tokenizer.json").is_file():  # made before the tokenizer was added
         write_tokenizer(path)
     return path
+
+
+def build_checkpoint(path: Path, seed: int = 0) -> Path:
+    """The benchmark checkpoint (qwen3_moe, REFERENCE_CONFIG)."""
+    return write_random_checkpoint(path, "Qwen3Moe", REFERENCE_CONFIG, seed)
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -46,63 +44,15 @@ GPT_OSS_SHAPE = dict(
 
 
 def build_gpt_oss(path: Path, seed: int = 0) -> Path:
-    if not (path / "config.json").is_file():
-        from transformers import GptOssConfig, GptOssForCausalLM
+    from afd_cli.bench.engine import write_random_checkpoint
 
-        from afd.demo import write_tokenizer
-
-        torch.manual_seed(seed)
-        model = GptOssForCausalLM(GptOssConfig(**GPT_OSS_SHAPE)).to(torch.bfloat16)
-        tmp = path.with_name(path.name + ".tmp")
-        model.save_pretrained(tmp)
-        write_tokenizer(tmp)
-        tmp.rename(path)
-    return path
-
-
-_CHILD = r"""
-import gc, os, sys, torch
-from afd.config import ExpertConfig, ModelConfig
-from afd.sharding import ExpertShard
-from services.ffn.engine import FFNEngine
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-path, compute = sys.argv[1], sys.argv[2]
-cfg = ModelConfig.from_hf(path)
-from afd.kernels import paths  # the kernel path and its start-up measurement: not weights
-paths.active()
-paths.onednn_from_rows(torch.get_num_threads())
-gc.collect()
-before = rss()
-held = FFNEngine(cfg, ExpertShard(0, 1, cfg.num_experts), torch.bfloat16, progress=False,
-                 experts=ExpertConfig(compute=compute))
-gc.collect()
-print(rss() - before)
-"""
-
-
-def _resident(path: Path, compute: str) -> int:
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(path), compute],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PATH": ""},
-    )
-    return int(out.stdout.strip().splitlines()[-1])
+    return write_random_checkpoint(path, "GptOss", GPT_OSS_SHAPE, seed)
 
 
 def run(args: argparse.Namespace) -> dict:
     from afd.config import CacheConfig, EngineConfig, ExpertConfig, ModelConfig, SchedulerConfig
-    from afd_cli.bench.engine import (
-        _afd_time,
-        _cpu,
-        _decode_tps,
-        _prompts,
-    )
+    from afd_cli.bench.engine import _afd_time, _cpu, _decode_tps, _prompts
+    from afd_cli.bench.weights import resident as ffn_resident
     from afd_cli.local import local_engine
     from afd_cli.quantize import write
 
@@ -122,7 +72,7 @@ def run(args: argparse.Namespace) -> dict:
     resident: dict[str, list[int]] = {name: [] for name in variants}
     for _ in range(args.repeat):
         for name, (path, compute) in variants.items():
-            resident[name].append(_resident(path, compute))
+            resident[name].append(ffn_resident("ffn", path, compute))
     res_med = {name: int(statistics.median(v)) for name, v in resident.items()}
 
     def engine_cfg(path: Path, compute: str) -> EngineConfig:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -25,12 +24,6 @@ import httpx
 from afd_cli.bench.peer import _stop, _wait_ready
 
 _DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _score(url: str, windows: list[list[int]]) -> list[tuple[float, str, str]]:
@@ -52,6 +45,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from afd_cli.bench.engine import _cpu
     from afd_cli.bench.mxfp4 import build_gpt_oss
+    from afd_cli.cluster import free_port
     from afd_cli.quantize import write
 
     cache = Path(args.cache_dir)
@@ -68,7 +62,7 @@ def run(args: argparse.Namespace) -> dict:
     scored: dict[str, list[tuple[float, str, str]]] = {}
     windows: list[list[int]] = []
     for name, (path, extra) in variants.items():
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, "-m", "afd_cli", "serve", "--model", str(path), "--port", str(port)]
         cmd += ["--transport", "inproc", *extra]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

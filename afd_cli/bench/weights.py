@@ -23,7 +23,7 @@ from afd_cli.quantize import fp8_block
 
 _CHILD = r"""
 import gc, os, sys, torch
-from afd.config import ModelConfig
+from afd.config import ExpertConfig, ModelConfig
 from afd.sharding import ExpertShard
 from services.attention.model import AttentionModel
 from services.ffn.engine import FFNEngine
@@ -32,7 +32,7 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-role, path = sys.argv[1], sys.argv[2]
+role, path, compute = sys.argv[1], sys.argv[2], sys.argv[3]
 cfg = ModelConfig.from_hf(path)
 from afd.kernels import paths  # the kernel path and its start-up measurement: not weights
 paths.active()
@@ -42,15 +42,18 @@ before = rss()
 if role == "attention":
     held = AttentionModel(cfg, torch.bfloat16, progress=False)
 else:
-    held = FFNEngine(cfg, ExpertShard(0, 1, cfg.num_experts), torch.bfloat16, progress=False)
+    held = FFNEngine(cfg, ExpertShard(0, 1, cfg.num_experts), torch.bfloat16, progress=False,
+                     experts=ExpertConfig(compute=compute))
 gc.collect()
 print(rss() - before)
 """
 
 
-def _resident(role: str, path: Path) -> int:
+def resident(role: str, path: Path, compute: str = "auto") -> int:
+    """Bytes the resident set of a fresh process grows by when it loads `role`'s weights
+    (`compute`: how an FFN shard multiplies MXFP4 experts)."""
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, role, str(path)],
+        [sys.executable, "-c", _CHILD, role, str(path), compute],
         check=True,
         capture_output=True,
         text=True,
@@ -69,7 +72,7 @@ def run(args: argparse.Namespace) -> dict:
     for _ in range(args.repeat):
         for role in ("attention", "ffn"):
             for name, path in (("bf16", bf16), ("fp8", fp8)):
-                runs.setdefault((role, name), []).append(_resident(role, path))
+                runs.setdefault((role, name), []).append(resident(role, path))
     med = {key: int(statistics.median(v)) for key, v in runs.items()}
     roles = {
         role: {

@@ -2,7 +2,8 @@
 fixed-size pool that every layer's experts share, least recently used first out.
 
 The FFN server holds every expert of its shard in 4 bits and touches a few per layer and
-token; converting all of them at load would take 3.8x the memory. The workspace keeps the
+token; converting all of them at load would hold 16 bits a weight instead of 4.25. The
+workspace keeps the
 converted (layer, expert) pairs that fit in `capacity_bytes`; a miss converts the expert's
 two matrices (afd's native converter where it runs), possibly evicting others. An expert
 larger than the whole pool is converted for its call and not kept.

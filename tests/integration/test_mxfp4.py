@@ -197,12 +197,21 @@ def test_planted_sliding_window_ignored_is_caught(ckpt, monkeypatch):
     assert afd_greedy(cfg_for(path, "direct", S=1))[0] != ref
 
 
-def test_the_native_kernel_runs_on_afds_paths(ckpt, kernel_path):
-    """The direct path multiplies with afd's kernel where afd's kernels run, torch elsewhere
-    (AFD_KERNELS=onednn|torch): the greedy tests above cover both."""
+def test_the_direct_path_reads_four_bits_on_afds_paths(monkeypatch, kernel_path):
+    """The direct path multiplies with afd's kernel (the 4-bit codes as they are) where afd's
+    kernels run, and through a dequantized copy on the others (AFD_KERNELS=onednn|torch): the
+    greedy tests above run both."""
     from afd.kernels import paths
 
-    assert native.usable() == paths.active().native
+    calls = []
+    real = native.linear
+    monkeypatch.setattr(native, "linear", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(2)
+    m = MXFP4.from_checkpoint(*mxfp4_quantize(torch.randn(8, 64)))
+    x = torch.randn(3, 64).bfloat16()
+    want = (x.float() @ m.dequantize(torch.float32).T).bfloat16()
+    torch.testing.assert_close(m.linear(x), want, rtol=1e-2, atol=1e-2)
+    assert bool(calls) == paths.active().native
 
 
 def _dense_copy(quantized, out):
