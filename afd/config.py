@@ -242,6 +242,8 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # 0: size the pool from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0  # memory for the KV pool
+    # reuse the K/V of full blocks whose prefix an earlier request computed (afd.prefix)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         check(self.block_size >= 1, f"block size must be >= 1, got {self.block_size}")
@@ -319,6 +321,12 @@ class EngineConfig:
     ffn_grace_s: float = 20.0
     security: Security = field(default_factory=Security)  # data-plane CURVE / TLS
     experts: ExpertConfig = field(default_factory=ExpertConfig)  # in-process FFN shards
+    # An elastic FFN pool instead of fixed shards (ffn_addresses unused): "file:PATH" or
+    # "dns:SCHEME://NAME:PORT" (services/attention/pool_source.py), read every interval.
+    ffn_pool: str = ""
+    ffn_pool_interval_s: float = 1.0
+    # elastic pool: the heaviest experts of each layer are computed by two members
+    hot_expert_replicas: int = 0
 
     def __post_init__(self) -> None:
         check(
@@ -343,3 +351,11 @@ class EngineConfig:
             f"the failover timeout must be >= 0, got {self.ffn_failover_s}",
         )
         check(self.ffn_grace_s >= 0, f"the FFN grace period must be >= 0, got {self.ffn_grace_s}")
+        check(
+            self.ffn_pool_interval_s > 0,
+            f"the FFN pool interval must be > 0, got {self.ffn_pool_interval_s}",
+        )
+        check(
+            self.hot_expert_replicas >= 0,
+            f"hot expert replicas must be >= 0, got {self.hot_expert_replicas}",
+        )

@@ -100,6 +100,7 @@ class TokenEvent:
     queue_seconds: float = 0.0  # arrival -> first scheduled (first event only)
     # prompt tokens 1 .. n-1 given the tokens before each, when asked (first event only)
     prompt_logprobs: list[Logprob] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache supplied
 
     @staticmethod
     def failure(request_id: str, code: ErrorCode, message: str) -> TokenEvent:
@@ -127,6 +128,8 @@ class Stats:
     kv_usage: float  # 0..1
     preemptions: int = 0
     draining: bool = False  # shutting down: route new requests elsewhere
+    prefix_queries: int = 0  # prompt tokens admitted, since start
+    prefix_hits: int = 0  # ... of them supplied by the prefix cache
 
 
 # ---- protobuf conversions ----------------------------------------------------------------
@@ -193,6 +196,7 @@ def event_to_pb(ev: TokenEvent) -> pb.TokenEvent:
         error_code=_CODE_TO_PB[ev.error_code],
         error=ev.error,
         queue_seconds=ev.queue_seconds,
+        cached_tokens=ev.cached_tokens,
         prompt_logprobs=[
             pb.TokenLogprobs(
                 token_id=lp.token_id,
@@ -220,6 +224,7 @@ def event_from_pb(ev: pb.TokenEvent) -> TokenEvent:
         prompt_tokens=ev.prompt_tokens,
         completion_tokens=ev.completion_tokens,
         queue_seconds=ev.queue_seconds,
+        cached_tokens=ev.cached_tokens,
         prompt_logprobs=[
             Logprob(lp.token_id, lp.logprob, [(a.token_id, a.logprob) for a in lp.top])
             for lp in ev.prompt_logprobs
@@ -249,11 +254,21 @@ def stats_to_pb(s: Stats) -> pb.StatsReply:
         kv_usage=s.kv_usage,
         preemptions=s.preemptions,
         draining=s.draining,
+        prefix_queries=s.prefix_queries,
+        prefix_hits=s.prefix_hits,
     )
 
 
 def stats_from_pb(r: pb.StatsReply) -> Stats:
-    return Stats(r.running, r.waiting, r.kv_usage, r.preemptions, r.draining)
+    return Stats(
+        r.running,
+        r.waiting,
+        r.kv_usage,
+        r.preemptions,
+        r.draining,
+        r.prefix_queries,
+        r.prefix_hits,
+    )
 
 
 __all__ = [

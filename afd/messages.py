@@ -24,6 +24,9 @@ class FFNRequest:
     sender: str = ""
     deadline: float = 0.0  # absolute time.time(); 0: none
     t_send: float = 0.0  # sender clock, for the timing trace
+    # elastic pool: another member computes the shared expert and the dense MLPs (and the ids
+    # of experts this member is not to compute are -1)
+    skip_dense: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -12,12 +12,11 @@ microseconds, far below vLLM's GPU-sized buckets.
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import HistogramMetricFamily, Metric
-from prometheus_client.utils import floatToGoString
+
+from afd.engine_histogram import EngineHistogram
 
 
 def _decades(lo: int, hi: int, steps: Iterable[float]) -> tuple[float, ...]:
@@ -36,55 +35,6 @@ LAYER_BUCKETS = _decades(-5, 1, (1, 2, 3, 5, 7))
 STEP_BUCKETS = _decades(-4, 2, (1, 2, 3, 5, 7))
 COUNT_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384 (tokens per step or call)
 PEER_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0)
-
-
-class EngineHistogram:
-    """A labelled histogram for the engine thread's per-message observations: observe() is a
-    bisect and two additions, without prometheus_client's lock (which would cost more than the
-    observation itself), because one thread writes it. A scrape from another thread may see an
-    observation's bucket before its sum; the count is the buckets' total, so the two always
-    agree."""
-
-    _type = "histogram"
-
-    def __init__(self, name: str, documentation: str, labelnames: Iterable[str], buckets):
-        self._name = name
-        self._doc = documentation
-        self._labelnames = tuple(labelnames)
-        self._upper = tuple(float(b) for b in buckets) + (float("inf"),)
-        self._series: dict[tuple[str, ...], _Series] = {}
-
-    def labels(self, *values: str) -> _Series:
-        key = tuple(str(v) for v in values)
-        if len(key) != len(self._labelnames):
-            raise ValueError(f"{self._name} takes labels {self._labelnames}")
-        if key not in self._series:
-            self._series[key] = _Series(self._upper)
-        return self._series[key]
-
-    def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
-        for key, series in list(self._series.items()):
-            counts, total, cum = list(series.counts), series.total, 0.0
-            buckets = []
-            for le, n in zip(self._upper, counts, strict=True):
-                cum += n
-                buckets.append((floatToGoString(le), cum))
-            family.add_metric(list(key), buckets, total)
-        yield family
-
-
-class _Series:
-    __slots__ = ("_upper", "counts", "total")
-
-    def __init__(self, upper: tuple[float, ...]):
-        self._upper = upper
-        self.counts = [0] * len(upper)
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self._upper, value)] += 1  # the first bucket with le >= value
-        self.total += value
 
 
 # Names other modules (the planner, the dashboard test) refer to as strings.
@@ -177,6 +127,23 @@ SLA_CHECKED = Counter(
     registry=None,
 )
 
+ROUTE_REASONS = ("prefix", "balance", "least_loaded", "round_robin")
+ROUTED = Counter(
+    "afd_gateway_routed",
+    "Requests sent to each attention server, by why it was chosen: prefix (the prompt's "
+    "prefix owner), balance (the owner was too loaded: the idlest instead), least_loaded, "
+    "round_robin",
+    ["server", "reason"],
+    registry=None,
+)
+SERVER_PREFIX_HIT_RATE = Gauge(
+    "afd_gateway_server_prefix_cache_hit_rate",
+    "Each attention server's prefix-cache hit rate since it started (prompt tokens found in "
+    "the cache / prompt tokens admitted), as last polled",
+    ["server"],
+    registry=None,
+)
+
 # ------------------------------------------------------------------ attention server
 
 NUM_RUNNING = Gauge("afd_num_requests_running", "Requests in the running batch", registry=None)
@@ -186,6 +153,16 @@ KV_USAGE = Gauge(
 )
 PREEMPTIONS = Counter(
     "afd_num_preemptions", "Requests preempted to free KV cache blocks", registry=None
+)
+PREFIX_QUERIES = Counter(
+    "afd_prefix_cache_queries",
+    "Prompt tokens of admitted requests, looked up in the prefix cache (tokens)",
+    registry=None,
+)
+PREFIX_HITS = Counter(
+    "afd_prefix_cache_hits",
+    "Prompt tokens whose K/V the prefix cache supplied (tokens; hits / queries = hit rate)",
+    registry=None,
 )
 STEP_SECONDS = Histogram(
     "afd_attention_step_seconds",
@@ -318,12 +295,16 @@ GATEWAY = (
     SLA_TPOT_MET,
     GOODPUT,
     SLA_CHECKED,
+    ROUTED,
+    SERVER_PREFIX_HIT_RATE,
 )
 ATTENTION = (
     NUM_RUNNING,
     NUM_WAITING,
     KV_USAGE,
     PREEMPTIONS,
+    PREFIX_QUERIES,
+    PREFIX_HITS,
     STEP_SECONDS,
     STEP_TOKENS,
     MICRO_BATCHES_IN_FLIGHT,

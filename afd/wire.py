@@ -145,7 +145,7 @@ def encode_request(req: FFNRequest) -> list[Buffer]:
         micro_batch=req.micro_batch, num_tokens=t, hidden_size=h, top_k=ids.shape[1],
         hidden_dtype=code, hidden_bytes=buffers[0].nbytes, scales_bytes=buffers[1].nbytes,
         expert_ids_bytes=buffers[2].nbytes, expert_weights_bytes=buffers[3].nbytes,
-        deadline=req.deadline, t_send=req.t_send,
+        deadline=req.deadline, t_send=req.t_send, skip_dense=req.skip_dense,
     )  # fmt: skip
     return [header.SerializeToString(), *buffers]
 
@@ -242,8 +242,9 @@ def _check_values(
     if ids.numel():
         id_view = ids.numpy()
         lo, hi = int(id_view.min()), int(id_view.max())
-        if lo < 0 or hi >= limits.num_experts:
-            message = f"expert ids span [{lo}, {hi}], outside [0, {limits.num_experts})"
+        # -1: an expert that another member of an elastic pool computes
+        if lo < -1 or hi >= limits.num_experts:
+            message = f"expert ids span [{lo}, {hi}], outside [-1, {limits.num_experts})"
             raise WireError("bad_value", message, **where)
     _check_finite("expert weights", weights.numpy(), where)
 
@@ -306,6 +307,7 @@ def decode_request(frames: Sequence[Buffer], limits: WireLimits) -> FFNRequest:
         sender=hd.sender,
         deadline=hd.deadline,
         t_send=hd.t_send,
+        skip_dense=hd.skip_dense,
     )
 
 

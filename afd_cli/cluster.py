@@ -16,13 +16,10 @@ the launcher prints where every service's /metrics is once the cluster is ready.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +33,7 @@ from pathlib import Path
 from afd.config import check
 from afd.errors import AfdError
 from afd.flags import EXPERT_FLAGS, served_name
+from afd_cli.procs import die_with_parent, free_port, pump_lines, signal_group
 
 log = logging.getLogger("afd.serve")
 
@@ -44,18 +42,18 @@ TRANSPORTS = ("auto", "tcp", "ipc", "grpc", "inproc")
 CORES_PER_PROCESS = 2
 
 
-def topology(transport: str, attention: int, ffn: int, cores: int) -> str:
+def topology(transport: str, attention: int, ffn: int, cores: int, elastic: bool = False) -> str:
     """The data plane `afd serve` runs. "auto": the FFN shards in their own processes over tcp
     when every compute process (attention and FFN) can have CORES_PER_PROCESS cores; on a
     smaller host (a laptop, a 2-core VM) inside each attention process (inproc), where the
     step's attention and FFN halves would otherwise take turns on cores of their own, one of
-    them idle at any moment. Any other value is kept: a user can always ask for processes."""
+    them idle at any moment. Any other value is kept: a user can always ask for processes. An
+    elastic FFN pool is processes joining and leaving: tcp where auto would say inproc."""
     if transport != "auto":
         return transport
+    if elastic:
+        return "tcp"
     return "tcp" if cores >= CORES_PER_PROCESS * (attention + ffn) else "inproc"
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -81,6 +79,11 @@ class ClusterConfig:
     drain_timeout_s: float = 30.0
     engine_args: tuple[str, ...] = ()  # engine flags for every attention server
     api_args: tuple[str, ...] = ()  # HTTP API flags for the gateway
+    dtype: str = "bfloat16"  # compute dtype of the attention and FFN servers
+    # FFN servers that each hold every expert, in a pool the attention servers read from a
+    # file: servers can be added and removed while the cluster runs (afd_cli/elastic.py)
+    elastic_ffn: bool = False
+    admin_port: int = 0  # the authenticated admin endpoint (adding/removing FFN servers); 0: off
 
     def __post_init__(self) -> None:
         check(self.transport in TRANSPORTS, f"--transport must be one of {', '.join(TRANSPORTS)}")
@@ -93,6 +96,16 @@ class ClusterConfig:
         check(self.drain_timeout_s >= 0, "the drain timeout must be >= 0")
         check(self.max_restarts >= 0, "--max-restarts must be >= 0 (0: stop on any death)")
         check(self.restart_window_s > 0, "--restart-window must be > 0")
+        check(
+            not (self.elastic_ffn and self.transport == "inproc"),
+            "--elastic-ffn needs FFN processes: a network transport, not inproc",
+        )
+        check(0 <= self.admin_port < 65536, f"--admin-port {self.admin_port} is not a port")
+        check(
+            not self.admin_port or (self.elastic_ffn and self.api_key),
+            "--admin-port needs --elastic-ffn (what it changes) and an API key (--api-key or "
+            "$AFD_API_KEY): it starts and stops processes",
+        )
 
 
 @dataclass
@@ -103,56 +116,7 @@ class Child:
     proc: subprocess.Popen | None = None
     pump: threading.Thread | None = None
     metrics_url: str = ""  # where its Prometheus metrics are
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (the child binds it a moment later). Taken below the
-    kernel's ephemeral range when it can be: a port from that range can become the source port
-    of any outgoing connection (a health probe, a client) before the child binds it."""
-    low = _ephemeral_range()[0]
-    for _ in range(64):
-        port = random.randrange(10000, low) if low > 10000 else 0
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent(parent: int) -> None:
-    """preexec_fn: ask the kernel to SIGTERM this child when its parent exits."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def _pump(name: str, stream, out) -> None:
-    """Copy a child's output line by line, each prefixed with the child's name."""
-    prefix = f"[{name}] ".encode()
-    for line in iter(stream.readline, b""):
-        # A progress bar redraws itself with \r: keep what a terminal would end up showing.
-        shown = [p for p in line.rstrip(b"\r\n").split(b"\r") if p.strip()]
-        if not shown:
-            continue
-        try:
-            out.write(prefix + shown[-1] + b"\n")
-            out.flush()
-        except (OSError, ValueError):
-            pass  # our own stderr went away; keep draining so the child never blocks
-    stream.close()
+    address: str = ""  # an FFN server's data-plane address
 
 
 class Cluster:
@@ -166,7 +130,11 @@ class Cluster:
         self.port = cfg.port or free_port(cfg.host)
         self.attention_addresses: list[str] = []
         self.ffn_addresses: list[str] = []
-        self.transport = topology(cfg.transport, cfg.attention, cfg.ffn, os.cpu_count() or 1)
+        self.transport = topology(
+            cfg.transport, cfg.attention, cfg.ffn, os.cpu_count() or 1, cfg.elastic_ffn
+        )
+        self.lock = threading.Lock()  # children: the supervisor and the admin endpoint
+        self.pool_file: Path | None = None  # the elastic pool's member list
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -198,14 +166,21 @@ class Cluster:
         heavy = self.cfg.attention + (0 if self.transport == "inproc" else self.cfg.ffn)
         return max(1, (os.cpu_count() or 1) // heavy)
 
+    def tmpdir(self) -> str:
+        if self._tmp is None:
+            self._tmp = tempfile.mkdtemp(prefix="afd-serve-")
+        return self._tmp
+
+    def new_ffn_address(self, i: int) -> str:
+        """An address for FFN server i (one joining an elastic pool)."""
+        return self._ffn_address(i)
+
     def _ffn_address(self, i: int) -> str:
         t = self.transport
         if t == "inproc":
             return f"inproc://ffn-{i}"  # shards inside each attention process
         if t == "ipc":
-            if self._tmp is None:
-                self._tmp = tempfile.mkdtemp(prefix="afd-serve-")
-            return f"ipc://{self._tmp}/ffn-{i}.sock"
+            return f"ipc://{self.tmpdir()}/ffn-{i}.sock"
         return f"{t}://127.0.0.1:{free_port()}"
 
     def plan(self) -> list[Child]:
@@ -213,16 +188,16 @@ class Cluster:
         c = self.cfg
         py = [sys.executable, "-m", "afd_cli"]
         model = ["--model", c.model] if c.model else []
-        threads = ["--threads", str(self._threads())]
+        threads = ["--threads", str(self._threads()), "--dtype", c.dtype]
         self.ffn_addresses = [self._ffn_address(i) for i in range(c.ffn)]
         children = []
         if self.transport != "inproc":
-            for i, addr in enumerate(self.ffn_addresses):
-                argv = [*py, "ffn", *model, *threads, "--shard", f"{i}/{c.ffn}", "--listen", addr]
-                argv += _expert_args(c.engine_args)
-                # stopped last, once no attention server is left to send them anything
-                argv += ["--drain-timeout", "0"]
-                children.append(_with_metrics_port(Child(f"ffn-{i}", argv)))
+            children = [self.ffn_child(i, c.ffn) for i in range(c.ffn)]
+        if c.elastic_ffn:
+            from services.attention.pool_source import write_pool
+
+            self.pool_file = Path(self.tmpdir()) / "ffn-pool"
+            write_pool(self.pool_file, self.ffn_addresses)
         for i in range(c.attention):
             addr = f"127.0.0.1:{free_port()}"
             self.attention_addresses.append(addr)
@@ -232,7 +207,10 @@ class Cluster:
                 # time and precision: hand the hidden states over in bf16, as they are
                 argv += ["--a2f-dtype", "bf16"]
             argv += ["--drain-timeout", str(c.drain_timeout_s)]
-            argv += ["--ffn", ",".join(self.ffn_addresses)]
+            if self.pool_file is not None:
+                argv += ["--ffn-pool", f"file:{self.pool_file}"]
+            else:
+                argv += ["--ffn", ",".join(self.ffn_addresses)]
             children.append(_with_metrics_port(Child(f"attention-{i}", argv)))
         gw = [*py, "gateway", *model, "--attention", ",".join(self.attention_addresses)]
         gw += ["--host", c.host, "--port", str(self.port)]
@@ -242,6 +220,19 @@ class Cluster:
         host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "") else c.host
         children.append(Child("gateway", gw, env, metrics_url=f"http://{host}:{self.port}/metrics"))
         return children
+
+    def ffn_child(self, i: int, of: int, address: str = "") -> Child:
+        """FFN server i: expert shard i of `of`, or, in an elastic pool, every expert."""
+        c = self.cfg
+        addr = address or self.ffn_addresses[i]
+        argv = [sys.executable, "-m", "afd_cli", "ffn", *(["--model", c.model] if c.model else [])]
+        argv += ["--threads", str(self._threads()), "--dtype", c.dtype, "--listen", addr]
+        if not c.elastic_ffn:
+            argv += ["--shard", f"{i}/{of}"]
+        argv += _expert_args(c.engine_args)
+        # stopped last, once no attention server is left to send them anything
+        argv += ["--drain-timeout", "0"]
+        return _with_metrics_port(Child(f"ffn-{i}", argv, address=addr))
 
     def start(self) -> None:
         if not self.cfg.model:
@@ -263,10 +254,10 @@ class Cluster:
             stderr=subprocess.STDOUT,
             env=env,
             process_group=0,
-            preexec_fn=lambda: _die_with_parent(parent),
+            preexec_fn=lambda: die_with_parent(parent),
         )
         child.pump = threading.Thread(
-            target=_pump, args=(child.name, child.proc.stdout, self._sink), daemon=True
+            target=pump_lines, args=(child.name, child.proc.stdout, self._sink), daemon=True
         )
         child.pump.start()
         log.info("started %s (pid %d)", child.name, child.proc.pid)
@@ -310,7 +301,7 @@ class Cluster:
             drains = role != "ffn"
             self._stop_stage(stage, self.cfg.stop_timeout_s + (self.cfg.drain_timeout_s * drains))
         for c in self.children:
-            _signal_group(c.proc, signal.SIGKILL)  # stragglers in a child's group
+            signal_group(c.proc, signal.SIGKILL)  # stragglers in a child's group
             if c.pump is not None:
                 c.pump.join(timeout=2)
         if self._tmp:
@@ -330,14 +321,14 @@ class Cluster:
     @staticmethod
     def _stop_stage(children: list[Child], timeout: float) -> None:
         for c in children:
-            _signal_group(c.proc, signal.SIGTERM)
+            signal_group(c.proc, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for c in children:
             try:
                 c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop within %.0f s; killing it", c.name, timeout)
-                _signal_group(c.proc, signal.SIGKILL)
+                signal_group(c.proc, signal.SIGKILL)
                 c.proc.wait()
 
 
@@ -356,12 +347,3 @@ def _with_metrics_port(child: Child) -> Child:
     child.argv += ["--metrics-port", str(port)]
     child.metrics_url = f"http://127.0.0.1:{port}/metrics"
     return child
-
-
-def _signal_group(proc: subprocess.Popen | None, sig: int) -> None:
-    if proc is None:
-        return
-    try:
-        os.killpg(proc.pid, sig)  # the child leads its own group (process_group=0)
-    except (ProcessLookupError, PermissionError):
-        pass

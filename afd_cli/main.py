@@ -67,6 +67,7 @@ def bench_parser() -> argparse.ArgumentParser:
         mxfp4,
         peer,
         pipeline,
+        prefix,
         quality,
         serve,
         weights,
@@ -75,7 +76,7 @@ def bench_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="afd bench", description="benchmarks that print JSON")
     bsub = parser.add_subparsers(dest="bench", required=True)
-    for bench in (engine, pipeline, http, serve, peer, context, weights, mxfp4, quality):
+    for bench in (engine, pipeline, http, serve, peer, context, weights, mxfp4, quality, prefix):
         bench.add_parser(bsub)
     w = bsub.add_parser(
         "wire", help="FP8 codec, per-layer round trip, bytes on the wire", add_help=False

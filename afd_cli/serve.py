@@ -19,6 +19,7 @@ from services.attention.flags import add_engine_flags, engine_config
 from services.gateway.app import GatewayConfig
 from services.gateway.flags import add_api_flags, add_api_key_flag, api_key
 from services.gateway.latency import SLA
+from services.gateway.routing import RoutingConfig
 
 log = logging.getLogger("afd.serve")
 
@@ -28,7 +29,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c = ClusterConfig
     flags.add_model_flag(p)
     option(p, "--attention", c, "attention", help="N attention servers")
-    option(p, "--ffn", c, "ffn", help="M FFN servers (expert shards)")
+    option(p, "--ffn", c, "ffn", help="M FFN servers (expert shards; with --elastic-ffn, at start)")
+    option(
+        p,
+        "--dtype",
+        c,
+        "dtype",
+        choices=["bfloat16", "float32"],
+        help="compute dtype of the attention and FFN servers",
+    )
+    option(
+        p,
+        "--elastic-ffn",
+        c,
+        "elastic_ffn",
+        help="FFN servers that each hold every expert, in a pool that can grow and shrink "
+        "while serving (--admin-port; expert placement follows the pool)",
+    )
+    option(
+        p,
+        "--admin-port",
+        c,
+        "admin_port",
+        help="serve the admin endpoint (GET/POST /admin/ffn, DELETE /admin/ffn/NAME: list, add "
+        "and remove FFN servers) on 127.0.0.1 at this port, with the API key (0: off)",
+    )
     option(
         p,
         "--transport",
@@ -75,6 +100,7 @@ def config(args: argparse.Namespace) -> ClusterConfig:
         attention=("check:1",),
         model_name="",
         sla=build(SLA, args),
+        routing=build(RoutingConfig, args),
     )
     return build(
         ClusterConfig,
@@ -97,11 +123,29 @@ def run(args: argparse.Namespace) -> int:
             print(f"metrics of {name}: {url}", flush=True)
         print(f"topology: {cluster.topology}", flush=True)
         print(f"afd is ready: {cluster.url} (model {cluster.model_name})", flush=True)
+        admin = _admin(cluster, args)
         supervisor = Supervisor(cluster, cfg.max_restarts, cfg.restart_window_s)
-        while not stop.wait(0.25):
-            why = supervisor.check()
-            if why is not None:
-                log.error("%s", why)
-                return 1
+        try:
+            while not stop.wait(0.25):
+                why = supervisor.check()
+                if why is not None:
+                    log.error("%s", why)
+                    return 1
+        finally:
+            if admin is not None:
+                admin.shutdown()
         log.info("stopping the cluster")
     return 0
+
+
+def _admin(cluster: Cluster, args: argparse.Namespace):
+    """The admin endpoint, where asked for (it adds and removes elastic FFN servers)."""
+    cfg = cluster.cfg
+    if not cfg.admin_port:
+        return None
+    from afd_cli.admin import serve_admin
+    from afd_cli.elastic import ElasticFFN
+
+    server = serve_admin(ElasticFFN(cluster, args.ffn_pool_interval_s), cfg.admin_port, cfg.api_key)
+    print(f"admin: http://127.0.0.1:{cfg.admin_port}/admin/ffn (API key)", flush=True)
+    return server

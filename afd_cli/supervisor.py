@@ -42,7 +42,9 @@ class Supervisor:
         """Restart what died and is due; returns why the cluster must stop (a crash loop),
         else None. Call it every fraction of a second."""
         now = time.monotonic()
-        for child in self.cluster.children:
+        with self.cluster.lock:  # the admin endpoint may add or remove FFN servers
+            children = list(self.cluster.children)
+        for child in children:
             if child.name in self._due:
                 if now >= self._due[child.name]:
                     del self._due[child.name]

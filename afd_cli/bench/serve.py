@@ -6,7 +6,9 @@
 Requests stream (SSE) from /v1/completions or /v1/chat/completions, either at a fixed
 concurrency or arriving as a Poisson process (`--request-rate`, optionally capped by
 `--concurrency`). Prompts are synthetic, of a given token length (measured with the server's
-/tokenize when it has one, else approximated with words), or read from a JSONL file. Reported,
+/tokenize when it has one, else approximated with words), optionally after one of
+`--shared-prefixes` shared "system prompts" of `--shared-prefix-len` tokens (what a prefix
+cache is for), or read from a JSONL file. Reported,
 as vLLM's `bench serve` and DistServe define them:
 
 - TTFT: send to the first streamed token; E2E: send to the last byte of the stream;
@@ -14,7 +16,8 @@ as vLLM's `bench serve` and DistServe define them:
 - ITL: gap between consecutive streamed chunks, split evenly over the tokens of a chunk when the
   chunk says how many (with --logprobs every token is counted, else one token per chunk);
 - throughput: requests and tokens per second over the run; goodput: requests per second that
-  met every SLA given. Output tokens come from the stream's usage when the server reports it.
+  met every SLA given. Output tokens come from the stream's usage when the server reports it;
+- the prompt tokens the server's prefix cache supplied (`prompt_tokens_details.cached_tokens`).
 """
 
 from __future__ import annotations
@@ -170,9 +173,16 @@ async def prepare_prompts(http, args: argparse.Namespace) -> list[Prompt]:
         return [rows[i % len(rows)] for i in range(args.num_requests)]
     rng = random.Random(args.seed)
     tok = Tokenizer(http, _root(args.base_url))
+    shared = [
+        await _synthetic_text(tok, rng, args.shared_prefix_len)
+        for _ in range(args.shared_prefixes if args.shared_prefix_len else 0)
+    ]
     prompts = []
-    for _ in range(args.num_requests):
+    for i in range(args.num_requests):
         text, n = await _synthetic_text(tok, rng, args.input_len)
+        if shared:
+            system, m = shared[i % len(shared)]
+            text, n = f"{system}\n{text}", n + m if n and m else 0
         prompts.append(Prompt(_body(args, text, None, args.output_len), n))
     return prompts
 
@@ -212,6 +222,8 @@ async def _one(http, url: str, body: dict, chat: bool) -> Result:
                 if ev.get("usage"):
                     res.prompt_tokens = ev["usage"].get("prompt_tokens", 0)
                     res.output_tokens = ev["usage"].get("completion_tokens", 0)
+                    details = ev["usage"].get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens") or 0
                 k = sum(_chunk_tokens(c, chat) for c in ev.get("choices") or [])
                 if not k:
                     continue
@@ -241,6 +253,8 @@ async def run_async(args: argparse.Namespace) -> dict:
     import httpx
     from tqdm import tqdm
 
+    if args.shared_prefix_len < 0 or args.shared_prefixes < 1:
+        raise AfdError("--shared-prefix-len must be >= 0 and --shared-prefixes >= 1")
     if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
         raise AfdError("--num-requests, --input-len and --output-len must be >= 1")
     if args.concurrency < 0 or args.request_rate < 0:
@@ -329,6 +343,18 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
         help="Poisson arrivals per second (0: all at once, limited by --concurrency)",
     )
     p.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens")
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="synthetic prompts: a shared 'system prompt' of this many tokens before each",
+    )
+    p.add_argument(
+        "--shared-prefixes",
+        type=int,
+        default=1,
+        help="... one of this many distinct ones, in turn",
+    )
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
     p.add_argument("--dataset", help="JSONL: {'prompt': ...} or {'messages': [...]} per line")
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len")

@@ -15,6 +15,7 @@ class Result:
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server's prefix cache supplied (its usage)
     error: str = ""
 
     @property
@@ -58,6 +59,7 @@ def summarize(results: list[Result], duration: float, args: argparse.Namespace, 
     ]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
     return {
         "model": model,
         "base_url": args.base_url,
@@ -71,6 +73,8 @@ def summarize(results: list[Result], duration: float, args: argparse.Namespace, 
         "duration_s": duration,
         "prompt_tokens": in_tokens,
         "output_tokens": out_tokens,
+        "cached_prompt_tokens": cached,
+        "prefix_cache_hit_rate": cached / in_tokens if in_tokens else 0.0,
         "request_throughput": len(ok) / duration if duration else math.nan,
         "output_throughput": out_tokens / duration if duration else math.nan,
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration else math.nan,
@@ -91,6 +95,7 @@ def table(s: dict) -> str:
         ("request throughput", f"{s['request_throughput']:.2f} req/s"),
         ("output token throughput", f"{s['output_throughput']:.1f} tok/s"),
         ("total token throughput", f"{s['total_token_throughput']:.1f} tok/s"),
+        ("prompt tokens cached", f"{s['cached_prompt_tokens']} ({s['prefix_cache_hit_rate']:.1%})"),
         ("goodput", f"{s['goodput']:.2f} req/s ({s['good_requests']} met the SLAs)"),
     ]
     lines = [f"afd bench serve: {s['model']} at {s['base_url']} ({s['endpoint']})"]

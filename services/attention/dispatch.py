@@ -34,6 +34,7 @@ from afd.errors import ConfigError, TransportError
 from afd.messages import FFNReply, FFNRequest
 from afd.quant import quantize_fp8
 from services.attention.deadlines import RoundTripDeadlines
+from services.attention.placement import NOT_HERE, Placement
 from services.attention.replicas import Peer, Replicas
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -98,6 +99,11 @@ class FFNDispatcher:
         self._open: list[_Part] = []  # parts sent whose reply has not been taken
         self._in_flight = 0
         self._idle_since = 0.0  # perf_counter() when the pool last returned; 0: step start
+        # [L, E] tokens routed to each expert since start: exported, and what an elastic
+        # pool's placement balances
+        self.expert_load = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.long)
+        # an elastic pool's placement (set between steps); None: fixed expert shards
+        self.placement: Placement | None = None
 
     def begin_step(self) -> None:
         """A new step's timing; probe replicas that are due."""
@@ -130,17 +136,46 @@ class FFNDispatcher:
             expert_weights=weights,
             sender=self.sender,
         )
-        parts = []
-        for shard, replicas in enumerate(self.replicas.shards):
-            if not self.cfg.is_moe(layer) and not replicas[0].shard.owns_dense:
-                continue
-            part = _Part(shard, message)
+        moe = self.cfg.is_moe(layer)
+        if moe and ids.numel():
+            self.expert_load[layer] += torch.bincount(
+                ids.reshape(-1).long(), minlength=self.expert_load.shape[1]
+            )
+        if self.placement is not None:
+            parts = self._elastic_parts(layer, message)
+        else:
+            parts = [
+                _Part(shard, message)
+                for shard, replicas in enumerate(self.replicas.shards)
+                if moe or replicas[0].shard.owns_dense
+            ]
+        for part in parts:
             self._assign(part, "")
-            parts.append(part)
         self._in_flight += 1
         self.timing.max_in_flight = max(self.timing.max_in_flight, self._in_flight)
         self._idle_since = time.perf_counter()
         return Pending(parts, x.shape[0])
+
+    def _elastic_parts(self, layer: int, message: FFNRequest) -> list[_Part]:
+        """One part per live member with work in this layer: the pairs the placement gives it
+        (the other ids sent as NOT_HERE) and, for one member, the shared expert and dense
+        MLPs."""
+        pl = self.placement
+        assert pl is not None
+        owner = pl.dense_owner
+        if not self.cfg.is_moe(layer):
+            return [_Part(owner, message)]
+        ids = message.expert_ids  # [T, k]
+        member = pl.assign(layer, ids)  # [T, k]
+        parts = []
+        shared = self.cfg.shared_expert_intermediate_size > 0
+        for m in range(pl.members):
+            mine = member == m
+            if not (shared and m == owner) and not bool(mine.any()):
+                continue
+            masked = torch.where(mine, ids, NOT_HERE).to(torch.int32)
+            parts.append(_Part(m, replace(message, expert_ids=masked, skip_dense=m != owner)))
+        return parts
 
     def collect(self, pending: Pending) -> torch.Tensor:  # [T, H] compute dtype
         self._gather(pending)

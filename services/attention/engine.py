@@ -32,8 +32,10 @@ from afd.sharding import ExpertShard, pool_shards
 from afd.transport import connect
 from services.attention.block_manager import BlockManager
 from services.attention.dispatch import FFNDispatcher, StepTiming
+from services.attention.elastic import ElasticPool
 from services.attention.kv_cache import KVCache, num_blocks_for
 from services.attention.model import AttentionModel
+from services.attention.pool_source import PoolSource
 from services.attention.replicas import Peer, Replicas
 from services.attention.request import Request
 from services.attention.runner import ModelRunner
@@ -67,8 +69,10 @@ class Engine:
         self.cache = KVCache(layout, mc.num_layers, num_blocks, cfg.cache.block_size, dtype)
         self.blocks = BlockManager(num_blocks, cfg.cache.block_size)
         self.max_model_len = min(cfg.scheduler.max_model_len or mc.max_position, mc.max_position)
-        self.scheduler = Scheduler(cfg.scheduler, self.blocks, self.max_model_len)
-        shards = pool_shards(cfg.ffn_addresses)
+        self.scheduler = Scheduler(
+            cfg.scheduler, self.blocks, self.max_model_len, cfg.cache.enable_prefix_caching
+        )
+        shards = [] if cfg.ffn_pool else pool_shards(cfg.ffn_addresses)
         peers = [
             Peer(connect(addr, security=cfg.security), ExpertShard(i, len(shards), mc.num_experts))
             for i, replicas in enumerate(shards)
@@ -76,6 +80,17 @@ class Engine:
         ]
         self.replicas = Replicas(mc, peers, cfg.ffn_timeout_s, cfg.ffn_failover_s)
         self.dispatcher = FFNDispatcher(mc, self.replicas, cfg.a2f_dtype, dtype)
+        self.pool: ElasticPool | None = None
+        if cfg.ffn_pool:
+            self.pool = ElasticPool(
+                mc,
+                PoolSource(cfg.ffn_pool, cfg.ffn_pool_interval_s),
+                self.replicas,
+                lambda addr: connect(addr, security=cfg.security),
+                self.dispatcher.expert_load,
+                cfg.hot_expert_replicas,
+            )
+            self.dispatcher.placement = self.pool.placement
         self.runner = ModelRunner(self.model, self.cache, self.dispatcher, cfg.micro_batches)
         self._ids = itertools.count()
         self._outage_since: float | None = None  # monotonic: a shard lost its last replica
@@ -88,7 +103,14 @@ class Engine:
     def load(self) -> Stats:
         """How busy the engine is (the control plane's Stats; draining is the server's)."""
         s = self.scheduler
-        return Stats(s.num_running, s.num_waiting, self.blocks.usage, s.num_preemptions)
+        return Stats(
+            s.num_running,
+            s.num_waiting,
+            self.blocks.usage,
+            s.num_preemptions,
+            prefix_queries=s.prefix_queries,
+            prefix_hits=s.prefix_hits,
+        )
 
     def check_ffn(self, timeout: float) -> None:
         """Readiness: raises TransportError unless every expert shard has a live replica."""
@@ -99,8 +121,15 @@ class Engine:
         return self.replicas.all_up
 
     def maintain_ffn(self) -> None:
-        """Between steps: probe FFN replicas marked down (never blocks)."""
+        """Between steps: probe FFN replicas marked down, and take in an elastic pool's
+        changes (never blocks)."""
         self.replicas.maintain()
+        self._refresh_pool()
+
+    def _refresh_pool(self) -> None:
+        if self.pool is not None:
+            self.pool.refresh()
+            self.dispatcher.placement = self.pool.placement
 
     def add_request(
         self,
@@ -127,6 +156,7 @@ class Engine:
     def step(self) -> StepResult:
         """One engine step: schedule -> execute -> update (or a pause, see the module's doc)."""
         self.dispatcher.begin_step()
+        self._refresh_pool()
         if self._hold():
             return StepResult(paused=True)
         plan = self.scheduler.schedule()

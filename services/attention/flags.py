@@ -8,6 +8,7 @@ import argparse
 
 from afd import flags
 from afd.config import CacheConfig, EngineConfig, SchedulerConfig
+from afd.errors import ConfigError
 from afd.flags import build, option
 from afd.sidecar import SidePortConfig
 from services.attention.server import AttentionServerConfig
@@ -63,6 +64,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
         option(g, "--max-model-len", s, "max_model_len", help="0: the model's context length"),
         option(g, "--block-size", c, "block_size", help="tokens per KV block"),
         option(g, "--kv-cache-gb", c, "kv_cache_memory_gb", help="memory for the KV pool"),
+        option(
+            g,
+            "--no-prefix-caching",
+            c,
+            "enable_prefix_caching",
+            help="compute every prompt in full, even where an earlier request computed the K/V "
+            "of the same prefix (default: reuse it)",
+        ),
         option(g, "--ffn-timeout", e, "ffn_timeout_s", help="deadline of one FFN call, s"),
         option(
             g,
@@ -79,6 +88,21 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "ffn_grace_s",
             help="when an expert shard loses its last FFN server: how long its requests wait, "
             "paused with their KV cache, for it to come back before they fail, s (0: fail at once)",
+        ),
+        option(
+            g,
+            "--ffn-pool-interval",
+            e,
+            "ffn_pool_interval_s",
+            help="elastic FFN pool: how often its source is read again, s",
+        ),
+        option(
+            g,
+            "--hot-expert-replicas",
+            e,
+            "hot_expert_replicas",
+            help="elastic FFN pool: per layer, this many of the most loaded experts are computed "
+            "by two members, their tokens split between them",
         ),
         *flags.add_expert_flags(g),
     ]
@@ -119,9 +143,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_engine_flags(p)
     p.add_argument(
         "--ffn",
-        required=True,
+        default="",
         help="FFN servers, comma-separated; the i-th holds expert shard i of N; 'A|B' names "
         "replicas of one shard (a failed one's messages go to the other)",
+    )
+    option(
+        p,
+        "--ffn-pool",
+        EngineConfig,
+        "ffn_pool",
+        help="instead of --ffn, an elastic pool of FFN servers that each hold every expert, "
+        "read again while serving: file:PATH (one address per line) or dns:SCHEME://NAME:PORT "
+        "(every address NAME resolves to: a Kubernetes headless Service)",
     )
     a = AttentionServerConfig
     option(p, "--listen", a, "listen", help="control-plane gRPC host:port")
@@ -141,7 +174,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def config(args: argparse.Namespace) -> AttentionServerConfig:
     ffn = tuple(a.strip() for a in args.ffn.split(",") if a.strip())
-    engine = engine_config(args, ffn_addresses=ffn, security=flags.security(args))
+    if bool(ffn) == bool(args.ffn_pool):
+        raise ConfigError("give the FFN servers with either --ffn or --ffn-pool (one of them)")
+    given = {"ffn_addresses": ffn} if ffn else {}
+    engine = engine_config(args, security=flags.security(args), **given)
     return build(
         AttentionServerConfig,
         args,

@@ -157,6 +157,7 @@ class EngineLoop:
                 completion_tokens=len(req.output_token_ids),
                 queue_seconds=queued if n == 0 else 0.0,
                 prompt_logprobs=req.prompt_logprobs if n == 0 else [],
+                cached_tokens=req.num_cached_tokens or 0,
             )
             if req.finished:
                 self._emit_final(rid, ev)

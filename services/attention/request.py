@@ -30,6 +30,12 @@ class Request:
     prompt_logprobs: list[Logprob] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
+    # prefix caching: the content hashes of the sequence's full blocks known so far (tokens
+    # only grow, so they stay true), how many of block_ids are registered or were found in
+    # the cache, and the prompt tokens the cache supplied at the first admission (usage)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str = ""  # why, when finish_reason is "error"

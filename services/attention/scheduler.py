@@ -9,6 +9,12 @@ The step is three verbs: `schedule()` emits a plain-data plan, the runner execut
 `update()` applies the sampled tokens. Under KV-cache pressure running requests are preempted by
 recompute: their blocks are freed and they rejoin the front of the waiting queue, to be
 re-prefilled (prompt + output so far) later.
+
+With prefix caching a request admitted from the queue starts from the longest chain of cached
+full blocks of its tokens (`num_computed_tokens` starts there) and every block it fills is
+registered in `update()`; at least its last token is always computed, since sampling needs its
+hidden state. A request asking for prompt logprobs computes its whole prompt (each position's
+logits are needed) and still leaves its blocks in the cache.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from afd import prefix
 from afd.config import SchedulerConfig
 from afd.control import Logprob
 from afd.errors import ConfigError, OverloadedError, RequestError
@@ -51,7 +58,11 @@ class Scheduler:
     `max_num_batched_tokens` tokens per step."""
 
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        prefix_caching: bool = False,
     ) -> None:
         if max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -69,6 +80,10 @@ class Scheduler:
         self._running: list[Request] = []  # admission order: the tail is preempted first
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._num_preemptions = 0
+        self.prefix_caching = prefix_caching
+        # prompt tokens of admitted requests, and how many of them the prefix cache supplied
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -197,16 +212,56 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             req = self._waiting[0]
+            self._take_cached_prefix(req)
             n = self._num_new_tokens(req, budget)
             # FCFS: if the head does not fit (budget or blocks), nobody behind it jumps ahead
             if n == 0 or not self._grow(req, n):
+                self._release(req)
                 break
             self._waiting.popleft()
+            if req.num_cached_tokens is None:  # first admission: what the cache gave it
+                req.num_cached_tokens = req.num_computed_tokens
+                self.prefix_queries += req.num_prompt_tokens
+                self.prefix_hits += req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             self._running.append(req)
             scheduled.append(self._plan(req, n))
             budget -= n
         return budget
+
+    def _take_cached_prefix(self, req: Request) -> None:
+        """Start a waiting request from the cached blocks of its longest cached prefix."""
+        if not self.prefix_caching or req.prompt_positions_to_score:
+            return
+        bm = self.block_manager
+        # whole blocks, and never the last token: its hidden state is what gets sampled
+        limit = (req.num_tokens - 1) // bm.block_size
+        if len(req.block_hashes) < limit:
+            prefix.extend(req.block_hashes, req.all_token_ids, bm.block_size, limit)
+        hit = bm.lookup(req.block_hashes[:limit])
+        bm.touch(hit)
+        req.block_ids = hit
+        req.num_cached_blocks = len(hit)
+        req.num_computed_tokens = len(hit) * bm.block_size
+
+    def _cache_blocks(self, req: Request) -> None:
+        """Register the blocks this step filled (their K/V is computed now)."""
+        bm = self.block_manager
+        full = req.num_computed_tokens // bm.block_size
+        if full <= req.num_cached_blocks:
+            return
+        prefix.extend(req.block_hashes, req.all_token_ids, bm.block_size, full)
+        for i in range(req.num_cached_blocks, full):
+            bm.register(req.block_ids[i], req.block_hashes[i])
+        req.num_cached_blocks = full
+
+    def _release(self, req: Request) -> None:
+        """Give back every block of `req`, tail first (a cached prefix outlives its tail), and
+        forget its progress: what is computed again comes from the cache where it still is."""
+        self.block_manager.free(reversed(req.block_ids))
+        req.block_ids = []
+        req.num_cached_blocks = 0
+        req.num_computed_tokens = 0
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to compute for `req` this step within `budget`; 0 means it must wait."""
@@ -243,9 +298,7 @@ class Scheduler:
         # Recompute, not swap: the K/V is dropped and rebuilt from prompt + output later. The
         # output tokens are kept, so the client sees no difference except latency.
         self._running.remove(req)
-        self.block_manager.free(req.block_ids)
-        req.block_ids = []
-        req.num_computed_tokens = 0
+        self._release(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self._num_preemptions += 1
@@ -277,6 +330,8 @@ class Scheduler:
                     f"{req.num_computed_tokens} tokens are computed (update applied twice?)"
                 )
             req.num_computed_tokens += seq.num_new_tokens
+            if self.prefix_caching:
+                self._cache_blocks(req)
             if prompt_logprobs and req.request_id in prompt_logprobs:
                 req.prompt_logprobs += prompt_logprobs[req.request_id]
             if not seq.sample:
@@ -308,8 +363,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str) -> None:
         # blocks go back at once so the very next schedule() can use them
-        self.block_manager.free(req.block_ids)
-        req.block_ids = []
+        self._release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self._requests[req.request_id]

@@ -214,7 +214,9 @@ async def _serve(cfg: AttentionServerConfig) -> None:
     log.info(
         "attention server listening on %s (FFN pool: %s)",
         cfg.listen,
-        ", ".join(cfg.engine.ffn_addresses),
+        f"elastic, from {cfg.engine.ffn_pool}"
+        if cfg.engine.ffn_pool
+        else ", ".join(cfg.engine.ffn_addresses),
     )
     stop, now = asyncio.Event(), asyncio.Event()
     aio = asyncio.get_running_loop()

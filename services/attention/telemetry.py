@@ -43,16 +43,23 @@ class EngineTelemetry:
         """`peers`: the FFN replicas' addresses the engine sends to."""
         self.detector = StragglerDetector(stragglers or StragglerConfig(), peers)
         self._preemptions: int | None = None  # the count last seen
-        self._roundtrip = {a: metrics.FFN_ROUNDTRIP.labels(a) for a in peers}
-        self._parts = {
-            a: tuple(metrics.FFN_ROUNDTRIP_PART.labels(a, part) for part in metrics.ROUNDTRIP_PARTS)
-            for a in peers
-        }
-        self._straggler = {a: metrics.STRAGGLER.labels(a) for a in peers}
+        self._prefix = (0, 0)  # prefix-cache queries and hits last seen
+        self._roundtrip: dict = {}
+        self._parts: dict[str, tuple] = {}
+        self._straggler: dict = {}
+        for a in peers:
+            self._add_peer(a)
         self._layer = metrics.ATTENTION_LAYER.labels()
-        for g in self._straggler.values():
-            g.set(0)
         self._failed = False
+
+    def _add_peer(self, addr: str) -> None:
+        """Resolve a peer's metric children once (an elastic pool's members join later)."""
+        self._roundtrip[addr] = metrics.FFN_ROUNDTRIP.labels(addr)
+        self._parts[addr] = tuple(
+            metrics.FFN_ROUNDTRIP_PART.labels(addr, part) for part in metrics.ROUNDTRIP_PARTS
+        )
+        self._straggler[addr] = metrics.STRAGGLER.labels(addr)
+        self._straggler[addr].set(0)
 
     def after_step(self, result: StepResult, seconds: float, load: Stats) -> None:
         """After a step: its time, tokens, FFN round trips; then a straggler check if due."""
@@ -83,7 +90,7 @@ class EngineTelemetry:
         for addr, reply in timing.traces:
             rt, parts = breakdown(reply.trace)
             if addr not in self._roundtrip:
-                continue  # a peer this telemetry was not built for (never in practice)
+                self._add_peer(addr)  # joined an elastic pool
             self._roundtrip[addr].observe(rt)
             for h, v in zip(self._parts[addr], parts, strict=True):
                 h.observe(v)
@@ -100,3 +107,7 @@ class EngineTelemetry:
         if self._preemptions is not None and n > self._preemptions:
             metrics.PREEMPTIONS.inc(n - self._preemptions)
         self._preemptions = n
+        queries, hits = self._prefix
+        metrics.PREFIX_QUERIES.inc(max(0, load.prefix_queries - queries))
+        metrics.PREFIX_HITS.inc(max(0, load.prefix_hits - hits))
+        self._prefix = (load.prefix_queries, load.prefix_hits)

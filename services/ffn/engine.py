@@ -104,10 +104,9 @@ class FFNEngine:
             ids = group[0].expert_ids if one else torch.cat([r.expert_ids for r in group])  # [T, k]
             wts = group[0].expert_weights if one else torch.cat([r.expert_weights for r in group])
             routed_experts(x, ids, wts, self.experts[layer], out)
-        if layer in self.shared:
-            out += self.shared[layer](x)
-        if layer in self.dense:
-            out += self.dense[layer](x)
+        mlp = self.shared.get(layer) or self.dense.get(layer)
+        if mlp is not None:
+            _add_dense(mlp, x, out, group)
         reply_dtype = torch.float32 if group[0].hidden.dtype == torch.float32 else torch.bfloat16
         out = out.to(reply_dtype)
         return [out] if len(group) == 1 else list(out.split([r.num_tokens for r in group]))
@@ -116,6 +115,22 @@ class FFNEngine:
         if r.hidden.dtype == torch.float8_e4m3fn:
             return dequantize_fp8(r.hidden, r.scales, self.dtype)
         return r.hidden.to(self.dtype)
+
+
+def _add_dense(mlp: MLPWeights, x: torch.Tensor, out: torch.Tensor, group: list[FFNRequest]):
+    """out += the shared expert's (or the dense MLP's) output, on the rows of the requests
+    that leave it to this server (in an elastic pool one member computes it)."""
+    if not any(r.skip_dense for r in group):
+        out += mlp(x)  # [T, H]
+        return
+    rows, start = [], 0
+    for r in group:
+        if not r.skip_dense:
+            rows.append(torch.arange(start, start + r.num_tokens))
+        start += r.num_tokens
+    if rows:
+        idx = torch.cat(rows)
+        out.index_add_(0, idx, mlp(x.index_select(0, idx)))
 
 
 def _expert_compute(cfg: ModelConfig, experts: ExpertConfig) -> str:

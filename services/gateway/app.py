@@ -33,6 +33,7 @@ from services.gateway.latency import SLA, publish_sla
 from services.gateway.lifecycle import DrainingServer, DrainMiddleware
 from services.gateway.middleware import BodyLimitMiddleware, CountingMiddleware, RequestIdMiddleware
 from services.gateway.openapi import openapi
+from services.gateway.routing import RoutingConfig
 from services.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -77,6 +78,7 @@ class GatewayConfig:
     # waits this long for one, then gets a 503 'starting'.
     startup_wait_s: float = 60.0
     security: Security = field(default_factory=Security)  # TLS to the attention servers
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         check(bool(self.attention), "at least one attention server address is needed")
@@ -101,7 +103,7 @@ def build_state(cfg: GatewayConfig) -> h.GatewayState:
     return h.GatewayState(
         tokenizer=tokenizer,
         token_bytes=TokenBytes(tokenizer),
-        balancer=Balancer(clients),
+        balancer=Balancer(clients, routing=cfg.routing),
         model_name=cfg.model_name,
         vocab_size=ModelConfig.from_hf(cfg.model_dir).vocab_size,
         notice=cfg.notice,

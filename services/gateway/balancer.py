@@ -1,4 +1,5 @@
-"""Load-based routing across M attention servers.
+"""Routing across M attention servers: prefix-aware with a load guard (`routing.py`), or
+least-loaded, or round-robin.
 
 A background task polls every server's Stats (running + waiting requests, KV usage, draining)
 a few times a second, and its Health (ready: its FFN pool covers every expert) about once a
@@ -6,7 +7,8 @@ second; between polls the balancer also counts the streams it has itself sent to
 a burst of requests spreads out instead of all landing on whichever server looked idlest at the
 last poll. A server whose last poll failed, or whose stream broke (`failed`), is marked down and
 skipped until a poll finds it answering again; a draining one is skipped; ready ones are
-preferred. The gateway is ready when at least one server is ready.
+preferred. The gateway is ready when at least one server is ready. Each poll also reads the
+servers' prefix-cache counters, so the gateway's metrics show every server's hit rate.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from afd import metrics
 from services.gateway.client import AttentionClient, Health
 from services.gateway.errors import APIError, PeerUnavailable, starting, unavailable
+from services.gateway.routing import Ring, RoutingConfig, routing_key
 
 log = logging.getLogger("afd.gateway")
 
@@ -37,6 +41,8 @@ class _Server:
     kv_usage: float = 0.0
     inflight: int = 0  # streams this gateway has open to it now
     max_model_len: int = 0  # from Health; 0 until known
+    prefix_queries: int = 0  # its prefix cache's counters at the last poll (prompt tokens)
+    prefix_hits: int = 0
 
     @property
     def load(self) -> float:
@@ -54,7 +60,7 @@ class _Server:
 
 
 class Balancer:
-    """Chooses the least-loaded attention server and tracks readiness and context length."""
+    """Chooses an attention server for each request and tracks readiness and context length."""
 
     def __init__(
         self,
@@ -62,10 +68,22 @@ class Balancer:
         poll_s: float = 0.25,
         ready_cache_s=0.5,
         health_s: float = 1.0,
+        routing: RoutingConfig | None = None,
     ):
         if not clients:
             raise ValueError("at least one attention server is needed")
         self._servers = [_Server(c) for c in clients]
+        self.routing = routing or RoutingConfig()
+        self._ring = Ring([c.address for c in clients])
+        self._routed = {
+            (s.client.address, why): metrics.ROUTED.labels(s.client.address, why)
+            for s in self._servers
+            for why in metrics.ROUTE_REASONS
+        }
+        self._hit_rate = {
+            s.client.address: metrics.SERVER_PREFIX_HIT_RATE.labels(s.client.address)
+            for s in self._servers
+        }
         self._poll_s = poll_s
         self._health_s = health_s
         self._last_health = 0.0
@@ -88,16 +106,41 @@ class Balancer:
             await asyncio.gather(self._task, return_exceptions=True)
         await asyncio.gather(*(s.client.close() for s in self._servers), return_exceptions=True)
 
-    def pick(self, exclude: tuple[AttentionClient, ...] = ()) -> AttentionClient:
-        """The server with the least load among the reachable ones that are not draining,
-        ready ones first; ties go round-robin."""
+    def pick(
+        self, exclude: tuple[AttentionClient, ...] = (), prompt: Sequence[int] | None = None
+    ) -> AttentionClient:
+        """A server among the reachable ones that are not draining (ready ones first) for a
+        request with this prompt, by the routing policy; without a prompt, the least loaded.
+        Ties go round-robin."""
         up = [s for s in self._servers if s.up and not s.draining and s.client not in exclude]
         if not up:
             raise unavailable("no attention server is reachable")
         up = [s for s in up if s.ready] or up  # not ready: its requests would fail
         start = next(self._turn) % len(up)
         rotated = up[start:] + up[:start]
-        return min(rotated, key=lambda s: s.load).client
+        policy = self.routing.policy if prompt is not None else "least-loaded"
+        if policy == "round-robin":
+            return self._route(rotated[0], "round_robin")
+        idlest = min(rotated, key=lambda s: s.load)
+        if policy == "least-loaded" or len(up) == 1:
+            return self._route(idlest, "least_loaded")
+        assert prompt is not None
+        owner = self._owner(routing_key(prompt, self.routing.prefix_tokens), up)
+        r = self.routing
+        if owner.load - idlest.load > r.balance_abs and owner.load > r.balance_ratio * idlest.load:
+            return self._route(idlest, "balance")
+        return self._route(owner, "prefix")
+
+    def _owner(self, key: bytes, candidates: list[_Server]) -> _Server:
+        """The first of `candidates` along the ring from the key's point."""
+        for i in self._ring.order(key):
+            if self._servers[i] in candidates:
+                return self._servers[i]
+        raise AssertionError("every server is on the ring")
+
+    def _route(self, server: _Server, why: str) -> AttentionClient:
+        self._routed[(server.client.address, why)].inc()
+        return server.client
 
     async def failed(self, client: AttentionClient, error: APIError) -> bool:
         """A call to `client` failed with `error`: mark the server down if it is unreachable,
@@ -185,6 +228,7 @@ class Balancer:
                 "running": s.reported,
                 "inflight": s.inflight,
                 "kv_usage": round(s.kv_usage, 4),
+                "prefix_cache_hit_rate": round(_rate(s), 4),
             }
             for s in self._servers
         ]
@@ -228,6 +272,8 @@ class Balancer:
             s.reported = r.running + r.waiting
             s.kv_usage = r.kv_usage
             s.draining = r.draining
+            s.prefix_queries, s.prefix_hits = r.prefix_queries, r.prefix_hits
+            self._hit_rate[s.client.address].set(_rate(s))
         due = time.monotonic() - self._last_health >= self._health_s
         if due or any(s.up and not s.max_model_len for s in self._servers):
             await self._refresh_health()
@@ -239,6 +285,10 @@ class Balancer:
             except Exception:  # never let the poller die: routing would freeze
                 log.exception("balancer poll failed")
             await asyncio.sleep(self._poll_s)
+
+
+def _rate(s: _Server) -> float:
+    return s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
 
 
 def _unexpected(s: _Server, e: BaseException) -> APIError:

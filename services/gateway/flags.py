@@ -12,6 +12,7 @@ from afd.errors import ConfigError
 from afd.flags import build, option
 from services.gateway.app import GatewayConfig
 from services.gateway.latency import SLA
+from services.gateway.routing import POLICIES, RoutingConfig
 
 API_KEY_ENV = "AFD_API_KEY"  # the key from the environment keeps it out of the process list
 API_KEY_FILE_ENV = "AFD_API_KEY_FILE"  # or from a file: a mounted Secret
@@ -56,6 +57,46 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             SLA,
             "tpot_s",
             help="time-per-output-token target, s, for goodput (0: none)",
+        ),
+        *add_routing_flags(p),
+    ]
+
+
+def add_routing_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """How requests are spread over the attention servers (services/gateway/routing.py)."""
+    g = p.add_argument_group("routing across attention servers")
+    r = RoutingConfig
+    return [
+        option(
+            g,
+            "--routing",
+            r,
+            "policy",
+            choices=POLICIES,
+            help="prefix: prompts that start alike go to one server (its prefix cache holds "
+            "them), unless it is overloaded; least-loaded; round-robin",
+        ),
+        option(
+            g,
+            "--routing-prefix-tokens",
+            r,
+            "prefix_tokens",
+            help="prefix routing: the tokens of a prompt's start that choose its server",
+        ),
+        option(
+            g,
+            "--routing-balance-abs",
+            r,
+            "balance_abs",
+            help="prefix routing: the chosen server may carry this many more requests than the "
+            "idlest one...",
+        ),
+        option(
+            g,
+            "--routing-balance-ratio",
+            r,
+            "balance_ratio",
+            help="... and this factor more, before the idlest one takes the request",
         ),
     ]
 
@@ -138,5 +179,6 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         api_key=api_key(args),
         notice=notice,
         sla=build(SLA, args),
+        routing=build(RoutingConfig, args),
         security=flags.security(args),
     )

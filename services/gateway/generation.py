@@ -60,6 +60,7 @@ class ChoiceRun:
         self._timing = timing
         self.prompt_tokens = len(spec.prompt_ids)
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the attention server's prefix cache supplied
         self.finish_reason: str | None = None
         self._started = False  # the current server has sent something: no retry elsewhere
         self._echoed = False  # the prompt and its logprobs went out (echo with logprobs)
@@ -69,7 +70,7 @@ class ChoiceRun:
         if self.spec.prefix and not self.spec.echo_logprobs:
             emit(Delta(self.spec.index, self.spec.prefix))
         tried: tuple[AttentionClient, ...] = ()
-        client = self._balancer.pick()
+        client = self._balancer.pick(prompt=self.spec.prompt_ids)
         while True:
             tried += (client,)
             self._started = False
@@ -80,7 +81,7 @@ class ChoiceRun:
                 if self._started or not retry:
                     raise
                 try:
-                    client = self._balancer.pick(exclude=tried)
+                    client = self._balancer.pick(exclude=tried, prompt=self.spec.prompt_ids)
                 except APIError:
                     raise e from None
 
@@ -98,6 +99,7 @@ class ChoiceRun:
                     if self._timing is not None:
                         self._timing.event(len(ev.token_ids), ev.queue_seconds)
                     self.completion_tokens = ev.completion_tokens
+                    self.cached_tokens = ev.cached_tokens
                     if ev.prompt_logprobs or (spec.echo_logprobs and not self._echoed):
                         emit(self._echo(ev.prompt_logprobs))
                     ids += ev.token_ids
@@ -212,3 +214,10 @@ class ChoiceStreams:
     @property
     def completion_tokens(self) -> int:
         return sum(r.completion_tokens for r in self.runs)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Cached prompt tokens, counted like the prompt tokens: once per distinct prompt (the
+        first choice's)."""
+        first = [r for r in self.runs if r.spec.index % self._per_prompt == 0]
+        return sum(r.cached_tokens for r in first)

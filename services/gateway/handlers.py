@@ -236,7 +236,7 @@ async def respond(
     choices, prompt_lps = await _collect(streams, len(specs))
     if streams.disconnected:
         return Response(status_code=499)  # nobody is listening any more
-    use = usage(streams.prompt_tokens, streams.completion_tokens)
+    use = usage(streams.prompt_tokens, streams.completion_tokens, streams.cached_tokens)
     _count_finished(streams)
     body = fmt.response(choices, with_lp, use)
     if isinstance(req, CompletionRequest) and req.prompt_logprobs is not None:
@@ -284,7 +284,11 @@ async def _sse(
             return
         _count_finished(streams)
         if include_usage:
-            yield sse(fmt.usage_chunk(streams.prompt_tokens, streams.completion_tokens))
+            yield sse(
+                fmt.usage_chunk(
+                    streams.prompt_tokens, streams.completion_tokens, streams.cached_tokens
+                )
+            )
     except APIError as e:  # the status line is gone; the error travels as an event
         yield sse(e.body())
     finally:

@@ -13,11 +13,13 @@ from services.gateway.detok import TokenBytes
 from services.gateway.generation import Delta
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        # as OpenAI reports prompt caching: the prompt tokens that were not computed again
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -54,10 +56,12 @@ class _Formatter:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         return {
             **self._envelope(self.chunk_name, []),
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
         }
 
 

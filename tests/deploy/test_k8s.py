@@ -161,7 +161,23 @@ def test_attention_and_ffn_run_on_separate_node_pools(docs):
 # ------------------------------------------------------------------ wiring
 
 
+def _elastic(docs) -> bool:
+    return any(a.startswith("--ffn-pool") for a in container(docs, "attention")["args"])
+
+
+def _attention_hpa(docs) -> dict:
+    name = workload(docs, "attention")["metadata"]["name"]
+    (hpa,) = [
+        h
+        for h in by_kind(docs, "HorizontalPodAutoscaler")
+        if h["spec"]["scaleTargetRef"]["name"] == name
+    ]
+    return hpa
+
+
 def test_ffn_shard_index_is_the_pod_ordinal(docs):
+    if _elastic(docs):
+        pytest.skip("an elastic pool has no shards (test_elastic_pool_is_found_through_dns)")
     sts, cfg = workload(docs, "ffn"), config_data(docs)
     assert sts["kind"] == "StatefulSet"
     n = sts["spec"]["replicas"]
@@ -182,12 +198,12 @@ def test_ffn_shard_index_is_the_pod_ordinal(docs):
     targets = {
         h["spec"]["scaleTargetRef"]["name"] for h in by_kind(docs, "HorizontalPodAutoscaler")
     }
-    assert name not in targets, "the shard count is fixed: never autoscale the FFN pool"
+    assert name not in targets, "the shard count is fixed: never autoscale a sharded pool"
 
 
 def test_gateway_lists_every_attention_ordinal_the_autoscaler_may_start(docs):
     sts, cfg = workload(docs, "attention"), config_data(docs)
-    (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
+    hpa = _attention_hpa(docs)
     assert hpa["spec"]["scaleTargetRef"] == {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -204,7 +220,7 @@ def test_gateway_lists_every_attention_ordinal_the_autoscaler_may_start(docs):
 
 
 def test_autoscaler_scales_attention_on_waiting_requests(docs):
-    (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
+    hpa = _attention_hpa(docs)
     spec = hpa["spec"]
     assert 1 <= spec["minReplicas"] <= spec["maxReplicas"]
     (metric,) = spec["metrics"]
@@ -215,6 +231,32 @@ def test_autoscaler_scales_attention_on_waiting_requests(docs):
     if not any("waiting" in m for m in defined):
         pytest.skip("afd/metrics.py defines no waiting-requests gauge yet")
     assert name in defined, f"{name} is not an attention metric in afd/metrics.py: {defined}"
+
+
+def test_elastic_pool_is_found_through_dns_and_scaled_on_ffn_load(docs):
+    """overlays/elastic: FFN pods hold every expert, the attention servers read the pool from
+    a headless Service of the ready FFN pods, an autoscaler owns the FFN pod count."""
+    if not _elastic(docs):
+        pytest.skip("a static sharded pool (test_ffn_shard_index_is_the_pod_ordinal)")
+    sts, ffn = workload(docs, "ffn"), container(docs, "ffn")
+    assert "replicas" not in sts["spec"], "the autoscaler owns the FFN pod count"
+    assert not any(a.startswith("--shard") for a in ffn["args"]), "every pod holds every expert"
+    pool = flag(container(docs, "attention"), "--ffn-pool")
+    scheme, _, rest = pool.partition(":")
+    assert scheme == "dns"
+    name, port = rest.removeprefix("tcp://").rsplit(":", 1)
+    svc = one(docs, "Service", name)
+    assert svc["spec"]["clusterIP"] == "None" and not svc["spec"]["publishNotReadyAddresses"]
+    assert matches({"matchLabels": svc["spec"]["selector"]}, _template_labels(docs, "ffn"))
+    assert int(port) == named_port(ffn, "data") == int(flag(ffn, "--listen").rsplit(":", 1)[1])
+    (hpa,) = [
+        h
+        for h in by_kind(docs, "HorizontalPodAutoscaler")
+        if h["spec"]["scaleTargetRef"]["name"] == sts["metadata"]["name"]
+    ]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu" and ffn["resources"]["requests"]["cpu"]
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
 
 
 def test_services_select_their_pods_and_ports(docs):

@@ -65,6 +65,10 @@ class Cluster:
             str(port),
             "--drain-timeout",
             "20",
+            # these drills count on the load being spread over the attention servers; their
+            # prompts are all alike, which prefix-aware routing would send to one of them
+            "--routing",
+            "least-loaded",
         )
         self.wait_ready(120, servers=len(self.attention))
         return self

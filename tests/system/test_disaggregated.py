@@ -328,3 +328,27 @@ def test_streams_pause_across_an_ffn_restart_and_keep_transformers_tokens(qwen3_
         assert late[1].finish_reason == "length" and late[0] == ref[-1]
     finally:
         procs.stop_all()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v32"])
+def test_cached_prefixes_1a2f_over_tcp_match_transformers(family, tmp_path):
+    """Prefix caching in a disaggregated cluster: prompts sharing a system prompt (the first
+    alone, then the rest at once) find its blocks on the attention server and still give
+    transformers' tokens; each request's last event says how many prompt tokens were cached."""
+    from tests.integration.test_prefix_caching import PROMPTS as SHARED
+
+    path = REFERENCE_CHECKPOINTS[family](tmp_path / "ckpt")
+    ref = hf_greedy(hf_model(path, torch.float32), SHARED, NEW)
+    procs = Procs(tmp_path)
+    try:
+        _, att = _start_cluster(procs, path, "tcp", 1, 2, 2, tmp_path)
+        first = generate(att[0], SHARED[0], NEW)
+        with ThreadPoolExecutor(len(SHARED) - 1) as ex:
+            rest = list(ex.map(lambda p: generate(att[0], p, NEW), SHARED[1:]))
+        runs = [first, *rest]
+        assert [toks for toks, _ in runs] == ref
+        cached = [last.cached_tokens for _, last in runs]
+        # block size 16: the 23-token system prompt has one full block
+        assert cached[0] == 0 and cached[1] == 16 and cached[4] == 16 and sum(cached) == 48
+    finally:
+        procs.stop_all()

@@ -100,6 +100,13 @@ def test_metrics_of_every_service_agree_with_the_workload(cluster):
     assert value(att, "afd_num_requests_waiting") == 0
     assert value(att, "afd_kv_cache_usage_perc") == 0
     assert value(att, "afd_num_preemptions_total") == 0
+    # the same prompts again: the prefix cache supplied some of them (its counters, in tokens)
+    assert value(att, "afd_prefix_cache_queries_total") == sum(
+        u["prompt_tokens"] * n for u, n in runs
+    )
+    hits = value(att, "afd_prefix_cache_hits_total")
+    assert hits >= sum(u["prompt_tokens_details"]["cached_tokens"] for u, _ in runs) > 0
+    step_tokens -= hits
     assert hist(att, "afd_attention_step_tokens").total == step_tokens
     assert hist(att, "afd_attention_step_seconds").count > 0
     assert 1 <= value(att, "afd_attention_micro_batches_in_flight") <= 2

@@ -23,8 +23,10 @@ KEY = "sk-unit"
 class FakeClient:
     """Answers Generate with the bytes of TEXT, one token per event."""
 
-    def __init__(self, address="fake:1", error=None, error_after=0, ready=True, load=0, text=TEXT):
-        self.address, self.text = address, text
+    def __init__(
+        self, address="fake:1", error=None, error_after=0, ready=True, load=0, text=TEXT, cached=0
+    ):
+        self.address, self.text, self.cached = address, text, cached
         self.error, self.error_after = error, error_after
         self.ready, self.load = ready, load
         self.calls = []
@@ -45,7 +47,13 @@ class FakeClient:
                 finish = "length" if k == len(ids) else ""
                 done = bool(finish)
                 yield TokenEvent(
-                    request_id, [t], lps, finish, prompt_tokens=len(prompt), completion_tokens=k
+                    request_id,
+                    [t],
+                    lps,
+                    finish,
+                    prompt_tokens=len(prompt),
+                    completion_tokens=k,
+                    cached_tokens=self.cached,
                 )
         finally:
             if not done:
@@ -105,7 +113,30 @@ def test_completion_body_usage_and_request_id(tokenizer):
     assert body["id"] == "cmpl-r-1" and body["object"] == "text_completion"
     assert body["choices"][0]["text"] == TEXT[:5]
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 5,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def test_usage_reports_the_prefix_cache_tokens_once_per_prompt(tokenizer):
+    """OpenAI's prompt_tokens_details.cached_tokens, from the attention server's count: once
+    per distinct prompt however many choices ran it, in bodies and in the stream's usage."""
+
+    async def go():
+        async with make(tokenizer, [FakeClient(cached=2)]) as c:
+            whole = await post(c, "/v1/completions", {"prompt": "abc", "max_tokens": 3, "n": 3})
+            opts = {"stream": True, "stream_options": {"include_usage": True}}
+            msgs = [{"role": "user", "content": "hi"}]
+            body = {"model": "m", "messages": msgs, "max_tokens": 3, **opts}
+            streamed = await post(c, "/v1/chat/completions", body)
+            return whole.json(), sse_events(streamed.text)
+
+    whole, events = run(go())
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
 
 
 def test_chat_stream_framing_matches_non_stream(tokenizer):

@@ -3,6 +3,7 @@ doubles, a crash loop stops the cluster with a message naming the child and why 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -24,6 +25,7 @@ class FakeCluster:
     def __init__(self, *names):
         self.children = [Child(n, ["x"], proc=FakeProc()) for n in names]
         self.launched: list[str] = []
+        self.lock = threading.Lock()
 
     def launch(self, child):
         self.launched.append(child.name)

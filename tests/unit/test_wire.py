@@ -3,6 +3,7 @@
 import random
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -128,7 +129,7 @@ def test_values_out_of_range():
     ids = torch.frombuffer(bytearray(frames[3]), dtype=torch.int32)
     ids[3] = LIMITS.num_experts  # one past the last expert
     _expect([*frames[:3], ids.numpy().tobytes(), frames[4]], "bad_value")
-    ids[3] = -1
+    ids[3] = -2  # -1 is allowed: an expert another member of an elastic pool computes
     _expect([*frames[:3], ids.numpy().tobytes(), frames[4]], "bad_value")
     weights = torch.frombuffer(bytearray(frames[4]), dtype=torch.float32)
     weights[0] = float("nan")
@@ -143,6 +144,19 @@ def test_values_out_of_range():
     _expect(_header_edit(frames, deadline=float("nan")), "bad_value")
     big = _wire(encode_request(_request(t=LIMITS.max_tokens + 1)))
     _expect(big, "bad_value")
+
+
+def test_elastic_fields_round_trip():
+    """An elastic pool's message: ids of experts computed elsewhere are -1, and one member
+    alone computes the shared expert and dense MLPs (skip_dense on the others)."""
+    req = _request()
+    ids = req.expert_ids.clone()
+    ids[0, 0] = -1
+    out = decode_request(
+        _wire(encode_request(replace(req, expert_ids=ids, skip_dense=True))), LIMITS
+    )
+    assert out.skip_dense and int(out.expert_ids[0, 0]) == -1
+    assert not decode_request(_wire(encode_request(req)), LIMITS).skip_dense
 
 
 def test_unknown_version_and_garbage():

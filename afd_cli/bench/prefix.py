@@ -1,0 +1,192 @@
+"""`afd bench prefix`: what prefix caching and prefix-aware routing buy, through the API.
+
+1. **Caching.** `afd serve` with prefix caching and with `--no-prefix-caching`, one after the
+   other, alternating over `--rounds`: each run streams `--questions` distinct questions after
+   one shared system prompt of `--system-len` tokens (`afd bench serve --shared-prefix-len`) at
+   `--concurrency`. Reported: TTFT p50 of each (the median over rounds) and their ratio, and
+   the share of prompt tokens the cache supplied (the responses' `cached_tokens`).
+2. **Routing.** Two attention servers behind one gateway, `--routing prefix` against
+   `--routing round-robin`, alternating: the questions spread over `--prefixes` distinct system
+   prompts. Each server's KV pool holds its streams in flight and about `--kv-prefixes` of
+   those prompts (with their questions and answers) beside them, so a server that sees every
+   prefix evicts; the hit rates (the
+   responses' and, per server, the gateway's `afd_gateway_server_prefix_cache_hit_rate`) and
+   TTFT p50 of both.
+
+Processes run one cluster at a time on this machine; the load generator is its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from afd_cli.bench.peer import _stop, _wait_ready
+
+
+def _serve(model: Path, args: argparse.Namespace, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    from afd_cli.cluster import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "afd_cli", "serve", "--model", str(model), "--port", str(port)]
+    proc = subprocess.Popen([*cmd, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(f"{url}/ready", proc, args.start_timeout)
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc, url
+
+
+def _load(url: str, args: argparse.Namespace, prefixes: int) -> dict:
+    """One `afd bench serve` run with shared system prompts; its JSON summary."""
+    cmd = [sys.executable, "-m", "afd_cli", "bench", "serve", "--json", "--ignore-eos"]
+    cmd += ["--base-url", f"{url}/v1", "--concurrency", str(args.concurrency), "--no-progress"]
+    cmd += ["--num-requests", str(args.questions), "--input-len", str(args.question_len)]
+    cmd += ["--output-len", str(args.output_len), "--seed", str(args.seed)]
+    cmd += ["--shared-prefix-len", str(args.system_len), "--shared-prefixes", str(prefixes)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"afd bench serve failed: {done.stderr[-2000:]}")
+    out = json.loads(done.stdout)
+    if out["failed"]:
+        raise SystemExit(f"{out['failed']} requests failed: {out['errors']}")
+    return out
+
+
+def _server_hit_rates(url: str) -> dict[str, float]:
+    """The gateway's view of each attention server's hit rate (after its next poll)."""
+    time.sleep(1.0)
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    rates = {}
+    for line in text.splitlines():
+        if line.startswith("afd_gateway_server_prefix_cache_hit_rate{"):
+            server = line.split('server="', 1)[1].split('"', 1)[0]
+            rates[server] = round(float(line.rsplit(" ", 1)[1]), 4)
+    return rates
+
+
+def _kv_gb(model: Path, args: argparse.Namespace) -> float:
+    """KV memory for the streams in flight (all on one server, at worst) and about
+    `--kv-prefixes` prompts, with their questions and answers, cached beside them."""
+    from afd.config import ModelConfig
+
+    mc = ModelConfig.from_hf(model)
+    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2  # K and V, bf16
+    tokens = args.system_len + args.question_len + args.output_len + 32
+    return (args.concurrency + args.kv_prefixes) * tokens * per_token / (1 << 30)
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from afd_cli.bench.engine import _cpu, build_checkpoint
+
+    model = (
+        Path(args.model)
+        if args.model
+        else build_checkpoint(Path(args.cache_dir) / "bench-qwen3moe-ref")
+    )
+    caching: dict[str, list[dict]] = {"on": [], "off": []}
+    for r in range(args.rounds):
+        order = ("on", "off") if r % 2 == 0 else ("off", "on")
+        for mode in order:
+            proc, url = _serve(model, args, [] if mode == "on" else ["--no-prefix-caching"])
+            try:
+                s = _load(url, args, 1)
+            finally:
+                _stop(proc)
+            caching[mode].append(
+                {"ttft_p50_s": s["ttft_s"]["p50"], "hit_rate": s["prefix_cache_hit_rate"],
+                 "ttft_p90_s": s["ttft_s"]["p90"], "output_tok_s": s["output_throughput"]}
+            )  # fmt: skip
+    on_p50, off_p50 = _median(caching["on"], "ttft_p50_s"), _median(caching["off"], "ttft_p50_s")
+
+    kv_gb = _kv_gb(model, args)
+    routing: dict[str, list[dict]] = {"prefix": [], "round-robin": []}
+    for r in range(args.rounds):
+        order = ("prefix", "round-robin") if r % 2 == 0 else ("round-robin", "prefix")
+        for policy in order:
+            extra = ["--attention", "2", "--routing", policy, "--kv-cache-gb", f"{kv_gb:.4f}"]
+            proc, url = _serve(model, args, extra)
+            try:
+                s = _load(url, args, args.prefixes)
+                per_server = _server_hit_rates(url)
+            finally:
+                _stop(proc)
+            routing[policy].append(
+                {"hit_rate": s["prefix_cache_hit_rate"], "ttft_p50_s": s["ttft_s"]["p50"],
+                 "server_hit_rates": per_server}
+            )  # fmt: skip
+    return {
+        "bench": "prefix",
+        "cpu": _cpu(),
+        "model": str(model),
+        "setup": {
+            k: getattr(args, k)
+            for k in (
+                "system_len",
+                "questions",
+                "question_len",
+                "output_len",
+                "concurrency",
+                "rounds",
+                "prefixes",
+                "kv_prefixes",
+            )
+        },  # fmt: skip
+        "caching": {
+            **caching,
+            "ttft_p50_on_s": on_p50,
+            "ttft_p50_off_s": off_p50,
+            "ttft_p50_speedup": off_p50 / on_p50,
+        },
+        "routing": {
+            **routing,
+            "kv_cache_gb_per_server": round(kv_gb, 4),
+            "hit_rate_prefix": _median(routing["prefix"], "hit_rate"),
+            "hit_rate_round_robin": _median(routing["round-robin"], "hit_rate"),
+        },
+    }
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("prefix", help="prefix caching's TTFT and prefix-aware routing's hit rate")
+    p.add_argument("--model", help="checkpoint with a tokenizer (default: the bench checkpoint)")
+    p.add_argument("--system-len", type=int, default=1024, help="shared system prompt tokens")
+    p.add_argument("--questions", type=int, default=64, help="distinct questions (requests)")
+    p.add_argument("--question-len", type=int, default=32, help="tokens per question")
+    p.add_argument("--output-len", type=int, default=16, help="tokens per answer")
+    p.add_argument("--concurrency", type=int, default=4, help="streams at once")
+    p.add_argument("--rounds", type=int, default=2, help="alternating runs of each variant")
+    p.add_argument("--prefixes", type=int, default=6, help="routing: distinct system prompts")
+    p.add_argument(
+        "--kv-prefixes",
+        type=float,
+        default=4.0,
+        help="routing: prompts one server's KV holds beside its streams",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
+    p.add_argument("--output", help="also write the JSON here")
+
+    def main(a: argparse.Namespace) -> int:
+        out = json.dumps(run(a), indent=2)
+        if a.output:
+            Path(a.output).write_text(out + "\n")
+        print(out)
+        return 0
+
+    p.set_defaults(func=main)
