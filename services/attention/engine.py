@@ -96,6 +96,11 @@ class Engine:
         self._outage_since: float | None = None  # monotonic: a shard lost its last replica
 
     @property
+    def expert_load(self) -> torch.Tensor:
+        """[L, E] tokens routed to each expert since start (read, never written, outside)."""
+        return self.dispatcher.expert_load
+
+    @property
     def ffn_addresses(self) -> list[str]:
         """Every FFN replica this engine sends to."""
         return [p.address for p in self.replicas.peers]

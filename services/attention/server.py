@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 import grpc
+from prometheus_client import REGISTRY
 
 from afd import metrics, sidecar
 from afd.config import EngineConfig, check
@@ -32,6 +33,7 @@ from afd.control import (
     stats_to_pb,
 )
 from afd.errors import ErrorCode, RequestError, TransportError
+from afd.expert_load import ExpertLoadCollector
 from afd.runtime import freeze_startup_heap
 from afd.security import add_port
 from afd.sidecar import SidePortConfig
@@ -200,6 +202,8 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
 async def _serve(cfg: AttentionServerConfig) -> None:
     engine = Engine(cfg.engine)
     metrics.register("attention")
+    moe = [i for i in range(cfg.engine.model.num_layers) if cfg.engine.model.is_moe(i)]
+    REGISTRY.register(ExpertLoadCollector(lambda: engine.expert_load, moe))
     loop = EngineLoop(engine, EngineTelemetry(engine.ffn_addresses, cfg.stragglers))
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     servicer = ControlServicer(loop, cfg)

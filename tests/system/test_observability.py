@@ -109,6 +109,10 @@ def test_metrics_of_every_service_agree_with_the_workload(cluster):
     step_tokens -= hits
     assert hist(att, "afd_attention_step_tokens").total == step_tokens
     assert hist(att, "afd_attention_step_seconds").count > 0
+    # tokens per expert per layer: every token of the MoE layer picks top_k experts
+    top_k = TINY_CONFIG["moe_top_k"]
+    assert value(att, "afd_expert_tokens_total", layer="1") == top_k * step_tokens
+    assert value(att, "afd_expert_tokens_total", layer="0") == 0  # dense: not exported
     assert 1 <= value(att, "afd_attention_micro_batches_in_flight") <= 2
     layer = hist(att, "afd_attention_layer_seconds")
     assert layer.count > 0 and 0 < layer.mean < 0.1

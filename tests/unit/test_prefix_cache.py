@@ -217,3 +217,31 @@ def test_shared_prefixes_under_memory_pressure_evict_and_preempt(seed: int) -> N
     }
     assert s.num_preemptions > 0 and s.block_manager.num_evictions > 0
     assert s.prefix_hits > 0
+
+
+def test_a_request_preempted_while_sharing_blocks_leaves_them_to_the_other() -> None:
+    """B shares A's two prompt blocks; as both decode the pool runs out and B (admitted last)
+    is preempted while it holds blocks A holds too: they stay with A, B recomputes later from
+    what is still cached, and both get the tokens of a run without caching or pressure."""
+    prompt = list(range(400, 408))  # two full blocks
+    specs = {0: [("a", prompt, 12)], 1: [("b", prompt + [9], 12)]}
+
+    def arrivals():
+        return {t: [req(rid, p, n) for rid, p, n in v] for t, v in specs.items()}
+
+    s = make(num_blocks=7)
+    shared_at_preemption: list[list[int]] = []
+    preempt = s._preempt
+
+    def watching(victim):
+        shared_at_preemption.append([s.block_manager._refs[b] for b in victim.block_ids])
+        preempt(victim)
+
+    s._preempt = watching
+    got = run(s, PrefixModel(), arrivals())
+    want = run(make(num_blocks=512, caching=False), PrefixModel(), arrivals())
+    assert {k: r.output_token_ids for k, r in got.items()} == {
+        k: r.output_token_ids for k, r in want.items()
+    }
+    assert got["b"].num_preemptions >= 1 and got["b"].num_cached_tokens == 8
+    assert any(refs[:2] == [2, 2] for refs in shared_at_preemption)
