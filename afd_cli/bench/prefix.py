@@ -7,11 +7,10 @@
    the share of prompt tokens the cache supplied (the responses' `cached_tokens`).
 2. **Routing.** Two attention servers behind one gateway, `--routing prefix` against
    `--routing round-robin`, alternating: the questions spread over `--prefixes` distinct system
-   prompts. Each server's KV pool holds its streams in flight and about `--kv-prefixes` of
-   those prompts (with their questions and answers) beside them, so a server that sees every
-   prefix evicts; the hit rates (the
-   responses' and, per server, the gateway's `afd_gateway_server_prefix_cache_hit_rate`) and
-   TTFT p50 of both.
+   prompts. Each server's KV pool holds about `--kv-prefixes` of those prompts (and the
+   questions and answers in flight), fewer than there are, so a server that sees every prefix
+   evicts; the hit rates (the responses' and, per server, the gateway's
+   `afd_gateway_server_prefix_cache_hit_rate`) and TTFT p50 of both.
 
 Processes run one cluster at a time on this machine; the load generator is its own process.
 """
@@ -76,14 +75,17 @@ def _server_hit_rates(url: str) -> dict[str, float]:
 
 
 def _kv_gb(model: Path, args: argparse.Namespace) -> float:
-    """KV memory for the streams in flight (all on one server, at worst) and about
-    `--kv-prefixes` prompts, with their questions and answers, cached beside them."""
+    """KV memory for about `--kv-prefixes` system prompts and the questions and answers of the
+    streams in flight (all on one server, at worst): those share their system prompt's blocks
+    (a hit takes the cached blocks themselves), so what a server can keep is counted in system
+    prompts."""
     from afd.config import ModelConfig
 
     mc = ModelConfig.from_hf(model)
     per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2  # K and V, bf16
-    tokens = args.system_len + args.question_len + args.output_len + 32
-    return (args.concurrency + args.kv_prefixes) * tokens * per_token / (1 << 30)
+    tail = args.question_len + args.output_len + 32  # the last partial block of each, and more
+    tokens = args.kv_prefixes * args.system_len + args.concurrency * tail
+    return tokens * per_token / (1 << 30)
 
 
 def _median(runs: list[dict], key: str) -> float:
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
         else build_checkpoint(Path(args.cache_dir) / "bench-qwen3moe-ref")
     )
     caching: dict[str, list[dict]] = {"on": [], "off": []}
-    for r in range(args.rounds):
+    for r in range(args.rounds if "caching" in args.parts else 0):
         order = ("on", "off") if r % 2 == 0 else ("off", "on")
         for mode in order:
             proc, url = _serve(model, args, [] if mode == "on" else ["--no-prefix-caching"])
@@ -111,11 +113,10 @@ def run(args: argparse.Namespace) -> dict:
                 {"ttft_p50_s": s["ttft_s"]["p50"], "hit_rate": s["prefix_cache_hit_rate"],
                  "ttft_p90_s": s["ttft_s"]["p90"], "output_tok_s": s["output_throughput"]}
             )  # fmt: skip
-    on_p50, off_p50 = _median(caching["on"], "ttft_p50_s"), _median(caching["off"], "ttft_p50_s")
 
     kv_gb = _kv_gb(model, args)
     routing: dict[str, list[dict]] = {"prefix": [], "round-robin": []}
-    for r in range(args.rounds):
+    for r in range(args.rounds if "routing" in args.parts else 0):
         order = ("prefix", "round-robin") if r % 2 == 0 else ("round-robin", "prefix")
         for policy in order:
             extra = ["--attention", "2", "--routing", policy, "--kv-cache-gb", f"{kv_gb:.4f}"]
@@ -146,18 +147,25 @@ def run(args: argparse.Namespace) -> dict:
                 "kv_prefixes",
             )
         },  # fmt: skip
-        "caching": {
-            **caching,
-            "ttft_p50_on_s": on_p50,
-            "ttft_p50_off_s": off_p50,
-            "ttft_p50_speedup": off_p50 / on_p50,
-        },
+        "caching": _caching_summary(caching) if caching["on"] else None,
         "routing": {
             **routing,
             "kv_cache_gb_per_server": round(kv_gb, 4),
             "hit_rate_prefix": _median(routing["prefix"], "hit_rate"),
             "hit_rate_round_robin": _median(routing["round-robin"], "hit_rate"),
-        },
+        }
+        if routing["prefix"]
+        else None,
+    }
+
+
+def _caching_summary(caching: dict[str, list[dict]]) -> dict:
+    on_p50, off_p50 = _median(caching["on"], "ttft_p50_s"), _median(caching["off"], "ttft_p50_s")
+    return {
+        **caching,
+        "ttft_p50_on_s": on_p50,
+        "ttft_p50_off_s": off_p50,
+        "ttft_p50_speedup": off_p50 / on_p50,
     }
 
 
@@ -170,12 +178,17 @@ def add_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=16, help="tokens per answer")
     p.add_argument("--concurrency", type=int, default=4, help="streams at once")
     p.add_argument("--rounds", type=int, default=2, help="alternating runs of each variant")
-    p.add_argument("--prefixes", type=int, default=6, help="routing: distinct system prompts")
+    p.add_argument("--prefixes", type=int, default=8, help="routing: distinct system prompts")
     p.add_argument(
         "--kv-prefixes",
         type=float,
-        default=4.0,
+        default=6.0,
         help="routing: prompts one server's KV holds beside its streams",
+    )
+    p.add_argument(
+        "--parts",
+        default="caching,routing",
+        help="which comparisons to run, comma-separated: caching, routing",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=300.0)

@@ -178,10 +178,12 @@ async def prepare_prompts(http, args: argparse.Namespace) -> list[Prompt]:
         for _ in range(args.shared_prefixes if args.shared_prefix_len else 0)
     ]
     prompts = []
-    for i in range(args.num_requests):
+    for _ in range(args.num_requests):
         text, n = await _synthetic_text(tok, rng, args.input_len)
         if shared:
-            system, m = shared[i % len(shared)]
+            # each question after a system prompt drawn at random: in order, one prompt in k
+            # would fall on the same server of a round-robin pool every time
+            system, m = shared[rng.randrange(len(shared))]
             text, n = f"{system}\n{text}", n + m if n and m else 0
         prompts.append(Prompt(_body(args, text, None, args.output_len), n))
     return prompts
@@ -353,7 +355,7 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
         "--shared-prefixes",
         type=int,
         default=1,
-        help="... one of this many distinct ones, in turn",
+        help="... one of this many distinct ones, drawn at random for each prompt",
     )
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
     p.add_argument("--dataset", help="JSONL: {'prompt': ...} or {'messages': [...]} per line")
