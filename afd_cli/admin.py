@@ -75,7 +75,10 @@ class _Handler(BaseHTTPRequestHandler):
 def serve_admin(pool: ElasticFFN, port: int, key: str) -> ThreadingHTTPServer:
     """Start the endpoint on 127.0.0.1:port in a daemon thread; `.shutdown()` stops it."""
     handler = type("AdminHandler", (_Handler,), {"pool": pool, "key": key})
-    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    try:
+        server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    except OSError as e:
+        raise AfdError(f"cannot serve the admin endpoint on 127.0.0.1:{port}: {e.strerror}") from e
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="admin", daemon=True).start()
     return server

@@ -8,7 +8,9 @@
 
 Both are pulled, every `interval_s` at most, between engine steps: nothing has to push to each
 attention server, and one that restarts learns the current pool the same way. A source that
-cannot be read keeps the last pool it read (a DNS hiccup must not empty the pool).
+cannot be read keeps the last pool it read (a DNS hiccup must not empty the pool). DNS is
+resolved on a thread of its own (a lookup can take seconds to fail; the engine thread only
+takes the latest answer), the file read where it is asked for (a stat and a small read).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +47,8 @@ class PoolSource:
             self._path = Path(rest)
         self._checked = 0.0
         self._last: tuple[str, ...] | None = None
+        self._resolved: tuple[str, ...] | None = None  # the resolver thread's latest answer
+        self._resolver: threading.Thread | None = None
 
     def members(self, force: bool = False) -> tuple[str, ...] | None:
         """The pool's addresses (sorted) when it is time to look again (None otherwise); the
@@ -52,6 +57,11 @@ class PoolSource:
         if not force and now - self._checked < self.interval_s:
             return None
         self._checked = now
+        if self.kind == "dns" and not force:
+            self._start_resolver()
+            if self._resolved is not None:
+                self._last = self._resolved
+            return self._last
         try:
             found = self._read()
         except (OSError, UnicodeDecodeError) as e:
@@ -61,6 +71,23 @@ class PoolSource:
             return self._last
         self._last = found
         return found
+
+    def _start_resolver(self) -> None:
+        if self._resolver is None:
+            self._resolver = threading.Thread(
+                target=self._resolve_forever, name="ffn-pool-dns", daemon=True
+            )
+            self._resolver.start()
+
+    def _resolve_forever(self) -> None:
+        while True:
+            try:
+                self._resolved = self._read()
+            except OSError as e:  # keep the last answer
+                log.warning(
+                    "cannot resolve the FFN pool %s (keeping the last one): %s", self.spec, e
+                )
+            time.sleep(self.interval_s)
 
     def _read(self) -> tuple[str, ...]:
         if self.kind == "file":

@@ -133,3 +133,27 @@ def test_a_flag_given_at_its_default_is_passed_on():
     args = build_parser().parse_args(["serve", "--transport", "tcp", "--expert-compute", "direct"])
     ffn = [c for c in Cluster(config(args)).plan() if c.name.startswith("ffn-")]
     assert ffn and all(c.argv[c.argv.index("--expert-compute") + 1] == "direct" for c in ffn)
+
+
+def test_an_elastic_pool_is_ffn_processes_that_hold_every_expert_read_from_a_file():
+    from afd.errors import ConfigError
+    from afd_cli.cluster import Cluster, ClusterConfig, topology
+
+    assert topology("auto", 1, 1, 2, elastic=True) == "tcp"  # processes join and leave
+    cluster = Cluster(ClusterConfig(elastic_ffn=True, ffn=2))
+    try:
+        children = {c.name: c for c in cluster.plan()}
+        assert cluster.pool_file is not None
+        assert cluster.pool_file.read_text().split() == cluster.ffn_addresses
+        assert not any("--shard" in children[f"ffn-{i}"].argv for i in range(2))
+        att = children["attention-0"].argv
+        assert att[att.index("--ffn-pool") + 1] == f"file:{cluster.pool_file}"
+        assert "--ffn" not in att
+    finally:
+        cluster.stop()  # removes its temporary directory
+    with pytest.raises(ConfigError, match="network transport"):
+        ClusterConfig(elastic_ffn=True, transport="inproc")
+    with pytest.raises(ConfigError, match="API key"):
+        ClusterConfig(elastic_ffn=True, admin_port=9000)
+    with pytest.raises(ConfigError, match="--elastic-ffn"):
+        ClusterConfig(admin_port=9000, api_key="k")
