@@ -30,6 +30,9 @@ _CODE_TO_PB = {
 _CODE_FROM_PB = {v: k for k, v in _CODE_TO_PB.items()}
 
 
+MAX_CACHE_SALT = 1024  # characters
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request's tokens are chosen and when it stops."""
@@ -45,6 +48,9 @@ class SamplingParams:
     # None: none; k >= 0: every prompt token's (after the first) given the tokens before it,
     # plus the top k (vLLM's prompt_logprobs; with max_tokens 0, a prompt is only scored)
     prompt_logprobs: int | None = None
+    # vLLM's cache_salt: requests with different salts never share prefix-cache blocks (a
+    # tenant's secret, so that another cannot learn from timings which prompts were sent)
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         problem = ""
@@ -60,6 +66,8 @@ class SamplingParams:
             problem = f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}"
         elif any(t < 0 for t in self.stop_token_ids):
             problem = "stop_token_ids must be >= 0"
+        elif len(self.cache_salt) > MAX_CACHE_SALT:
+            problem = f"cache_salt is longer than {MAX_CACHE_SALT} characters"
         if problem:
             raise RequestError(problem)
 
@@ -143,6 +151,7 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         top_k=s.top_k,
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        cache_salt=s.cache_salt,
     )
     if s.seed is not None:
         msg.seed = s.seed
@@ -165,6 +174,7 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        cache_salt=s.cache_salt,
     )
 
 

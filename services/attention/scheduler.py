@@ -237,7 +237,7 @@ class Scheduler:
         # whole blocks, and never the last token: its hidden state is what gets sampled
         limit = (req.num_tokens - 1) // bm.block_size
         if len(req.block_hashes) < limit:
-            prefix.extend(req.block_hashes, req.all_token_ids, bm.block_size, limit)
+            self._hash(req, limit)
         hit = bm.lookup(req.block_hashes[:limit])
         bm.touch(hit)
         req.block_ids = hit
@@ -250,10 +250,17 @@ class Scheduler:
         full = req.num_computed_tokens // bm.block_size
         if full <= req.num_cached_blocks:
             return
-        prefix.extend(req.block_hashes, req.all_token_ids, bm.block_size, full)
+        self._hash(req, full)
         for i in range(req.num_cached_blocks, full):
             bm.register(req.block_ids[i], req.block_hashes[i])
         req.num_cached_blocks = full
+
+    def _hash(self, req: Request, blocks: int) -> None:
+        """Extend req.block_hashes to its first `blocks` full blocks (salted, when it is)."""
+        salt = req.sampling.cache_salt.encode()
+        prefix.extend(
+            req.block_hashes, req.all_token_ids, self.block_manager.block_size, blocks, salt
+        )
 
     def _release(self, req: Request) -> None:
         """Give back every block of `req`, tail first (a cached prefix outlives its tail), and

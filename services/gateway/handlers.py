@@ -181,6 +181,7 @@ async def plan(
                 ignore_eos=req.ignore_eos,
                 logprobs=req.num_logprobs,
                 prompt_logprobs=_prompt_logprobs(req),
+                cache_salt=req.cache_salt or "",
             )
             spec = ChoiceSpec(
                 j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo,

@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from afd.control import MAX_CACHE_SALT
+
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_CHOICES = 128  # prompts x n: Generate calls one request may start
@@ -53,6 +55,8 @@ class _SamplingRequest(_Model):
     presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] = 0.0
     ignore_eos: Bool = False  # vLLM extra: generate max_tokens whatever the model says
+    # vLLM extra: requests with different salts share no prefix-cache blocks
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     user: str | None = None
 
     @property

@@ -33,6 +33,7 @@ def test_generate_request_round_trip():
         stop_token_ids=(4, 9),
         ignore_eos=True,
         logprobs=2,
+        cache_salt="tenant-7",
     )
     req = GenerateRequest("r-1", [1, 2, 3], sp)
     back = control.request_from_pb(control.request_to_pb(req))
@@ -53,6 +54,7 @@ def test_token_event_round_trip_keeps_logprobs_and_codes():
         prompt_tokens=3,
         completion_tokens=2,
         queue_seconds=0.125,
+        cached_tokens=16,
     )
     assert control.event_from_pb(control.event_to_pb(ev)) == ev
     for code in ErrorCode:
@@ -65,7 +67,15 @@ def test_token_event_round_trip_keeps_logprobs_and_codes():
 def test_health_and_stats_round_trip():
     h = Health(True, False, "FFN down", "m", 4096, draining=True)
     assert control.health_from_pb(control.health_to_pb(h)) == h
-    s = Stats(running=3, waiting=1, kv_usage=0.5, preemptions=7, draining=True)
+    s = Stats(
+        running=3,
+        waiting=1,
+        kv_usage=0.5,
+        preemptions=7,
+        draining=True,
+        prefix_queries=400,
+        prefix_hits=300,
+    )
     assert control.stats_from_pb(control.stats_to_pb(s)) == s
 
 

@@ -190,6 +190,22 @@ def test_n_choices_get_distinct_ids_and_consecutive_seeds(tokenizer):
     assert body["usage"]["completion_tokens"] == 18
 
 
+def test_cache_salt_reaches_the_engine_and_an_empty_one_is_a_400(tokenizer):
+    fake = FakeClient()
+
+    async def go(body):
+        async with make(tokenizer, [fake]) as c:
+            return await post(c, "/v1/completions", {"prompt": "a", "max_tokens": 2, **body})
+
+    assert run(go({"cache_salt": "tenant-a"})).status_code == 200
+    assert fake.calls[-1][2].cache_salt == "tenant-a"
+    assert run(go({})).status_code == 200 and fake.calls[-1][2].cache_salt == ""
+    for salt in ("", "x" * 1025, 7):
+        bad = run(go({"cache_salt": salt}))
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+    assert len(fake.calls) == 2
+
+
 def test_stop_token_ids_reach_the_engine_and_bad_ones_are_a_400(tokenizer):
     fake = FakeClient()
 

@@ -245,3 +245,15 @@ def test_a_request_preempted_while_sharing_blocks_leaves_them_to_the_other() -> 
     }
     assert got["b"].num_preemptions >= 1 and got["b"].num_cached_tokens == 8
     assert any(refs[:2] == [2, 2] for refs in shared_at_preemption)
+
+
+def test_requests_with_different_cache_salts_share_no_blocks() -> None:
+    """vLLM's cache_salt: the salt is in every block's hash, so a tenant's cached prompt is
+    found only by requests carrying the same salt."""
+    prompt = list(range(500, 513))
+    s, m = make(), PrefixModel()
+    run(s, m, {0: [req("a", prompt, cache_salt="tenant-a")]})
+    got = run(s, m, {0: [req("b", prompt, cache_salt="tenant-b"), req("plain", prompt)]})
+    assert got["b"].num_cached_tokens == 0 and got["plain"].num_cached_tokens == 0
+    again = run(s, m, {0: [req("a2", prompt, cache_salt="tenant-a")]})
+    assert again["a2"].num_cached_tokens == 12
