@@ -171,11 +171,8 @@ class Cluster:
             self._tmp = tempfile.mkdtemp(prefix="afd-serve-")
         return self._tmp
 
-    def new_ffn_address(self, i: int) -> str:
-        """An address for FFN server i (one joining an elastic pool)."""
-        return self._ffn_address(i)
-
-    def _ffn_address(self, i: int) -> str:
+    def ffn_address(self, i: int) -> str:
+        """A data-plane address for FFN server i (also one joining an elastic pool)."""
         t = self.transport
         if t == "inproc":
             return f"inproc://ffn-{i}"  # shards inside each attention process
@@ -189,7 +186,7 @@ class Cluster:
         py = [sys.executable, "-m", "afd_cli"]
         model = ["--model", c.model] if c.model else []
         threads = ["--threads", str(self._threads()), "--dtype", c.dtype]
-        self.ffn_addresses = [self._ffn_address(i) for i in range(c.ffn)]
+        self.ffn_addresses = [self.ffn_address(i) for i in range(c.ffn)]
         children = []
         if self.transport != "inproc":
             children = [self.ffn_child(i, c.ffn) for i in range(c.ffn)]

@@ -73,7 +73,7 @@ class ElasticFFN:
         """Start one more FFN server; it joins the pool once it is ready."""
         with self._changing:
             i = next(self._next)
-            child = self.cluster.ffn_child(i, 1, self.cluster.new_ffn_address(i))
+            child = self.cluster.ffn_child(i, 1, self.cluster.ffn_address(i))
             self._launcher.submit(self.cluster.launch, child).result()
             try:
                 _wait_ready(child, timeout_s)

@@ -159,6 +159,24 @@ def _start(name: str, args: argparse.Namespace, server: Path, gguf: Path, ckpt: 
     return proc
 
 
+def start_afd_serve(model: Path, extra: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
+    """`afd serve --model MODEL` with `extra` flags on a free port, once /ready answers: (its
+    process, its base URL); stop it with `_stop`."""
+    from afd_cli.cluster import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "afd_cli", "serve", "--model", str(model), "--port", str(port)]
+    proc = subprocess.Popen([*cmd, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(f"{url}/ready", proc, timeout)
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc, url
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -27,23 +27,11 @@ from pathlib import Path
 
 import httpx
 
-from afd_cli.bench.peer import _stop, _wait_ready
+from afd_cli.bench.peer import _stop, start_afd_serve
 
 
 def _serve(model: Path, args: argparse.Namespace, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    from afd_cli.cluster import free_port
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "afd_cli", "serve", "--model", str(model), "--port", str(port)]
-    proc = subprocess.Popen([*cmd, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(f"{url}/ready", proc, args.start_timeout)
-    except BaseException:
-        _stop(proc)
-        raise
-    return proc, url
+    return start_afd_serve(model, extra, args.start_timeout)
 
 
 def _load(url: str, args: argparse.Namespace, prefixes: int) -> dict:
@@ -64,14 +52,15 @@ def _load(url: str, args: argparse.Namespace, prefixes: int) -> dict:
 
 def _server_hit_rates(url: str) -> dict[str, float]:
     """The gateway's view of each attention server's hit rate (after its next poll)."""
+    from afd.plan.metrics_input import parse_exposition
+
     time.sleep(1.0)
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    rates = {}
-    for line in text.splitlines():
-        if line.startswith("afd_gateway_server_prefix_cache_hit_rate{"):
-            server = line.split('server="', 1)[1].split('"', 1)[0]
-            rates[server] = round(float(line.rsplit(" ", 1)[1]), 4)
-    return rates
+    samples = parse_exposition(httpx.get(f"{url}/metrics", timeout=10).text)
+    return {
+        s.label("server"): round(s.value, 4)
+        for s in samples
+        if s.name == "afd_gateway_server_prefix_cache_hit_rate"
+    }
 
 
 def _kv_gb(model: Path, args: argparse.Namespace) -> float:
@@ -79,10 +68,14 @@ def _kv_gb(model: Path, args: argparse.Namespace) -> float:
     streams in flight (all on one server, at worst): those share their system prompt's blocks
     (a hit takes the cached blocks themselves), so what a server can keep is counted in system
     prompts."""
+    import torch
+
     from afd.config import ModelConfig
+    from services.attention.kinds import ATTENTION_KINDS
 
     mc = ModelConfig.from_hf(model)
-    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2  # K and V, bf16
+    layout = ATTENTION_KINDS[mc.attention].cache_layout(mc)  # what a token leaves in the cache
+    per_token = layout.bytes_per_token(mc.num_layers, torch.bfloat16)
     tail = args.question_len + args.output_len + 32  # the last partial block of each, and more
     tokens = args.kv_prefixes * args.system_len + args.concurrency * tail
     return tokens * per_token / (1 << 30)

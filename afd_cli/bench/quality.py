@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from afd_cli.bench.peer import _stop, _wait_ready
+from afd_cli.bench.peer import _stop, start_afd_serve
 
 _DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -41,11 +41,8 @@ def _score(url: str, windows: list[list[int]]) -> list[tuple[float, str, str]]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    import subprocess
-
     from afd_cli.bench.engine import _cpu
     from afd_cli.bench.mxfp4 import build_gpt_oss
-    from afd_cli.cluster import free_port
     from afd_cli.quantize import write
 
     cache = Path(args.cache_dir)
@@ -62,14 +59,8 @@ def run(args: argparse.Namespace) -> dict:
     scored: dict[str, list[tuple[float, str, str]]] = {}
     windows: list[list[int]] = []
     for name, (path, extra) in variants.items():
-        port = free_port()
-        cmd = [sys.executable, "-m", "afd_cli", "serve", "--model", str(path), "--port", str(port)]
-        cmd += ["--transport", "inproc", *extra]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
+        proc, url = start_afd_serve(path, ["--transport", "inproc", *extra], args.start_timeout)
         try:
-            _wait_ready(f"{url}/ready", proc, args.start_timeout)
             if not windows:
                 r = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=60)
                 ids = r.json()["tokens"][: args.max_tokens]

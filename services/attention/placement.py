@@ -51,13 +51,6 @@ class Placement:
         odd = (torch.arange(ids.shape[0]) % 2).view(-1, 1, 1).expand(-1, ids.shape[1], 1)
         return pair.gather(2, odd).squeeze(2)
 
-    def experts_of(self, member: int) -> list[list[int]]:
-        """Per layer, the experts `member` computes (some or all of the tokens of)."""
-        return [
-            [e for e in range(self.table.shape[1]) if member in self.table[layer, e].tolist()]
-            for layer in range(self.table.shape[0])
-        ]
-
 
 def _layer(members: int, num_experts: int, counts: list[int] | None, hot: int) -> torch.Tensor:
     out = torch.empty(num_experts, 2, dtype=torch.long)

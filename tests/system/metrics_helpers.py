@@ -3,6 +3,7 @@ service's /metrics is, scrape and query Prometheus text."""
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import subprocess
@@ -67,6 +68,28 @@ def serve(model: Path, *flags: str, timeout: float = 90.0) -> Served:
             return Served(proc, m.group(1), log, found)
     proc.kill()
     raise AssertionError("afd serve did not become ready:\n" + log.read_text()[-3000:])
+
+
+def stream_text(
+    url: str, body: dict, headers: dict | None = None, stamps: list[float] | None = None
+) -> str:
+    """One streaming completion (`url`: the API's /v1) and its text; fails on any error. The
+    arrival time of each chunk goes to `stamps`, when given."""
+    import httpx
+
+    text = []
+    with httpx.stream(
+        "POST", f"{url}/completions", json={**body, "stream": True}, headers=headers, timeout=120
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text.append(chunk["choices"][0]["text"])
+                if stamps is not None:
+                    stamps.append(time.monotonic())
+    return "".join(text)
 
 
 def scrape(url: str) -> list[Sample]:

@@ -6,7 +6,6 @@ process: tests/integration/test_elastic_pool.py.)"""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ import pytest
 
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
 from afd_cli.procs import free_port
-from tests.system.metrics_helpers import scrape, serve, value
+from tests.system.metrics_helpers import scrape, serve, stream_text, value
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,18 +33,7 @@ def model(tmp_path_factory):
 
 def _stream(url: str, i: int) -> str:
     body = {"prompt": f"story {i}:", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-    text = []
-    head = {"Authorization": f"Bearer {KEY}"}
-    with httpx.stream(
-        "POST", f"{url}/completions", json={**body, "stream": True}, headers=head, timeout=120
-    ) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text.append(chunk["choices"][0]["text"])
-    return "".join(text)
+    return stream_text(url, body, headers={"Authorization": f"Bearer {KEY}"})
 
 
 def _clients(url: str, until: threading.Event, results: dict[int, list[str]]) -> None:

@@ -6,7 +6,6 @@ crash loop, and the cluster stops saying so."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -18,7 +17,7 @@ import pytest
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
 from tests.faults.cluster import GRACE_S
 from tests.helpers.procs import children_of
-from tests.system.metrics_helpers import serve
+from tests.system.metrics_helpers import serve, stream_text
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -58,16 +57,7 @@ STREAMS = 16
 def _stream(url: str, i: int, stamps: list[float]) -> str:
     """One streaming completion's text; the arrival time of each chunk goes to `stamps`."""
     body = {"prompt": f"story {i}:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    text = []
-    with httpx.stream("POST", f"{url}/completions", json={**body, "stream": True}, timeout=90) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text.append(chunk["choices"][0]["text"])
-                stamps.append(time.monotonic())
-    return "".join(text)
+    return stream_text(url, body, stamps=stamps)
 
 
 def _streams(url: str, kill: int | None = None) -> tuple[list[str], list[list[float]]]:
