@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from afd.errors import TransportError
 from afd.messages import FFNReply, FFNRequest
+
+if TYPE_CHECKING:
+    from afd.transport.serving import FFNServing
 
 
 class FFNClient(ABC):
@@ -104,6 +108,12 @@ class FFNClient(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
+
+    def local(self) -> FFNServing | None:
+        """The peer's serving loop when it computes on the caller's own thread in this process
+        (an inline in-process listener): the sender may call it directly
+        (`FFNServing.serve_local`) instead of sending a message. None for every other peer."""
+        return None
 
 
 class Listener(ABC):

@@ -90,6 +90,10 @@ class _InprocClient(FFNClient):
         listener.submit(req, self._replies)
         return True
 
+    def local(self) -> FFNServing | None:
+        listener = self._listener()
+        return listener._serving if listener is not None and listener._inline else None
+
     def _recv(self, timeout: float) -> FFNReply | None:
         try:
             return stamp_received(self._replies.get(timeout=min(timeout, 0.5)))

@@ -98,6 +98,40 @@ class FFNServing:
                 received.append((peer, error_reply(req, e.code, e.message), t_recv))
         return self._serve(received)
 
+    def serve_local(self, req: FFNRequest, t_send: float) -> FFNReply:
+        """One request from this process's own attention side, computed on the caller's
+        thread (an inline in-process shard with one micro-batch: a function call, not a
+        message). Not validated: nothing crossed a process boundary, and the checks cost more
+        than a batch-1 layer's expert compute takes to start. A failed compute is an
+        `internal` error reply, as on every other path; the trace carries the attention side's
+        stamps too (a_sent, a_recv), so the telemetry reads it as any reply's."""
+        if self.draining:
+            return _refused(req, "unavailable", DRAINING, t_send)
+        start = time.time()
+        code = why = ""
+        try:
+            (output,) = self.compute(req.layer, [req])
+        except Exception as e:  # as on the serving loop: the error goes back, nothing escapes
+            log.exception("FFN compute failed on layer %d (in process)", req.layer)
+            output, code, why = None, "internal", f"FFN compute failed: {type(e).__name__}: {e}"
+        if output is not None and output.shape != req.hidden.shape:
+            shape = tuple(output.shape)
+            output, code, why = None, "internal", f"output {shape} for {req.num_tokens} tokens"
+        end = time.time()
+        trace = Trace(t_send, t_send, start, end, end, end, 1, t_send)
+        rep = FFNReply(req.seq, req.layer, req.micro_batch, output, code, why, trace)
+        if rep.ok and req.num_tokens:
+            metrics.FFN_MESSAGES.inc()
+            metrics.FFN_TOKENS.inc(req.num_tokens)
+            metrics.FFN_BATCH_TOKENS.observe(req.num_tokens)
+            metrics.FFN_BATCH_MESSAGES.observe(1)
+            metrics.FFN_BATCH_PEERS.observe(1)
+            metrics.FFN_COMPUTE.observe(end - start)
+            metrics.FFN_QUEUE.observe(0.0)
+        elif rep.error_code:
+            metrics.FFN_ERRORS.labels(rep.error_code).inc()
+        return rep
+
     def _serve(
         self, received: Sequence[tuple[P, FFNRequest | FFNReply, float]]
     ) -> list[tuple[P, FFNReply]]:

@@ -34,6 +34,7 @@ from afd.config import ModelConfig
 from afd.errors import ConfigError, TransportError
 from afd.messages import FFNReply, FFNRequest
 from afd.quant import quantize_fp8
+from afd.transport.serving import FFNServing
 from services.attention.deadlines import RoundTripDeadlines
 from services.attention.placement import NOT_HERE, Placement
 from services.attention.replicas import Peer, Replicas
@@ -107,6 +108,11 @@ class FFNDispatcher:
         self._routed: list[tuple[int, torch.Tensor]] = []  # (layer, [T, k] ids) this step
         # an elastic pool's placement (set between steps); None: fixed expert shards
         self.placement: Placement | None = None
+        # each shard's serving loop, where every shard is one live replica computing inline in
+        # this process (afd serve's one-process topology): called, not sent to. Looked up at a
+        # step's first send (after the engine has refreshed an elastic pool).
+        self._direct: list[FFNServing] | None = None
+        self._direct_known = False
 
     def begin_step(self) -> None:
         """A new step's timing; probe replicas that are due."""
@@ -115,6 +121,18 @@ class FFNDispatcher:
         self.timing = StepTiming()
         self._in_flight = 0
         self._idle_since = 0.0
+        self._direct_known = False
+
+    def _direct_servings(self) -> list[FFNServing] | None:
+        if self.placement is not None:
+            return None
+        servings = []
+        for replicas in self.replicas.shards:
+            serving = replicas[0].client.local() if len(replicas) == 1 else None
+            if serving is None or not replicas[0].up:
+                return None
+            servings.append(serving)
+        return servings
 
     def send(
         self,
@@ -143,7 +161,11 @@ class FFNDispatcher:
         moe = self.cfg.is_moe(layer)
         if moe:
             self._routed.append((layer, ids))
-        if self.placement is not None:
+        if not self._direct_known:
+            self._direct, self._direct_known = self._direct_servings(), True
+        if self._direct is not None:
+            parts = self._call_direct(message, moe)
+        elif self.placement is not None:
             parts = self._elastic_parts(layer, message)
         else:
             parts = [
@@ -152,11 +174,31 @@ class FFNDispatcher:
                 if moe or replicas[0].shard.owns_dense
             ]
         for part in parts:
-            self._assign(part, "")
+            if part.reply is None:
+                self._assign(part, "")
         self._in_flight += 1
         self.timing.max_in_flight = max(self.timing.max_in_flight, self._in_flight)
         self._idle_since = time.perf_counter()
         return Pending(parts, x.shape[0])
+
+    def _call_direct(self, message: FFNRequest, moe: bool) -> list[_Part]:
+        """The layer computed now by each in-process shard that takes part; its parts come
+        back answered. There is no other replica to fail over to: an error fails the step."""
+        assert self._direct is not None
+        parts = []
+        for shard, serving in enumerate(self._direct):
+            peer = self.replicas.shards[shard][0]
+            if not (moe or peer.shard.owns_dense):
+                continue
+            sent = time.time()
+            reply = serving.serve_local(message, sent)
+            if not reply.ok:
+                raise TransportError(
+                    f"FFN shard {peer.address} failed layer {message.layer}: "
+                    f"{reply.error_code}: {reply.error}"
+                )
+            parts.append(_Part(shard, message, peer=peer, sent=sent, reply=reply))
+        return parts
 
     def count_routed(self) -> None:
         """After a completed step: add its (token, expert) pairs to expert_load."""
@@ -197,8 +239,10 @@ class FFNDispatcher:
             reply = part.reply
             assert reply is not None and part.peer is not None
             tr = reply.trace
-            stamped = replace(tr, a_sent=part.sent, a_recv=tr.a_recv or time.time())
-            self.timing.traces.append((part.peer.address, replace(reply, trace=stamped)))
+            if tr.a_sent != part.sent or not tr.a_recv:  # else stamped already (_call_direct)
+                stamped = replace(tr, a_sent=part.sent, a_recv=tr.a_recv or time.time())
+                reply = replace(reply, trace=stamped)
+            self.timing.traces.append((part.peer.address, reply))
             out = reply.output
             if len(pending.parts) > 1:
                 total = out.float() if total is None else total.add_(out.float())

@@ -26,10 +26,12 @@ def softmax_topk(
     bias: torch.Tensor | None = None,  # unused: this kind has none
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [T, k] int32, weights [T, k] float32
     """Softmax over all experts (float32), top-k, renormalised if the model says so."""
-    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    # Ops as transformers runs them (ties in top-k resolve alike), no more: this runs per
+    # layer and at batch 1 each op's dispatch costs about what its arithmetic does.
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
     weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
     if cfg.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights /= weights.sum(dim=-1, keepdim=True)
     return ids.to(torch.int32), weights
 
 
