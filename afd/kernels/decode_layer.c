@@ -8,6 +8,7 @@
  *   k, v -> the paged cache at each token's slot
  *   a   = paged decode attention of q over the cache
  *   h'  = bf16(h + a @ w_o^T);  x = rms_norm(h', ffn_norm)
+ *   with w_router: logits = x @ w_router^T    (the MoE router's matmul, bias-free routers)
  *
  * It is services/attention/model.py's attention() with the kind's qkv(), composed of the same
  * kernels the per-op path calls one by one (gemm.c, norm_rope.c, attention.c), so its results
@@ -27,6 +28,7 @@
  * and w_q [nh D, qin]; q_norm, k_norm [D] or NULL (no q/k norm); w_o [H, nh D].
  * cos, sin [P, D]; pos, slots [T]; k/v cache [kvh, NB, bs, D]; blocks [T, nb]; lens [T].
  * isa: the matmuls' instruction set and weight layout, as afd_bf16_moe's.
+ * w_router [E, H] (that layout too) or NULL; logits [T, E] out where it is given.
  * Returns 0, or -1 (bad sizes, memory short, a length past the block table). */
 int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const uint16_t *attn_norm, const uint16_t *ffn_norm,
@@ -36,7 +38,8 @@ int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const int64_t *slots, uint16_t *k_cache, uint16_t *v_cache,
                           const int64_t *blocks, const int64_t *lens, int T, int H, int qin,
                           int nh, int kvh, int D, int NB, int bs, int nb, float eps, float scale,
-                          int threads, int isa) {
+                          int threads, int isa, const uint16_t *w_router, uint16_t *logits,
+                          int E) {
   if (T <= 0 || H % 8 != 0 || D % 16 != 0 || kvh <= 0 || nh % kvh != 0 || qin % 8 != 0) return -1;
   if (!w_q && qin != nh * D) return -1;
   const int Q = nh * D, KV = kvh * D, W = qin + 2 * KV;
@@ -82,6 +85,7 @@ int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
   for (size_t i = 0; i < (size_t)T * H; i += 8) /* bf16 + bf16, rounded once, as torch adds */
     store8(h_out + i, round8(_mm256_add_ps(load_bf16(h + i), load_bf16(xn + i))));
   rc = afd_bf16_rms_norm(h_out, H, 0, ffn_norm, x_out, T, 1, H, eps);
+  if (!rc && w_router) rc = GEMM(x_out, w_router, logits, T, E, H);
 done:
   free(xn), free(qkv), free(tmp), free(q), free(att);
   return rc;

@@ -36,11 +36,13 @@ class NativeDecodeLayer:
         head_dim: int,
         eps: float,
         isa: str,  # the matmuls' instruction set, which the weights are laid out for
+        w_router: torch.Tensor | None = None,  # [E, H] in isa's layout: a bias-free router
     ):
         self.isa = gemm.ISAS[isa]
         ws = (attn_norm, ffn_norm, dw.w_qkv, dw.q_norm, dw.k_norm, dw.inter_norm, dw.w_q, w_o)
-        self.tensors = [t.contiguous() if t is not None else None for t in ws]
+        self.tensors = [t.contiguous() if t is not None else None for t in (*ws, w_router)]
         self._ptrs = [t.data_ptr() if t is not None else None for t in self.tensors]
+        self.experts = w_router.shape[0] if w_router is not None else 0
         self.hidden, self.q_in = attn_norm.shape[0], dw.q_in
         self.nh, self.kvh, self.d, self.eps = num_heads, num_kv_heads, head_dim, eps
 
@@ -73,21 +75,26 @@ class NativeDecodeLayer:
         cos: torch.Tensor,  # [P, D] bf16
         sin: torch.Tensor,
         scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # h + attention [T, H], ffn_norm of it [T, H]
+        route: bool = True,  # with a router weight: its logits too
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(h + attention [T, H], ffn_norm of it [T, H], router logits [T, E] bf16 or None)"""
         T = h.shape[0]
-        h = h.contiguous()
+        h = h if h.is_contiguous() else h.contiguous()
         h_out = torch.empty_like(h)
         x_out = torch.empty_like(h)
         _, NB, bs, _ = k_cache.shape
-        blocks = blocks.contiguous()
-        an, fn, wqkv, qn, kn, inn, wq, wo = self._ptrs
+        blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
+        an, fn, wqkv, qn, kn, inn, wq, wo, wr = self._ptrs
+        E = self.experts if route else 0
+        logits = torch.empty(T, E, dtype=torch.bfloat16) if E else None
         rc = gemm._lib().afd_bf16_decode_layer(
             h.data_ptr(), h_out.data_ptr(), x_out.data_ptr(), an, fn, wqkv, qn, kn, inn, wq, wo,
             cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
             T, self.hidden, self.q_in, self.nh, self.kvh, self.d, NB, bs, blocks.shape[1],
             self.eps, scale, torch.get_num_threads(), self.isa,
+            wr if E else None, logits.data_ptr() if E else None, E,
         )  # fmt: skip
         if rc:
             raise RuntimeError(f"afd_bf16_decode_layer failed (lengths {lens.tolist()})")
-        return h_out, x_out
+        return h_out, x_out, logits

@@ -50,9 +50,14 @@ class NativeExperts:
         first: int,  # global id of this group's first expert
         out: torch.Tensor,  # [T, H] bf16, contiguous, accumulated into
     ) -> None:
-        x = x.contiguous()
-        ids = expert_ids.to(torch.int32).contiguous()
-        w = expert_weights.float().contiguous()
+        # per layer at batch 1 a no-op conversion's dispatch costs more than checking for it
+        x = x if x.is_contiguous() else x.contiguous()
+        ids = expert_ids
+        if ids.dtype != torch.int32 or not ids.is_contiguous():
+            ids = ids.to(torch.int32).contiguous()
+        w = expert_weights
+        if w.dtype != torch.float32 or not w.is_contiguous():
+            w = w.float().contiguous()
         rc = gemm._lib().afd_bf16_moe(
             x.data_ptr(),
             ids.data_ptr(),

@@ -81,24 +81,61 @@ class AttentionModel:
         norms = (lw.attn_norm, lw.ffn_norm)
         if not NativeDecodeLayer.usable(c.hidden_size, *dims, dw, *norms, lw.o_proj.w):
             return None
-        return NativeDecodeLayer(*norms, dw, lw.o_proj.w, *dims, c.rms_norm_eps, lw.o_proj.isa)
+        r = lw.router  # its matmul joins the call where it runs on the same kernel and rule
+        same = r is not None and (r.isa, r.onednn_from) == (lw.o_proj.isa, lw.o_proj.onednn_from)
+        w_router = r.w if same and r.bias is None and r.w.dtype == torch.bfloat16 else None
+        return NativeDecodeLayer(
+            *norms, dw, lw.o_proj.w, *dims, c.rms_norm_eps, lw.o_proj.isa, w_router
+        )
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         return F.embedding(token_ids, self.embed_w)
+
+    def attention_and_route(
+        self, layer: int, h: torch.Tensor, meta: AttnMeta, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """attention() then route(): (h' [T, H], x [T, H], expert ids [T, k] int32, weights
+        [T, k] float32). On the fused decode path the router's matmul is part of the call."""
+        fused = self._fused_call(layer, h, meta, cache, route=True)
+        logits = None
+        if fused is not None:
+            h, x, logits = fused
+        else:
+            h, x = self._attention_ops(layer, h, meta, cache)
+        if logits is None:
+            return h, x, *self.route(layer, x)
+        return h, x, *self.route_fn(logits, self.cfg, self.layers[layer].router_bias)
 
     def attention(
         self, layer: int, h: torch.Tensor, meta: AttnMeta, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] -> (h + attn(norm(h)) [T, H], FFN input x = ffn_norm(h') [T, H])."""
+        fused = self._fused_call(layer, h, meta, cache, route=False)
+        if fused is not None:
+            return fused[0], fused[1]
+        return self._attention_ops(layer, h, meta, cache)
+
+    def _fused_call(
+        self, layer: int, h: torch.Tensor, meta: AttnMeta, cache: KVCache, route: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """The layer as one native call where it applies (decode-only bf16 batches below the
+        oneDNN crossover), else None."""
         lw = self.layers[layer]
         decode_only = meta.num_decode == h.shape[0] and meta.decode_blocks is not None
         ours = lw.o_proj.ours(h.shape[0])  # else oneDNN's matmuls are faster (ops.Linear)
-        if lw.fused is not None and decode_only and ours and h.dtype == torch.bfloat16:
-            cos, sin = lw.kind.rope.tables(torch.bfloat16)
-            return lw.fused(
-                h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens,
-                cache.k[layer], cache.v[layer], cos, sin, lw.kind.scale,
-            )  # fmt: skip
+        if lw.fused is None or not (decode_only and ours and h.dtype == torch.bfloat16):
+            return None
+        cos, sin = lw.kind.rope.tables(torch.bfloat16)
+        return lw.fused(
+            h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens,
+            cache.k[layer], cache.v[layer], cos, sin, lw.kind.scale, route,
+        )  # fmt: skip
+
+    def _attention_ops(
+        self, layer: int, h: torch.Tensor, meta: AttnMeta, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention() op by op (prefill, mixed batches, the torch and oneDNN paths)."""
+        lw = self.layers[layer]
         eps = self.cfg.rms_norm_eps
         o = lw.kind.attend(rms_norm(h, lw.attn_norm, eps), meta, cache, layer)  # [T, nh*Dv]
         h = h + lw.o_proj(o)

@@ -35,8 +35,7 @@ def run_layers(
             for m, mb in enumerate(mbs):
                 if pending[m] is not None:
                     hs[m] = hs[m] + ffn.collect(pending[m])
-                hs[m], x = model.attention(layer, hs[m], mb.meta, cache)
-                ids, weights = model.route(layer, x)  # [T, k], [T, k]
+                hs[m], x, ids, weights = model.attention_and_route(layer, hs[m], mb.meta, cache)
                 pending[m] = ffn.send(layer, m, x, ids, weights)
         for m in range(len(mbs)):
             hs[m] = hs[m] + ffn.collect(pending[m])

@@ -108,13 +108,14 @@ class FFNEngine:
         if mlp is not None:
             _add_dense(mlp, x, out, group)
         reply_dtype = torch.float32 if group[0].hidden.dtype == torch.float32 else torch.bfloat16
-        out = out.to(reply_dtype)
+        if out.dtype != reply_dtype:
+            out = out.to(reply_dtype)
         return [out] if len(group) == 1 else list(out.split([r.num_tokens for r in group]))
 
     def _dequant(self, r: FFNRequest) -> torch.Tensor:
         if r.hidden.dtype == torch.float8_e4m3fn:
             return dequantize_fp8(r.hidden, r.scales, self.dtype)
-        return r.hidden.to(self.dtype)
+        return r.hidden if r.hidden.dtype == self.dtype else r.hidden.to(self.dtype)
 
 
 def _add_dense(mlp: MLPWeights, x: torch.Tensor, out: torch.Tensor, group: list[FFNRequest]):

@@ -1,7 +1,8 @@
 """The fused native decode layer (afd/kernels/decode_layer.c) against the per-op path it
 replaces in AttentionModel.attention: the same kernels in the same order, so the same bits,
-in the hidden states, the FFN input and the KV cache; for GQA with and without q/k norm
-(Qwen3-MoE, Mixtral) and for Step-3's MFA."""
+in the hidden states, the FFN input, the KV cache and (its router matmul joining the call on
+MoE layers) the routing; for GQA with and without q/k norm (Qwen3-MoE, Mixtral) and for
+Step-3's MFA."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckp
     cfg = ModelConfig.from_hf(request.getfixturevalue(ckpt))
     model = AttentionModel(cfg, torch.bfloat16, progress=False)
     assert all(lw.fused is not None for lw in model.layers)
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
+    assert moe and all(model.layers[i].fused.experts == cfg.num_experts for i in moe)
     g = torch.Generator().manual_seed(0)
     num_blocks, bs = 24, 16
     lens = torch.tensor([1, 17, 40, 33, 64])  # keys per row, this step's token included
@@ -58,10 +61,12 @@ def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckp
     plain = [replace(lw, fused=None) for lw in fused]
     for layer in range(cfg.num_layers):
         model.layers = fused
-        h1, x1 = model.attention(layer, h, meta, caches[0])
+        h1, x1, ids1, w1 = model.attention_and_route(layer, h, meta, caches[0])
         model.layers = plain
-        h2, x2 = model.attention(layer, h, meta, caches[1])
+        h2, x2, ids2, w2 = model.attention_and_route(layer, h, meta, caches[1])
         assert torch.equal(h1, h2) and torch.equal(x1, x2)
+        assert torch.equal(ids1, ids2) and torch.equal(w1, w2)
+        assert ids1.shape == (5, cfg.top_k if layer in moe else 0)
         assert torch.equal(caches[0].k[layer], caches[1].k[layer])
         assert torch.equal(caches[0].v[layer], caches[1].v[layer])
         assert not torch.equal(h1, h)  # attention did add something
