@@ -13,6 +13,10 @@ replica of the shard, within the same deadline, so no request is lost while one 
 left. An error that says the message itself was bad is raised at once (another replica would
 refuse it too).
 
+Where every shard is one in-process listener that computes on the sender's thread (S = 1 with
+inproc:// shards), a layer is a function call: `FFNServing.serve_local` at send, no message,
+no queue; a failed compute fails the step (there is no other replica).
+
 The dispatcher also keeps the timing of the step in progress (`StepTiming`, returned with the
 step's result): every reply with its round-trip stamps, the engine thread's own work between
 calls (attention, router and quantization of one layer of one micro-batch: the loop is
@@ -40,6 +44,9 @@ from services.attention.placement import NOT_HERE, Placement
 from services.attention.replicas import Peer, Replicas
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Completed steps whose expert ids are added to expert_load at once (count_routed): a step's
+# count costs about as much as a batch-1 layer's router, and nothing needs it sooner.
+_COUNT_STEPS = 32
 _SWEEP_S = 0.001  # while several replies are out: how often every peer is polled
 # At least this often the wait looks again at every peer's connection (a loss between that look
 # and the wait would otherwise be noticed only at the attempt's end).
@@ -103,9 +110,11 @@ class FFNDispatcher:
         self._idle_since = 0.0  # perf_counter() when the pool last returned; 0: step start
         # [L, E] tokens routed to each expert in completed steps: exported, and what an
         # elastic pool's placement balances. The layers' ids are kept as sent and counted
-        # once a step (count_routed): one bincount a step, not one a layer.
+        # every few steps (count_routed): one bincount for many layers and steps.
         self.expert_load = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.long)
         self._routed: list[tuple[int, torch.Tensor]] = []  # (layer, [T, k] ids) this step
+        self._counted: list[tuple[int, torch.Tensor]] = []  # of completed steps, not yet added
+        self._count_at = _COUNT_STEPS * max(1, cfg.num_layers)
         # an elastic pool's placement (set between steps); None: fixed expert shards
         self.placement: Placement | None = None
         # each shard's serving loop, where every shard is one live replica computing inline in
@@ -201,15 +210,19 @@ class FFNDispatcher:
             parts.append(_Part(shard, message, peer=peer, sent=sent, reply=reply))
         return parts
 
-    def count_routed(self) -> None:
-        """After a completed step: add its (token, expert) pairs to expert_load."""
-        if not self._routed:
+    def count_routed(self, flush: bool = False) -> None:
+        """After a completed step: its (token, expert) pairs are kept, and added to
+        expert_load every _COUNT_STEPS steps or with `flush` (the engine flushes when it runs
+        out of work): one bincount per many steps, not one per step."""
+        self._counted.extend(self._routed)
+        self._routed.clear()
+        if not self._counted or not (flush or len(self._counted) >= self._count_at):
             return
         # numpy on these few small arrays: a third of the time of the same torch ops
         e, load = self.expert_load.shape[1], self.expert_load.view(-1).numpy()
-        flat = np.concatenate([ids.numpy().ravel() + layer * e for layer, ids in self._routed])
+        flat = np.concatenate([ids.numpy().ravel() + layer * e for layer, ids in self._counted])
         load += np.bincount(flat, minlength=load.size)
-        self._routed.clear()
+        self._counted.clear()
 
     def _elastic_parts(self, layer: int, message: FFNRequest) -> list[_Part]:
         """One part per live member with work in this layer: the pairs the placement gives it

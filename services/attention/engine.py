@@ -174,8 +174,8 @@ class Engine:
             if self._hold():  # the step is planned again once the shard is back
                 return StepResult(paused=True)
             return StepResult(self._fail(plan, e), tokens, self.dispatcher.timing)
-        self.dispatcher.count_routed()
         updated = self.scheduler.update(plan, sampled, logprobs, prompt_logprobs)
+        self.dispatcher.count_routed(flush=not self.scheduler.has_unfinished())
         for req in updated:
             if req.finished:
                 self.runner.release(req.request_id)

@@ -111,3 +111,18 @@ def test_a_threaded_listener_keeps_the_message_path(served):
     pending = send(d)
     assert d.replicas.peers[0].next_seq == 1  # numbered and queued to the listener's thread
     assert torch.all(d.collect(pending) == 1.0) and a.calls == [(MOE, 1)]
+
+
+def test_expert_load_is_added_in_batches_of_steps_and_when_the_work_runs_out(served):
+    d, _ = served(1.0)
+    for step in range(3):
+        d.begin_step()
+        d.collect(send(d, tokens=2))  # 2 tokens x top_k pairs, all on expert 0
+        d.count_routed(flush=step == 2)
+        counted = int(d.expert_load[MOE, 0])
+        assert counted == (3 * 2 * CFG.top_k if step == 2 else 0)
+    d.begin_step()
+    send(d)  # a step that did not complete (no count_routed) is never counted
+    d.begin_step()
+    d.count_routed(flush=True)
+    assert int(d.expert_load.sum()) == 3 * 2 * CFG.top_k
