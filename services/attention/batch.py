@@ -47,27 +47,31 @@ def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
     tokens = [t for s in ordered for t in s.token_ids]
     positions: list[torch.Tensor] = []
     slots: list[torch.Tensor] = []
-    table = bias = lens = None
+    table = lens = None
     if decodes:
-        # all decode rows at once, from the block table: tensors built per sequence cost a few
-        # torch calls each, which add up with batch and context on every step's critical path
-        table, bias, lens = _decode_blocks(decodes, block_size)
-        pos = lens - 1  # [D] each row's position
-        blk = table.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
-        positions.append(pos)
-        slots.append(blk * block_size + pos % block_size)
+        # all decode rows at once, as plain ints: tensors built per sequence cost a few torch
+        # calls each, which add up with batch and context on every step's critical path
+        table, lens = _decode_blocks(decodes, block_size)
+        pos = [s.start_pos for s in decodes]
+        positions.append(torch.tensor(pos))
+        slots.append(
+            torch.tensor(
+                [s.block_ids[p // block_size] * block_size + p % block_size
+                 for s, p in zip(decodes, pos, strict=True)]
+            )
+        )  # fmt: skip
     for s in prefills:
         pos = torch.arange(s.start_pos, s.start_pos + s.num_new_tokens)
         positions.append(pos)
         slots.append(_slots(torch.tensor(s.block_ids), pos, block_size))
     meta = AttnMeta(
-        positions=torch.cat(positions),
-        slots=torch.cat(slots),
+        positions=torch.cat(positions) if len(positions) > 1 else positions[0],
+        slots=torch.cat(slots) if len(slots) > 1 else slots[0],
         num_decode=len(decodes),
         decode_blocks=table,
-        decode_bias=bias,
         prefills=_prefill_seqs(prefills, len(decodes), block_size) if prefills else (),
         decode_lens=lens,
+        block_size=block_size,
     )
     rows, sample_seqs, row = [], [], 0
     p_rows: list[int] = []
@@ -104,9 +108,7 @@ def _slots(blocks: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Te
     return blocks[pos // block_size] * block_size + pos % block_size
 
 
-def _decode_blocks(
-    decodes: list[ScheduledSeq], bs: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _decode_blocks(decodes: list[ScheduledSeq], bs: int) -> tuple[torch.Tensor, torch.Tensor]:
     n = [s.start_pos + 1 for s in decodes]  # keys each row attends to
     short = [s.request.request_id for s in decodes if len(s.block_ids) * bs < s.start_pos + 1]
     if short:  # the table's padding would otherwise hand the row someone else's block 0
@@ -115,11 +117,7 @@ def _decode_blocks(
     nblk = (max(n) + bs - 1) // bs
     # one tensor from one list, padded with block 0 (masked)
     rows = [s.block_ids[:nblk] + [0] * (nblk - min(nblk, len(s.block_ids))) for s in decodes]
-    table = torch.tensor(rows, dtype=torch.long)
-    pos = torch.arange(nblk * bs)
-    bias = torch.zeros(len(decodes), 1, nblk * bs)
-    bias.masked_fill_(pos.view(1, 1, -1) >= lens.view(-1, 1, 1), float("-inf"))
-    return table, bias, lens
+    return torch.tensor(rows, dtype=torch.long), lens
 
 
 def _prefill_seqs(prefills: list[ScheduledSeq], first_row: int, bs: int) -> tuple[PrefillSeq, ...]:

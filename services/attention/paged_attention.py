@@ -5,6 +5,7 @@ kvh = 1, MLA's latent with kvh = 1 and V a view of K's first Dv columns)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -28,9 +29,21 @@ class AttnMeta:
     slots: torch.Tensor  # [T] long: where each new token's K/V is written
     num_decode: int  # rows 0..num_decode-1 are single-token decodes
     decode_blocks: torch.Tensor | None  # [nd, nb] long: block table per decode row, padded
-    decode_bias: torch.Tensor | None  # [nd, 1, nb * block_size] float32: 0 valid, -inf padding
     prefills: tuple[PrefillSeq, ...]
     decode_lens: torch.Tensor | None = None  # [nd] long: keys each decode row attends to
+    block_size: int = 0
+
+    @cached_property
+    def decode_bias(self) -> torch.Tensor | None:  # [nd, 1, nb * block_size] float32
+        """0 for each decode row's keys, -inf for the table's padding: the torch path's mask,
+        built when first asked for (the native kernels mask by length, and every op on a
+        batch-1 step's critical path costs about what its arithmetic does)."""
+        if self.decode_blocks is None or self.decode_lens is None:
+            return None
+        nd, nb = self.decode_blocks.shape
+        cols = torch.arange(nb * self.block_size).view(1, 1, -1)
+        bias = torch.zeros(nd, 1, nb * self.block_size)
+        return bias.masked_fill_(cols >= self.decode_lens.view(-1, 1, 1), float("-inf"))
 
 
 def paged_attention(

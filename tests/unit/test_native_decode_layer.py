@@ -43,7 +43,6 @@ def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckp
         slots=slots,
         num_decode=5,
         decode_blocks=blocks,
-        decode_bias=None,  # the native kernel masks by lens
         prefills=(),
         decode_lens=lens,
     )
