@@ -9,11 +9,13 @@
  *   a   = paged decode attention of q over the cache
  *   h'  = bf16(h + a @ w_o^T);  x = rms_norm(h', ffn_norm)
  *   with w_router: logits = x @ w_router^T    (the MoE router's matmul, bias-free routers)
+ *   with topk too: the softmax-then-top-k router on those logits (route_softmax_topk)
  *
  * It is services/attention/model.py's attention() with the kind's qkv(), composed of the same
  * kernels the per-op path calls one by one (gemm.c, norm_rope.c, attention.c), so its results
  * are the same bits; what it saves is ~15 Python-level calls per layer, whose dispatch is a
  * visible share of a batch-1 step. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,13 +25,61 @@
 #define GEMM(x, w, y, M, N, K) \
   ((isa ? afd_bf16_gemm512 : afd_bf16_gemm)(x, w, y, M, N, K, threads))
 
+/* moe_router.softmax_topk on bf16 logits [T, E]: a float32 softmax over the row, its k
+ * largest (best first), renormalised over the k when norm. Which experts a row gets is
+ * decided by comparisons alone, so it is torch.topk's choice wherever that is unique; where
+ * the k-th and the (k+1)-th probabilities are equal torch's pick among them cannot be known
+ * here, and 1 is returned for the caller to route the batch with torch. The weights are
+ * torch's to within an ulp (expf, not torch's vectorised exp). Returns 0, 1, or -1. */
+static int route_softmax_topk(const uint16_t *logits, int T, int E, int k, int norm,
+                              int32_t *ids, float *w) {
+  if (k <= 0 || k > E) return -1;
+  float *p = (float *)malloc((size_t)E * sizeof(float));
+  char *taken = (char *)malloc((size_t)E);
+  if (!p || !taken) {
+    free(p), free(taken);
+    return -1;
+  }
+  int rc = 0;
+  for (int t = 0; t < T && !rc; t++) {
+    const uint16_t *l = logits + (size_t)t * E;
+    float m = -INFINITY, s = 0.f;
+    for (int e = 0; e < E; e++) m = fmaxf(m, bf16_value(l[e]));
+    for (int e = 0; e < E; e++) s += p[e] = expf(bf16_value(l[e]) - m);
+    if (!isfinite(s) || !(s > 0.f)) { /* NaN or infinite logits: torch's rules, not ours */
+      rc = 1;
+      break;
+    }
+    for (int e = 0; e < E; e++) p[e] /= s, taken[e] = 0;
+    float kept = 0.f;
+    for (int j = 0; j < k; j++) {
+      int best = -1;
+      for (int e = 0; e < E; e++)
+        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+      taken[best] = 1;
+      ids[(size_t)t * k + j] = best;
+      w[(size_t)t * k + j] = p[best];
+      kept += p[best];
+    }
+    float last = w[(size_t)t * k + k - 1];
+    for (int e = 0; e < E && !rc; e++)
+      if (!taken[e] && p[e] == last) rc = 1; /* a tie across the cut */
+    if (norm)
+      for (int j = 0; j < k; j++) w[(size_t)t * k + j] /= kept;
+  }
+  free(p), free(taken);
+  return rc;
+}
+
 /* h [T, H] in; h_out [T, H] and x_out [T, H] out. Weights: attn_norm, ffn_norm [H];
  * w_qkv [(qin + 2 kvh D), H] with qin = nh D, or for MFA the query rank with inter_norm [qin]
  * and w_q [nh D, qin]; q_norm, k_norm [D] or NULL (no q/k norm); w_o [H, nh D].
  * cos, sin [P, D]; pos, slots [T]; k/v cache [kvh, NB, bs, D]; blocks [T, nb]; lens [T].
  * isa: the matmuls' instruction set and weight layout, as afd_bf16_moe's.
- * w_router [E, H] (that layout too) or NULL; logits [T, E] out where it is given.
- * Returns 0, or -1 (bad sizes, memory short, a length past the block table). */
+ * w_router [E, H] (that layout too) or NULL; logits [T, E] out where it is given; with topk
+ * > 0 too, ids [T, topk] and weights [T, topk] out (route_softmax_topk, norm its flag).
+ * Returns 0; 1 where the routing is left to the caller (a tie across the top-k cut; every
+ * other output is written); -1 (bad sizes, memory short, a length past the block table). */
 int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const uint16_t *attn_norm, const uint16_t *ffn_norm,
                           const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
@@ -39,7 +89,7 @@ int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const int64_t *blocks, const int64_t *lens, int T, int H, int qin,
                           int nh, int kvh, int D, int NB, int bs, int nb, float eps, float scale,
                           int threads, int isa, const uint16_t *w_router, uint16_t *logits,
-                          int E) {
+                          int E, int topk, int norm, int32_t *ids, float *weights) {
   if (T <= 0 || H % 8 != 0 || D % 16 != 0 || kvh <= 0 || nh % kvh != 0 || qin % 8 != 0) return -1;
   if (!w_q && qin != nh * D) return -1;
   const int Q = nh * D, KV = kvh * D, W = qin + 2 * KV;
@@ -86,6 +136,7 @@ int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
     store8(h_out + i, round8(_mm256_add_ps(load_bf16(h + i), load_bf16(xn + i))));
   rc = afd_bf16_rms_norm(h_out, H, 0, ffn_norm, x_out, T, 1, H, eps);
   if (!rc && w_router) rc = GEMM(x_out, w_router, logits, T, E, H);
+  if (!rc && w_router && topk > 0) rc = route_softmax_topk(logits, T, E, topk, norm, ids, weights);
 done:
   free(xn), free(qkv), free(tmp), free(q), free(att);
   return rc;

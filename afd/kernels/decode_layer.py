@@ -9,6 +9,8 @@ import torch
 
 from afd.kernels import gemm
 
+Routing = tuple[torch.Tensor, torch.Tensor]  # expert ids [T, k] int32, weights [T, k] float32
+
 
 @dataclass(frozen=True)
 class DecodeWeights:
@@ -37,12 +39,15 @@ class NativeDecodeLayer:
         eps: float,
         isa: str,  # the matmuls' instruction set, which the weights are laid out for
         w_router: torch.Tensor | None = None,  # [E, H] in isa's layout: a bias-free router
+        topk: int = 0,  # > 0: route too, as moe_router.softmax_topk (decode_layer.c)
+        norm_topk: bool = False,
     ):
         self.isa = gemm.ISAS[isa]
         ws = (attn_norm, ffn_norm, dw.w_qkv, dw.q_norm, dw.k_norm, dw.inter_norm, dw.w_q, w_o)
         self.tensors = [t.contiguous() if t is not None else None for t in (*ws, w_router)]
         self._ptrs = [t.data_ptr() if t is not None else None for t in self.tensors]
         self.experts = w_router.shape[0] if w_router is not None else 0
+        self.topk, self.norm_topk = (topk, norm_topk) if self.experts else (0, False)
         self.hidden, self.q_in = attn_norm.shape[0], dw.q_in
         self.nh, self.kvh, self.d, self.eps = num_heads, num_kv_heads, head_dim, eps
 
@@ -75,9 +80,10 @@ class NativeDecodeLayer:
         cos: torch.Tensor,  # [P, D] bf16
         sin: torch.Tensor,
         scale: float,
-        route: bool = True,  # with a router weight: its logits too
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(h + attention [T, H], ffn_norm of it [T, H], router logits [T, E] bf16 or None)"""
+        route: bool = True,  # with a router weight: its logits (and with topk its routing)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Routing | None]:
+        """(h + attention [T, H], ffn_norm of it [T, H], router logits [T, E] bf16 or None,
+        (expert ids [T, k] int32, weights [T, k] float32) or None where the caller routes)"""
         T = h.shape[0]
         h = h if h.is_contiguous() else h.contiguous()
         h_out = torch.empty_like(h)
@@ -87,14 +93,19 @@ class NativeDecodeLayer:
         an, fn, wqkv, qn, kn, inn, wq, wo, wr = self._ptrs
         E = self.experts if route else 0
         logits = torch.empty(T, E, dtype=torch.bfloat16) if E else None
+        k = self.topk if E else 0
+        ids = torch.empty(T, k, dtype=torch.int32) if k else None
+        weights = torch.empty(T, k, dtype=torch.float32) if k else None
         rc = gemm._lib().afd_bf16_decode_layer(
             h.data_ptr(), h_out.data_ptr(), x_out.data_ptr(), an, fn, wqkv, qn, kn, inn, wq, wo,
             cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
             T, self.hidden, self.q_in, self.nh, self.kvh, self.d, NB, bs, blocks.shape[1],
             self.eps, scale, torch.get_num_threads(), self.isa,
-            wr if E else None, logits.data_ptr() if E else None, E,
+            wr if E else None, logits.data_ptr() if E else None, E, k, self.norm_topk,
+            ids.data_ptr() if k else None, weights.data_ptr() if k else None,
         )  # fmt: skip
-        if rc:
+        if rc < 0:
             raise RuntimeError(f"afd_bf16_decode_layer failed (lengths {lens.tolist()})")
-        return h_out, x_out, logits
+        routing = (ids, weights) if k and rc == 0 else None  # rc 1: a tie for torch to break
+        return h_out, x_out, logits, routing

@@ -58,7 +58,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_rms_norm.restype = i
     lib.afd_bf16_rope.argtypes = [p, L, p, i, i, i, p, p, p]
     lib.afd_bf16_rope.restype = i
-    lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i, i, p, p, i]
+    lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i, i, p, p, i, i, i, p, p]
     lib.afd_bf16_decode_layer.restype = i
     lib.afd_fp8_quantize.argtypes = [p, p, p, i, i, i]
     lib.afd_fp8_quantize.restype = i

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from afd.checkpoint import load_weights
 from afd.config import ModelConfig
-from afd.kernels.decode_layer import NativeDecodeLayer
+from afd.kernels.decode_layer import NativeDecodeLayer, Routing
 from afd.ops import Linear, native, rms_norm
 from afd.runtime import release_load_memory
 from services.attention.kinds import ATTENTION_KINDS, AttentionKind
@@ -84,9 +84,12 @@ class AttentionModel:
         r = lw.router  # its matmul joins the call where it runs on the same kernel and rule
         same = r is not None and (r.isa, r.onednn_from) == (lw.o_proj.isa, lw.o_proj.onednn_from)
         w_router = r.w if same and r.bias is None and r.w.dtype == torch.bfloat16 else None
+        # the softmax-then-top-k router runs in the call too (its one native twin)
+        topk = c.top_k if c.router == "softmax_topk" and lw.router_bias is None else 0
         return NativeDecodeLayer(
-            *norms, dw, lw.o_proj.w, *dims, c.rms_norm_eps, lw.o_proj.isa, w_router
-        )
+            *norms, dw, lw.o_proj.w, *dims, c.rms_norm_eps, lw.o_proj.isa, w_router,
+            topk, c.norm_topk_prob,
+        )  # fmt: skip
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         return F.embedding(token_ids, self.embed_w)
@@ -99,7 +102,9 @@ class AttentionModel:
         fused = self._fused_call(layer, h, meta, cache, route=True)
         logits = None
         if fused is not None:
-            h, x, logits = fused
+            h, x, logits, routing = fused
+            if routing is not None:
+                return h, x, *routing
         else:
             h, x = self._attention_ops(layer, h, meta, cache)
         if logits is None:
@@ -117,7 +122,7 @@ class AttentionModel:
 
     def _fused_call(
         self, layer: int, h: torch.Tensor, meta: AttnMeta, cache: KVCache, route: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Routing | None] | None:
         """The layer as one native call where it applies (decode-only bf16 batches below the
         oneDNN crossover), else None."""
         lw = self.layers[layer]

@@ -1,8 +1,9 @@
 """The fused native decode layer (afd/kernels/decode_layer.c) against the per-op path it
 replaces in AttentionModel.attention: the same kernels in the same order, so the same bits,
-in the hidden states, the FFN input, the KV cache and (its router matmul joining the call on
-MoE layers) the routing; for GQA with and without q/k norm (Qwen3-MoE, Mixtral) and for
-Step-3's MFA."""
+in the hidden states, the FFN input, the KV cache and the router's logits (its matmul joins
+the call on MoE layers); for GQA with and without q/k norm (Qwen3-MoE, Mixtral) and for
+Step-3's MFA. The softmax-then-top-k router in the call picks the same experts as torch.topk
+with weights within float32 rounding, and leaves a tie across the top-k cut to torch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from afd.config import ModelConfig
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
+from afd.kernels import gemm
 from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.paged_attention import AttnMeta
@@ -64,9 +66,50 @@ def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckp
         model.layers = plain
         h2, x2, ids2, w2 = model.attention_and_route(layer, h, meta, caches[1])
         assert torch.equal(h1, h2) and torch.equal(x1, x2)
-        assert torch.equal(ids1, ids2) and torch.equal(w1, w2)
-        assert ids1.shape == (5, cfg.top_k if layer in moe else 0)
+        assert ids1.shape == ids2.shape == (5, cfg.top_k if layer in moe else 0)
+        assert_same_routing(ids1, w1, ids2, w2)
         assert torch.equal(caches[0].k[layer], caches[1].k[layer])
         assert torch.equal(caches[0].v[layer], caches[1].v[layer])
         assert not torch.equal(h1, h)  # attention did add something
         h = h1
+
+
+def assert_same_routing(ids1, w1, ids2, w2):
+    """The same experts per row (order among equal weights is free: the FFN sums experts in
+    expert order) with weights equal to float32 rounding."""
+    o1, o2 = ids1.sort(dim=1), ids2.sort(dim=1)
+    assert torch.equal(o1.values, o2.values)
+    torch.testing.assert_close(
+        w1.gather(1, o1.indices), w2.gather(1, o2.indices), rtol=4e-7 * 8, atol=0
+    )
+
+
+def test_a_tie_across_the_top_k_cut_is_left_to_torch(native_path, qwen3_dir):
+    """Every expert's router row the same: all logits tie, so the call must not pick."""
+    cfg = ModelConfig.from_hf(qwen3_dir)
+    model = AttentionModel(cfg, torch.bfloat16, progress=False)
+    layer = next(i for i in range(cfg.num_layers) if cfg.is_moe(i))
+    lw = model.layers[layer]
+    assert lw.fused.topk == cfg.top_k
+    same = torch.randn(1, cfg.hidden_size).to(torch.bfloat16).expand(cfg.num_experts, -1)
+    lw.router.w.copy_(gemm.pack(same) if lw.router.isa == "avx2" else same)  # its layout
+    T, bs = 3, 16
+    meta = AttnMeta(
+        positions=torch.zeros(T, dtype=torch.long),
+        slots=torch.arange(T) * bs,
+        num_decode=T,
+        decode_blocks=torch.arange(T).view(T, 1),
+        prefills=(),
+        decode_lens=torch.ones(T, dtype=torch.long),
+        block_size=bs,
+    )
+    cache = KVCache(model.cache_layout, cfg.num_layers, T, bs, torch.bfloat16)
+    h = torch.randn(T, cfg.hidden_size).to(torch.bfloat16)
+    cos, sin = lw.kind.rope.tables(torch.bfloat16)
+    args = (h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens,
+            cache.k[layer], cache.v[layer], cos, sin, lw.kind.scale)  # fmt: skip
+    _, x, logits, routing = lw.fused(*args)
+    assert routing is None and bool((logits == logits[:, :1]).all())
+    _, _, ids, w = model.attention_and_route(layer, h, meta, cache)
+    want_ids, want_w = model.route_fn(logits, cfg, None)
+    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)  # torch's own choice
