@@ -101,8 +101,8 @@ class FFNServing:
     def serve_local(self, req: FFNRequest, t_send: float) -> FFNReply:
         """One request from this process's own attention side, computed on the caller's
         thread (an inline in-process shard with one micro-batch: a function call, not a
-        message). Not validated: nothing crossed a process boundary, and the checks cost more
-        than a batch-1 layer's expert compute takes to start. A failed compute is an
+        message). Not validated: nothing crossed a process boundary, and on this path the checks
+        were a visible share of a batch-1 step (docs/benchmarks.md). A failed compute is an
         `internal` error reply, as on every other path; the trace carries the attention side's
         stamps too (a_sent, a_recv), so the telemetry reads it as any reply's."""
         if self.draining:
@@ -118,7 +118,10 @@ class FFNServing:
             shape = tuple(output.shape)
             output, code, why = None, "internal", f"output {shape} for {req.num_tokens} tokens"
         end = time.time()
-        trace = Trace(t_send, t_send, start, end, end, end, 1, t_send)
+        trace = Trace(
+            a_send=t_send, f_recv=t_send, f_compute_start=start, f_compute_end=end,
+            f_send=end, a_recv=end, merged=1, a_sent=t_send,
+        )  # fmt: skip
         rep = FFNReply(req.seq, req.layer, req.micro_batch, output, code, why, trace)
         if rep.ok and req.num_tokens:
             metrics.FFN_MESSAGES.inc()

@@ -84,7 +84,7 @@ class AttentionModel:
         r = lw.router  # its matmul joins the call where it runs on the same kernel and rule
         same = r is not None and (r.isa, r.onednn_from) == (lw.o_proj.isa, lw.o_proj.onednn_from)
         w_router = r.w if same and r.bias is None and r.w.dtype == torch.bfloat16 else None
-        # the softmax-then-top-k router runs in the call too (its one native twin)
+        # for the softmax-then-top-k kind, its softmax and top-k join the call too
         topk = c.top_k if c.router == "softmax_topk" and lw.router_bias is None else 0
         return NativeDecodeLayer(
             *norms, dw, lw.o_proj.w, *dims, c.rms_norm_eps, lw.o_proj.isa, w_router,
