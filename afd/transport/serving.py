@@ -34,6 +34,7 @@ P = TypeVar("P")
 Compute = Callable[[int, list[FFNRequest]], list[torch.Tensor]]
 
 DRAINING = "FFN server is draining (shutting down)"
+_LOCAL_BATCH = 256  # serve_local calls recorded in the metrics at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,9 @@ class FFNServing:
         # Set on SIGTERM: every message from then on gets a typed `unavailable` reply, so the
         # attention side moves its work to another replica at once.
         self.draining = False
+        # serve_local's (tokens, compute seconds) not yet in the metrics: recorded in batches
+        # (flush_local): seven metric updates per layer were ~0.2 ms of a ~15 ms batch-1 step
+        self._local: list[tuple[int, float]] = []
 
     def serve_frames(self, messages: Sequence[Inbound[P]]) -> list[tuple[P, list[Buffer]]]:
         """Decode (validating), serve and encode; returns (peer, reply frames) for every
@@ -124,16 +128,27 @@ class FFNServing:
         )  # fmt: skip
         rep = FFNReply(req.seq, req.layer, req.micro_batch, output, code, why, trace)
         if rep.ok and req.num_tokens:
-            metrics.FFN_MESSAGES.inc()
-            metrics.FFN_TOKENS.inc(req.num_tokens)
-            metrics.FFN_BATCH_TOKENS.observe(req.num_tokens)
-            metrics.FFN_BATCH_MESSAGES.observe(1)
-            metrics.FFN_BATCH_PEERS.observe(1)
-            metrics.FFN_COMPUTE.observe(end - start)
-            metrics.FFN_QUEUE.observe(0.0)
+            self._local.append((req.num_tokens, end - start))
+            if len(self._local) >= _LOCAL_BATCH:
+                self.flush_local()
         elif rep.error_code:
             metrics.FFN_ERRORS.labels(rep.error_code).inc()
         return rep
+
+    def flush_local(self) -> None:
+        """Record serve_local's calls since the last flush in the FFN metrics, each as the
+        serving loop records a one-message batch. Its caller flushes when it runs out of work."""
+        done, self._local = self._local, []
+        if not done:
+            return
+        metrics.FFN_MESSAGES.inc(len(done))
+        metrics.FFN_TOKENS.inc(sum(t for t, _ in done))
+        for tokens, seconds in done:
+            metrics.FFN_BATCH_TOKENS.observe(tokens)
+            metrics.FFN_BATCH_MESSAGES.observe(1)
+            metrics.FFN_BATCH_PEERS.observe(1)
+            metrics.FFN_COMPUTE.observe(seconds)
+            metrics.FFN_QUEUE.observe(0.0)
 
     def _serve(
         self, received: Sequence[tuple[P, FFNRequest | FFNReply, float]]

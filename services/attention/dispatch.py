@@ -216,6 +216,9 @@ class FFNDispatcher:
         out of work): one bincount per many steps, not one per step."""
         self._counted.extend(self._routed)
         self._routed.clear()
+        if flush:
+            for serving in self._direct or ():
+                serving.flush_local()  # the in-process shards' FFN metrics, likewise batched
         if not self._counted or not (flush or len(self._counted) >= self._count_at):
             return
         # numpy on these few small arrays: a third of the time of the same torch ops

@@ -82,6 +82,8 @@ def test_an_inline_shard_is_computed_at_send_with_a_full_trace(served):
     assert all(p.reply is not None for p in pending.parts)
     assert d.replicas.peers[0].next_seq == 0  # no message was numbered or queued
     assert torch.all(d.collect(pending) == 3.0)  # the shards' partial outputs summed
+    assert _count(metrics.FFN_MESSAGES) == before  # recorded in batches,
+    d.count_routed(flush=True)  # and when the engine runs out of work
     assert _count(metrics.FFN_MESSAGES) == before + 2
     (addr, reply), _ = d.timing.traces
     tr = reply.trace
