@@ -52,6 +52,8 @@ def _cluster(model, attention: int, ffn: int):
     return serve(model, "--attention", a, "--ffn", f, "--micro-batches", "2", "--transport", "tcp")
 
 
+# A throughput comparison of live clusters (~50 s): a drill for the slow set, not a default test.
+@pytest.mark.slow
 def test_recommended_ratio_beats_an_unbalanced_one(model):
     base = _cluster(model, 1, 1)
     others = []
