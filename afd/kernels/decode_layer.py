@@ -80,7 +80,6 @@ class NativeDecodeLayer:
         cos: torch.Tensor,  # [P, D] bf16
         sin: torch.Tensor,
         scale: float,
-        route: bool = True,  # with a router weight: its logits (and with topk its routing)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Routing | None]:
         """(h + attention [T, H], ffn_norm of it [T, H], router logits [T, E] bf16 or None,
         (expert ids [T, k] int32, weights [T, k] float32) or None where the caller routes)"""
@@ -91,9 +90,8 @@ class NativeDecodeLayer:
         _, NB, bs, _ = k_cache.shape
         blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
         an, fn, wqkv, qn, kn, inn, wq, wo, wr = self._ptrs
-        E = self.experts if route else 0
+        E, k = self.experts, self.topk  # with a router weight: its logits (with topk: routing)
         logits = torch.empty(T, E, dtype=torch.bfloat16) if E else None
-        k = self.topk if E else 0
         ids = torch.empty(T, k, dtype=torch.int32) if k else None
         weights = torch.empty(T, k, dtype=torch.float32) if k else None
         rc = gemm._lib().afd_bf16_decode_layer(

@@ -97,9 +97,10 @@ class AttentionModel:
     def attention_and_route(
         self, layer: int, h: torch.Tensor, meta: AttnMeta, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """attention() then route(): (h' [T, H], x [T, H], expert ids [T, k] int32, weights
-        [T, k] float32). On the fused decode path the router's matmul is part of the call."""
-        fused = self._fused_call(layer, h, meta, cache, route=True)
+        """h [T, H] -> (h' = h + attn(norm(h)) [T, H], the FFN input x = ffn_norm(h') [T, H],
+        expert ids [T, k] int32, weights [T, k] float32; k = 0 on dense layers). On the fused
+        decode path the router's matmul (and softmax-then-top-k) is part of the call."""
+        fused = self._fused_call(layer, h, meta, cache)
         logits = None
         if fused is not None:
             h, x, logits, routing = fused
@@ -111,17 +112,8 @@ class AttentionModel:
             return h, x, *self.route(layer, x)
         return h, x, *self.route_fn(logits, self.cfg, self.layers[layer].router_bias)
 
-    def attention(
-        self, layer: int, h: torch.Tensor, meta: AttnMeta, cache: KVCache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [T, H] -> (h + attn(norm(h)) [T, H], FFN input x = ffn_norm(h') [T, H])."""
-        fused = self._fused_call(layer, h, meta, cache, route=False)
-        if fused is not None:
-            return fused[0], fused[1]
-        return self._attention_ops(layer, h, meta, cache)
-
     def _fused_call(
-        self, layer: int, h: torch.Tensor, meta: AttnMeta, cache: KVCache, route: bool
+        self, layer: int, h: torch.Tensor, meta: AttnMeta, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Routing | None] | None:
         """The layer as one native call where it applies (decode-only bf16 batches below the
         oneDNN crossover), else None."""
@@ -133,13 +125,13 @@ class AttentionModel:
         cos, sin = lw.kind.rope.tables(torch.bfloat16)
         return lw.fused(
             h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens,
-            cache.k[layer], cache.v[layer], cos, sin, lw.kind.scale, route,
+            cache.k[layer], cache.v[layer], cos, sin, lw.kind.scale,
         )  # fmt: skip
 
     def _attention_ops(
         self, layer: int, h: torch.Tensor, meta: AttnMeta, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """attention() op by op (prefill, mixed batches, the torch and oneDNN paths)."""
+        """(h', x) op by op (prefill, mixed batches, the torch and oneDNN paths)."""
         lw = self.layers[layer]
         eps = self.cfg.rms_norm_eps
         o = lw.kind.attend(rms_norm(h, lw.attn_norm, eps), meta, cache, layer)  # [T, nh*Dv]

@@ -1,7 +1,7 @@
 """The fused native decode layer (afd/kernels/decode_layer.c) against the per-op path it
-replaces in AttentionModel.attention: the same kernels in the same order, so the same bits,
-in the hidden states, the FFN input, the KV cache and the router's logits (its matmul joins
-the call on MoE layers); for GQA with and without q/k norm (Qwen3-MoE, Mixtral) and for
+replaces in AttentionModel.attention_and_route: the same kernels in the same order, so the
+same bits, in the hidden states, the FFN input, the KV cache and the router's logits (its
+matmul joins the call on MoE layers); for GQA with and without q/k norm (Qwen3-MoE, Mixtral) and for
 Step-3's MFA. The softmax-then-top-k router in the call picks the same experts as torch.topk
 with weights within float32 rounding, and leaves a tie across the top-k cut to torch."""
 
@@ -80,7 +80,10 @@ def assert_same_routing(ids1, w1, ids2, w2):
     o1, o2 = ids1.sort(dim=1), ids2.sort(dim=1)
     assert torch.equal(o1.values, o2.values)
     torch.testing.assert_close(
-        w1.gather(1, o1.indices), w2.gather(1, o2.indices), rtol=4e-7 * 8, atol=0
+        w1.gather(1, o1.indices),
+        w2.gather(1, o2.indices),
+        rtol=3.2e-6,
+        atol=0,  # a few ulps
     )
 
 
