@@ -11,10 +11,10 @@
  *   with w_router: logits = x @ w_router^T    (the MoE router's matmul, bias-free routers)
  *   with topk too: the softmax-then-top-k router on those logits (route_softmax_topk)
  *
- * It is services/attention/model.py's attention_and_route() with the kind's qkv(), composed of the same
- * kernels the per-op path calls one by one (gemm.c, norm_rope.c, attention.c), so its results
- * are the same bits; what it saves is ~15 Python-level calls per layer, whose dispatch is a
- * visible share of a batch-1 step. */
+ * It is services/attention/model.py's attention_and_route() with the kind's qkv(), composed
+ * of the same kernels the per-op path calls one by one (gemm.c, norm_rope.c, attention.c), so
+ * its results are the same bits; what it saves is ~15 Python-level calls per layer, whose
+ * dispatch is a visible share of a batch-1 step (the router too, where it joins the call). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
