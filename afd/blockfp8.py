@@ -62,6 +62,13 @@ class BlockFP8:
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
 
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def to(self, device: torch.device) -> BlockFP8:
+        return BlockFP8(self.q.to(device), self.scale.to(device), self.block_k)
+
     def rows(self, index: torch.Tensor | slice) -> BlockFP8:
         return BlockFP8(self.q[index].contiguous(), self.scale[index].contiguous(), self.block_k)
 
@@ -88,7 +95,7 @@ class BlockFP8:
         N, K = self.q.shape
         out = x.new_empty(*x.shape[:-1], N)
         step = max(8, _SCRATCH_WEIGHTS // K // 8 * 8)  # whole 4-row groups (gemm.pack)
-        buf = _scratch_buffer(step * K, x.dtype)
+        buf = _scratch_buffer(step * K, x.dtype, x.device)
         for a in range(0, N, step):
             b = min(N, a + step)
             w = self.dequantize(x.dtype, slice(a, b), out=buf[: (b - a) * K].view(b - a, K))
@@ -115,6 +122,8 @@ def cat_rows(parts: list) -> torch.Tensor | BlockFP8 | MXFP4:
 
 def take_rows(w, index: torch.Tensor | slice):
     """Rows of a dense, BlockFP8 or MXFP4 weight (or of a bias), contiguous."""
+    if isinstance(index, torch.Tensor):  # built on the host; the weight may be elsewhere
+        index = index.to(w.device)
     return w[index].contiguous() if isinstance(w, torch.Tensor) else w.rows(index)
 
 
@@ -146,10 +155,10 @@ def _e8m0(x: torch.Tensor) -> torch.Tensor:
     return torch.pow(2.0, x.to(torch.float32) - 127.0)
 
 
-def _scratch_buffer(n: int, dtype: torch.dtype) -> torch.Tensor:
-    key = f"buf_{dtype}"
+def _scratch_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = f"buf_{dtype}_{device}"
     buf = getattr(_scratch, key, None)
     if buf is None or buf.numel() < n:
-        buf = torch.empty(n, dtype=dtype)
+        buf = torch.empty(n, dtype=dtype, device=device)
         setattr(_scratch, key, buf)
     return buf

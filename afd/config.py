@@ -10,6 +10,7 @@ service keys anything by `model_type`. Derived values use `dataclasses.replace`,
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,15 @@ def check(ok: bool, problem: str) -> None:
         raise ConfigError(problem)
 
 
+# where a role computes (afd/device.py resolves it on the host): auto, cpu, cuda, cuda:N
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device(spec: str) -> None:
+    """Raises ConfigError unless `spec` names a device kind afd knows (not that it is there)."""
+    check(bool(_DEVICE.fullmatch(spec)), f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
+
+
 COMPUTE_DTYPES = ("bfloat16", "float32")
 WIRE_DTYPES = ("fp8", "bf16", "fp32")
 
@@ -244,12 +254,19 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0  # memory for the KV pool
     # reuse the K/V of full blocks whose prefix an earlier request computed (afd.prefix)
     enable_prefix_caching: bool = True
+    # On a CUDA device: the share of its memory this process may hold; the KV pool takes what
+    # weights and activations leave of it (kv_cache_memory_gb is the CPU's budget).
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         check(self.block_size >= 1, f"block size must be >= 1, got {self.block_size}")
         check(self.num_blocks >= 0, f"num_blocks must be >= 0, got {self.num_blocks}")
         check(
             self.kv_cache_memory_gb > 0, f"KV cache GB must be > 0, got {self.kv_cache_memory_gb}"
+        )
+        check(
+            0 < self.gpu_memory_utilization <= 1,
+            f"GPU memory utilization must be in (0, 1], got {self.gpu_memory_utilization}",
         )
 
 
@@ -307,6 +324,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     dtype: str = "bfloat16"  # compute dtype: bfloat16 | float32
+    # weights, KV cache and compute: auto | cpu | cuda | cuda:N (afd/device.py)
+    device: str = "auto"
+    # the in-process FFN shards' (afd generate, afd serve --transport inproc); "": `device`
+    ffn_device: str = ""
     threads: int = 0  # torch threads; 0: leave torch's default
     # S micro-batches in flight per step (1: serial). S >= 2 overlaps attention and FFN, which
     # pays when the FFN side is compute-bound (large batches).
@@ -333,6 +354,9 @@ class EngineConfig:
             self.dtype in COMPUTE_DTYPES,
             f"dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}",
         )
+        check_device(self.device)
+        if self.ffn_device:
+            check_device(self.ffn_device)
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         check(self.micro_batches >= 1, f"micro-batches must be >= 1, got {self.micro_batches}")
         check(

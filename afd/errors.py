@@ -29,6 +29,10 @@ class CheckpointError(AfdError):
     """Missing, malformed or mis-shaped weights."""
 
 
+class DeviceMemoryError(AfdError):
+    """A step needed more device memory than was left: its requests fail, the server goes on."""
+
+
 class RequestError(AfdError):
     """A request that cannot be served as asked (e.g. a prompt longer than the context)."""
 

@@ -52,6 +52,13 @@ class MXFP4:
     def nbytes(self) -> int:
         return self.blocks.nbytes + self.scales.nbytes
 
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def to(self, device: torch.device) -> MXFP4:
+        return MXFP4(self.blocks.to(device), self.scales.to(device))
+
     def rows(self, index: torch.Tensor | slice) -> MXFP4:
         return MXFP4(self.blocks[index].contiguous(), self.scales[index].contiguous())
 
@@ -66,7 +73,7 @@ class MXFP4:
         b, s = self.blocks[rows], self.scales[rows]
         if dtype == torch.bfloat16 and native.usable():
             return native.to_bf16(b, s)
-        lut = torch.tensor(E2M1, dtype=torch.float32)
+        lut = torch.tensor(E2M1, dtype=torch.float32, device=b.device)
         n, g, _ = b.shape
         vals = torch.stack([lut[(b & 0x0F).long()], lut[(b >> 4).long()]], dim=-1)  # [n,g,16,2]
         exp = s.to(torch.int32) - SCALE_BIAS

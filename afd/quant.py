@@ -50,7 +50,9 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2:
         raise ValueError(f"quantize_fp8 expects [T, H], got shape {tuple(x.shape)}")
     if x.numel() == 0:
-        return torch.empty(x.shape, dtype=FP8), torch.full((x.shape[0],), _MIN_SCALE)
+        dev = x.device
+        scales = torch.full((x.shape[0],), _MIN_SCALE, device=dev)
+        return torch.empty(x.shape, dtype=FP8, device=dev), scales
     if x.dtype == torch.bfloat16 and fp8.usable(x):
         return fp8.quantize(x)  # one native pass, the same bits
     return _quantize_torch(x)
@@ -84,7 +86,8 @@ def _dequantize_torch(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
     # Sign-extend the byte so one shift and one mask put sign, exponent and mantissa in place.
     bits = q.view(torch.int8).to(torch.int32).bitwise_left_shift_(20).bitwise_and_(_FP32_MASK)
     out = bits.view(torch.float32)  # [T, H] = fp8 value * 2^-120
-    if scales.numel() and float(scales.max()) < 2.0**7:
+    # (the check reads a value: on another device, where that is a sync, take the safe form)
+    if q.device.type == "cpu" and scales.numel() and float(scales.max()) < 2.0**7:
         out.mul_((scales * _REBIAS)[:, None])  # finite: 2^7 * 2^120 < fp32 max
     else:  # huge scales (amax > 57344): undo the 2^-120 separately to stay finite
         out.mul_(_REBIAS).mul_(scales[:, None])

@@ -30,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from afd.config import check
+from afd.config import check, check_device
 from afd.errors import AfdError
 from afd.flags import EXPERT_FLAGS, served_name
 from afd_cli.procs import die_with_parent, free_port, pump_lines, signal_group
@@ -80,6 +80,10 @@ class ClusterConfig:
     engine_args: tuple[str, ...] = ()  # engine flags for every attention server
     api_args: tuple[str, ...] = ()  # HTTP API flags for the gateway
     dtype: str = "bfloat16"  # compute dtype of the attention and FFN servers
+    # where each role computes (afd/device.py); "" per role: `device`
+    device: str = "auto"
+    attention_device: str = ""
+    ffn_device: str = ""
     # FFN servers that each hold every expert, in a pool the attention servers read from a
     # file: servers can be added and removed while the cluster runs (afd_cli/elastic.py)
     elastic_ffn: bool = False
@@ -87,6 +91,9 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         check(self.transport in TRANSPORTS, f"--transport must be one of {', '.join(TRANSPORTS)}")
+        for spec in (self.device, self.attention_device, self.ffn_device):
+            if spec:
+                check_device(spec)
         check(
             self.attention >= 1 and self.ffn >= 1,
             "--attention and --ffn must be >= 1",
@@ -199,6 +206,8 @@ class Cluster:
             addr = f"127.0.0.1:{free_port()}"
             self.attention_addresses.append(addr)
             argv = [*py, "attention", *model, *threads, *c.engine_args, "--listen", addr]
+            argv += ["--device", c.attention_device or c.device]
+            argv += ["--ffn-device", c.ffn_device or c.device]  # its in-process shards' (inproc)
             if self.transport == "inproc" and "--a2f-dtype" not in c.engine_args:
                 # FP8 exists to cut the bytes on a network; in one process it would only cost
                 # time and precision: hand the hidden states over in bf16, as they are
@@ -224,6 +233,7 @@ class Cluster:
         addr = address or self.ffn_addresses[i]
         argv = [sys.executable, "-m", "afd_cli", "ffn", *(["--model", c.model] if c.model else [])]
         argv += ["--threads", str(self._threads()), "--dtype", c.dtype, "--listen", addr]
+        argv += ["--device", c.ffn_device or c.device]
         if not c.elastic_ffn:
             argv += ["--shard", f"{i}/{of}"]
         argv += _expert_args(c.engine_args)

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from afd import metrics
 from afd.config import EngineConfig
+from afd.device import resolve as resolve_device
 from afd.dtypes import compute_dtype
 from afd.sharding import ExpertShard, pool_shards
 from afd.transport import FFNServing, Listener, listen
@@ -35,13 +36,15 @@ def serve_ffn_inproc(cfg: EngineConfig, progress: bool = True) -> list[Listener]
     shards, model = pool_shards(cfg.ffn_addresses), cfg.model
     limits = WireLimits.for_model(model, MAX_TOKENS)
     metrics.register("ffn")
+    device = resolve_device(cfg.ffn_device or cfg.device)
     listeners = []
     for i, replicas in enumerate(shards):
         for addr in replicas:
             shard = ExpertShard(i, len(shards), model.num_experts)
             engine = FFNEngine(
-                model, shard, compute_dtype(cfg.dtype), progress=progress, experts=cfg.experts
-            )
+                model, shard, compute_dtype(cfg.dtype), progress=progress,
+                experts=cfg.experts, device=device,
+            )  # fmt: skip
             # With one micro-batch there is nothing to overlap: compute on the engine's thread.
             serving = FFNServing(engine.compute, limits)
             listeners.append(listen(addr, serving, inline=cfg.micro_batches == 1))

@@ -40,6 +40,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     option(
         p,
+        "--device",
+        c,
+        "device",
+        help="every server's device: auto, cpu, cuda or cuda:N (auto: the first CUDA device "
+        "when one is visible, else cpu)",
+    )
+    option(p, "--attention-device", c, "attention_device", help="the attention servers' device")
+    option(p, "--ffn-device", c, "ffn_device", help="the FFN servers' device")
+    option(
+        p,
         "--elastic-ffn",
         c,
         "elastic_ffn",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -101,6 +101,33 @@ def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
         prompt_rows=torch.tensor(p_rows, dtype=torch.long) if p_rows else None,
         prompt_targets=torch.tensor(p_targets, dtype=torch.long) if p_rows else None,
         prompt_owners=tuple(owners),
+    )
+
+
+def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    """The micro-batch's tensors on `device` (built on the host, moved once per step)."""
+    if device.type == "cpu":
+        return mb
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    m = mb.meta
+    meta = replace(
+        m,
+        positions=move(m.positions),
+        slots=move(m.slots),
+        decode_blocks=move(m.decode_blocks),
+        decode_lens=move(m.decode_lens),
+        prefills=tuple(replace(p, blocks=move(p.blocks), bias=move(p.bias)) for p in m.prefills),
+    )
+    return replace(
+        mb,
+        token_ids=move(mb.token_ids),
+        meta=meta,
+        sample_rows=move(mb.sample_rows),
+        prompt_rows=move(mb.prompt_rows),
+        prompt_targets=move(mb.prompt_targets),
     )
 
 

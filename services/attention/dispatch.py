@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from afd.config import ModelConfig
+from afd.device import CPU, to_host
 from afd.errors import ConfigError, TransportError
 from afd.messages import FFNReply, FFNRequest
 from afd.quant import quantize_fp8
@@ -94,6 +95,7 @@ class FFNDispatcher:
         a2f_dtype: str,
         compute_dtype: torch.dtype,
         sender: str = "attention",
+        device: torch.device = CPU,
     ):
         if a2f_dtype not in ("fp8", *_WIRE):
             raise ConfigError(f"a2f dtype must be fp8, bf16 or fp32, got {a2f_dtype!r}")
@@ -102,6 +104,7 @@ class FFNDispatcher:
         replicas.on_down = self._resend_from
         self.a2f_dtype = a2f_dtype
         self.dtype = compute_dtype
+        self.device = device  # the attention side's: replies are added to hidden states there
         self.sender = sender
         self.timing = StepTiming()
         self.deadlines = RoundTripDeadlines()  # each replica's usual answer time, learnt
@@ -156,6 +159,11 @@ class FFNDispatcher:
         else:
             wire = _WIRE[self.a2f_dtype]
             hidden, scales = (x if x.dtype == wire else x.to(wire)), None
+        if self.device.type != "cpu":
+            # messages hold host tensors (afd/device.py): encoded on the device (FP8 first:
+            # fewer bytes to copy), then one copy each to the host
+            hidden, ids, weights = to_host(hidden), to_host(ids), to_host(weights)
+            scales = None if scales is None else to_host(scales)
         if self._idle_since:
             self.timing.attention_seconds.append(time.perf_counter() - self._idle_since)
         message = FFNRequest(
@@ -267,8 +275,10 @@ class FFNDispatcher:
         self._idle_since = time.perf_counter()
         if total is None:
             assert out is not None
-            return out if out.dtype == self.dtype else out.to(self.dtype)
-        return total.to(self.dtype)
+            if out.dtype == self.dtype and out.device == self.device:
+                return out
+            return out.to(self.device, self.dtype)
+        return total.to(self.device, self.dtype)
 
     def reset(self) -> None:
         """Abandon the messages in flight (after an error): their replies are dropped."""

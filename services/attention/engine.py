@@ -25,15 +25,23 @@ import torch
 
 from afd.config import EngineConfig
 from afd.control import SamplingParams, Stats
+from afd.device import memory as device_memory
+from afd.device import resolve as resolve_device
 from afd.dtypes import compute_dtype
-from afd.errors import TransportError
+from afd.errors import AfdError, ConfigError, DeviceMemoryError, TransportError
 from afd.runtime import tune_allocator
 from afd.sharding import ExpertShard, pool_shards
 from afd.transport import connect
 from services.attention.block_manager import BlockManager
 from services.attention.dispatch import FFNDispatcher, StepTiming
 from services.attention.elastic import ElasticPool
-from services.attention.kv_cache import KVCache, num_blocks_for
+from services.attention.kv_cache import (
+    CacheLayout,
+    DevicePlan,
+    KVCache,
+    activation_bytes,
+    num_blocks_for,
+)
 from services.attention.model import AttentionModel
 from services.attention.pool_source import PoolSource
 from services.attention.replicas import Peer, Replicas
@@ -63,12 +71,13 @@ class Engine:
         self.cfg = cfg
         mc = cfg.model
         dtype = compute_dtype(cfg.dtype)
-        self.model = model or AttentionModel(mc, dtype, progress=progress)
-        layout = self.model.cache_layout
-        num_blocks = num_blocks_for(layout, mc, cfg.cache, dtype)
-        self.cache = KVCache(layout, mc.num_layers, num_blocks, cfg.cache.block_size, dtype)
-        self.blocks = BlockManager(num_blocks, cfg.cache.block_size)
+        self.device = device = resolve_device(cfg.device)
+        self.model = model or AttentionModel(mc, dtype, progress=progress, device=device)
         self.max_model_len = min(cfg.scheduler.max_model_len or mc.max_position, mc.max_position)
+        layout = self.model.cache_layout
+        num_blocks = self._num_blocks(layout, dtype)
+        self.cache = KVCache(layout, mc.num_layers, num_blocks, cfg.cache.block_size, dtype, device)
+        self.blocks = BlockManager(num_blocks, cfg.cache.block_size)
         self.scheduler = Scheduler(
             cfg.scheduler, self.blocks, self.max_model_len, cfg.cache.enable_prefix_caching
         )
@@ -79,7 +88,7 @@ class Engine:
             for addr in replicas
         ]
         self.replicas = Replicas(mc, peers, cfg.ffn_timeout_s, cfg.ffn_failover_s)
-        self.dispatcher = FFNDispatcher(mc, self.replicas, cfg.a2f_dtype, dtype)
+        self.dispatcher = FFNDispatcher(mc, self.replicas, cfg.a2f_dtype, dtype, device=device)
         self.pool: ElasticPool | None = None
         if cfg.ffn_pool:
             self.pool = ElasticPool(
@@ -94,6 +103,37 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache, self.dispatcher, cfg.micro_batches)
         self._ids = itertools.count()
         self._outage_since: float | None = None  # monotonic: a shard lost its last replica
+
+    def _num_blocks(self, layout: CacheLayout, dtype: torch.dtype) -> int:
+        """The KV pool's size: on the host as the cache config says; on a CUDA device (without
+        --num-blocks) what --gpu-memory-utilization leaves after the weights and a step's
+        activations, reported here; no room for one block is a start-up error."""
+        cc, mc = self.cfg.cache, self.cfg.model
+        if self.device.type == "cpu" or cc.num_blocks:
+            return num_blocks_for(layout, mc, cc, dtype)
+        mem = device_memory(self.device)
+        s = self.cfg.scheduler
+        plan = DevicePlan(
+            total=mem.total,
+            utilization=cc.gpu_memory_utilization,
+            in_use=mem.total - mem.free,
+            activations=activation_bytes(
+                mc, s.max_num_batched_tokens, s.max_num_seqs, self.max_model_len
+            ),
+            block_bytes=cc.block_size * layout.bytes_per_token(mc.num_layers, dtype),
+        )
+        if plan.num_blocks < 1:
+            raise ConfigError(
+                f"no room for a KV cache on {self.device}: {plan.describe()} leaves "
+                f"{plan.kv_bytes / (1 << 30):.2f} GiB; raise --gpu-memory-utilization or lower "
+                "--max-num-batched-tokens / --max-model-len"
+            )
+        log.info(
+            "KV cache on %s: %d blocks of %d tokens (%.2f GiB) = %s",
+            self.device, plan.num_blocks, cc.block_size,
+            plan.num_blocks * plan.block_bytes / (1 << 30), plan.describe(),
+        )  # fmt: skip
+        return plan.num_blocks
 
     @property
     def expert_load(self) -> torch.Tensor:
@@ -174,6 +214,16 @@ class Engine:
             if self._hold():  # the step is planned again once the shard is back
                 return StepResult(paused=True)
             return StepResult(self._fail(plan, e), tokens, self.dispatcher.timing)
+        except torch.OutOfMemoryError:
+            # the step's temporaries did not fit beside the weights and KV pool: its requests
+            # fail with the cause, the pool and every other request are untouched
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            why = DeviceMemoryError(
+                f"out of memory on {self.device} in a step of {tokens} tokens: lower "
+                "--max-num-batched-tokens or --gpu-memory-utilization"
+            )
+            return StepResult(self._fail(plan, why), tokens, self.dispatcher.timing)
         updated = self.scheduler.update(plan, sampled, logprobs, prompt_logprobs)
         self.dispatcher.count_routed(flush=not self.scheduler.has_unfinished())
         for req in updated:
@@ -214,9 +264,10 @@ class Engine:
                 )
         return self._within_grace()
 
-    def _fail(self, plan, error: TransportError) -> list[Request]:
-        """A step the FFN pool could not serve: its requests end with a typed error, the engine
-        itself keeps serving the rest."""
+    def _fail(self, plan, error: AfdError) -> list[Request]:
+        """A step that could not be computed (the FFN pool could not serve it, or the device
+        ran out of memory): its requests end with a typed error, the engine itself keeps
+        serving the rest."""
         log.error("step failed, failing %d requests: %s", len(plan.scheduled), error)
         failed = []
         for s in plan.scheduled:

@@ -19,6 +19,22 @@ def add_compute_flags(p: argparse.ArgumentParser) -> None:
     e = EngineConfig
     option(p, "--dtype", e, "dtype", choices=["bfloat16", "float32"], help="compute dtype")
     option(p, "--threads", e, "threads", help="torch threads (0: torch's default)")
+    option(
+        p,
+        "--device",
+        e,
+        "device",
+        help="weights, KV cache and compute: auto, cpu, cuda or cuda:N (auto: the first CUDA "
+        "device when one is visible, else cpu)",
+    )
+    option(
+        p,
+        "--ffn-device",
+        e,
+        "ffn_device",
+        help="the in-process FFN shards' device (afd generate, --transport inproc); default: "
+        "--device",
+    )
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -63,7 +79,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         option(g, "--max-model-len", s, "max_model_len", help="0: the model's context length"),
         option(g, "--block-size", c, "block_size", help="tokens per KV block"),
-        option(g, "--kv-cache-gb", c, "kv_cache_memory_gb", help="memory for the KV pool"),
+        option(g, "--kv-cache-gb", c, "kv_cache_memory_gb", help="memory for the KV pool (CPU)"),
+        option(
+            g,
+            "--gpu-memory-utilization",
+            c,
+            "gpu_memory_utilization",
+            help="on a CUDA device: the share of its memory this server may use; the KV cache "
+            "takes what the weights and a step's activations leave of it",
+        ),
         option(
             g,
             "--no-prefix-caching",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from afd.config import CacheConfig, ModelConfig
+from afd.device import CPU
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,48 @@ class CacheLayout:
 def num_blocks_for(
     layout: CacheLayout, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype
 ) -> int:
+    """Blocks in a host pool: `num_blocks` as given, else what kv_cache_memory_gb holds."""
     if cache.num_blocks:
         return cache.num_blocks
     per_block = cache.block_size * layout.bytes_per_token(cfg.num_layers, dtype)
     return max(1, int(cache.kv_cache_memory_gb * (1 << 30)) // per_block)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """How a device's memory is shared out (bytes): the KV pool gets what is left of
+    utilization x total once what is in use and the activations' reserve are taken."""
+
+    total: int
+    utilization: float
+    in_use: int  # on the device when the pool is planned: this process's weights, and others'
+    activations: int  # reserve for one step's temporaries at the scheduler's bounds
+    block_bytes: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return int(self.total * self.utilization) - self.in_use - self.activations
+
+    @property
+    def num_blocks(self) -> int:
+        return max(0, self.kv_bytes // self.block_bytes)
+
+    def describe(self) -> str:
+        gib = 1 << 30
+        return (
+            f"{self.utilization:.2f} x {self.total / gib:.1f} GiB, less {self.in_use / gib:.2f} "
+            f"GiB in use and {self.activations / gib:.2f} GiB for activations"
+        )
+
+
+def activation_bytes(cfg: ModelConfig, max_tokens: int, max_seqs: int, max_len: int) -> int:
+    """An upper estimate of one step's temporaries: a dozen [T, H]-wide fp32 buffers per
+    token, the fp32 attention scores and probabilities of a full prefill chunk against the
+    longest context, and the sampled rows' fp32 logits (three copies: logits, softmax, log)."""
+    per_token = 12 * max(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size) * 4
+    scores = 2 * max_tokens * cfg.num_heads * max_len * 4
+    logits = 3 * max_seqs * cfg.vocab_size * 4
+    return max_tokens * per_token + scores + logits
 
 
 class KVCache:
@@ -47,6 +86,7 @@ class KVCache:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
+        device: torch.device = CPU,
     ):
         self.layout = layout
         self.block_size = block_size
@@ -55,17 +95,17 @@ class KVCache:
         # and yields [kvh, L, D] directly, the layout the attention matmuls read.
         kvh = layout.heads
         self.k = [
-            torch.zeros(kvh, num_blocks, block_size, layout.k_dim, dtype=dtype)  # [kvh,NB,bs,Dk]
+            torch.zeros(kvh, num_blocks, block_size, layout.k_dim, dtype=dtype, device=device)
             for _ in range(num_layers)
         ]
         self.v = [
             k[..., : layout.v_dim]
             if layout.v_in_k
-            else torch.zeros(kvh, num_blocks, block_size, layout.v_dim, dtype=dtype)
+            else torch.zeros(kvh, num_blocks, block_size, layout.v_dim, dtype=dtype, device=device)
             for k in self.k
-        ]  # [kvh, NB, bs, Dv]
+        ]  # [kvh, NB, bs, Dv]; K likewise with Dk
         self.index = [
-            torch.zeros(num_blocks, block_size, layout.index_dim, dtype=dtype)  # [NB, bs, Di]
+            torch.zeros(num_blocks, block_size, layout.index_dim, dtype=dtype, device=device)
             for _ in range(num_layers if layout.index_dim else 0)
         ]
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from afd.checkpoint import load_weights
 from afd.config import ModelConfig
+from afd.device import CPU, place
 from afd.kernels.decode_layer import NativeDecodeLayer, Routing
 from afd.ops import Linear, native, rms_norm
 from afd.runtime import release_load_memory
@@ -40,9 +41,11 @@ class AttentionModel:
         dtype: torch.dtype = torch.bfloat16,
         weights: dict[str, torch.Tensor] | None = None,
         progress: bool = True,
+        device: torch.device = CPU,
     ):
         self.cfg = cfg
         self.dtype = dtype
+        self.device = device
         # A dict of our own: each matmul weight is popped as its Linear takes it (the Linear
         # keeps a re-laid-out copy), so a loaded original is freed at once, not at the end.
         w = (
@@ -50,6 +53,7 @@ class AttentionModel:
             if weights is not None
             else load_weights(cfg, "attention", dtype, None, progress)
         )
+        place(w, device)
         self.embed_w = w["embed"]  # [V, H]
         self.lm_head = Linear(w.pop("lm_head"))  # [V, H]
         self.final_norm = w["final_norm"]
@@ -142,8 +146,9 @@ class AttentionModel:
         """x [T, H] -> expert ids [T, k] int32, weights [T, k] float32 (k = 0 on dense layers)."""
         gate = self.layers[layer].router
         if gate is None:
-            T = x.shape[0]
-            return torch.empty(T, 0, dtype=torch.int32), torch.empty(T, 0, dtype=torch.float32)
+            T, dev = x.shape[0], x.device
+            ids = torch.empty(T, 0, dtype=torch.int32, device=dev)
+            return ids, torch.empty(T, 0, dtype=torch.float32, device=dev)
         return self.route_fn(gate(x), self.cfg, self.layers[layer].router_bias)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V] float32

@@ -41,8 +41,9 @@ class AttnMeta:
         if self.decode_blocks is None or self.decode_lens is None:
             return None
         nd, nb = self.decode_blocks.shape
-        cols = torch.arange(nb * self.block_size).view(1, 1, -1)
-        bias = torch.zeros(nd, 1, nb * self.block_size)
+        dev = self.decode_blocks.device
+        cols = torch.arange(nb * self.block_size, device=dev).view(1, 1, -1)
+        bias = torch.zeros(nd, 1, nb * self.block_size, device=dev)
         return bias.masked_fill_(cols >= self.decode_lens.view(-1, 1, 1), float("-inf"))
 
 
@@ -57,7 +58,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, nh * Dv]
     T, nh, D = q.shape
     Dv = v_cache.shape[-1]
-    out = torch.empty(T, nh * Dv, dtype=q.dtype)
+    out = torch.empty(T, nh * Dv, dtype=q.dtype, device=q.device)
     nd = meta.num_decode
     fused = native() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
     fused = fused and Dv == D and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -87,7 +88,7 @@ def _windowed(bias: torch.Tensor, positions: torch.Tensor, window: int) -> torch
         return bias
     L = bias.shape[-1]
     first = (positions - window + 1).view(-1, *([1] * (bias.dim() - 1)))  # first visible key
-    return bias.masked_fill(torch.arange(L) < first, -torch.inf)
+    return bias.masked_fill(torch.arange(L, device=bias.device) < first, -torch.inf)
 
 
 def _attend(

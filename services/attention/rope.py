@@ -9,6 +9,7 @@ from functools import lru_cache
 import torch
 
 from afd.config import RopeScaling
+from afd.device import CPU
 from afd.kernels import norm_rope
 
 
@@ -66,19 +67,23 @@ class Rope:
         else:
             inv_freq, attention = _yarn(dim, theta, scaling)
         self.inv_freq, self.attention, self.max_position = inv_freq, attention, max_position
-        # [P, D] per dtype asked for, built on first use: a bf16 server never holds the
-        # float32 tables (twice the bytes; tens of MB at 100K+ positions)
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        # [P, D] per dtype and device asked for, built on first use: a bf16 server never holds
+        # the float32 tables (twice the bytes; tens of MB at 100K+ positions)
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # Computed in float32, applied in the activations' dtype, as the HF reference does.
-        if dtype not in self._tables:
+    def tables(
+        self, dtype: torch.dtype, device: torch.device = CPU
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Computed in float32 on the host, applied in the activations' dtype, as the HF
+        # reference does; another device gets a copy of the same bits.
+        key = (dtype, device)
+        if key not in self._tables:
             positions = torch.arange(self.max_position, dtype=torch.float32)
             freqs = torch.outer(positions, self.inv_freq)
             emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
             cos, sin = emb.cos().mul_(self.attention), emb.sin().mul_(self.attention)
-            self._tables[dtype] = (cos.to(dtype), sin.to(dtype))
-        return self._tables[dtype]
+            self._tables[key] = (cos.to(device, dtype), sin.to(device, dtype))
+        return self._tables[key]
 
     def __call__(
         self,
@@ -86,7 +91,7 @@ class Rope:
         k: torch.Tensor,  # [T, kvh, D]
         positions: torch.Tensor,  # [T] long
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_t, sin_t = self.tables(q.dtype)
+        cos_t, sin_t = self.tables(q.dtype, q.device)
         if norm_rope.usable(q, 16) and norm_rope.usable(k, 16):  # bit-identical, one call each
             return (
                 norm_rope.rope(q, cos_t, sin_t, positions),

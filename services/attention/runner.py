@@ -38,7 +38,8 @@ class ModelRunner:
         """(sampled token, its logprob when asked, and the prompt logprobs this step scored)
         per request id."""
         groups = batch.split(plan.scheduled, self.micro_batches)
-        mbs = [batch.build(g, self.cache.block_size) for g in groups]
+        dev = self.model.device
+        mbs = [batch.to_device(batch.build(g, self.cache.block_size), dev) for g in groups]
         prompt_lps: dict[str, list[Logprob]] = {}
 
         def head(m: int, h: torch.Tensor) -> torch.Tensor:  # [T_m, H] -> [B_m, V] float32
@@ -84,7 +85,9 @@ class ModelRunner:
             return None
         gen = self._generators.get(request_id)
         if gen is None:
-            gen = self._generators[request_id] = torch.Generator().manual_seed(seed)
+            # on the logits' device: a seeded draw never leaves it
+            gen = torch.Generator(self.model.device).manual_seed(seed)
+            self._generators[request_id] = gen
         return gen
 
     def release(self, request_id: str) -> None:

@@ -18,20 +18,21 @@ def sample(
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == B and all(p.logprobs is None for p in params):  # the common decode case
         return logits.argmax(dim=-1).tolist(), [None] * B
-    tokens = torch.empty(B, dtype=torch.long)
+    dev = logits.device  # index tensors live beside the logits (a CUDA device's, say)
+    tokens = torch.empty(B, dtype=torch.long, device=dev)
     if greedy:
-        idx = torch.tensor(greedy)
+        idx = torch.tensor(greedy, device=dev)
         tokens[idx] = logits[idx].argmax(dim=-1)
     rest = [i for i, p in enumerate(params) if not p.greedy]
     if rest:
         # every sampled row filtered at once; one multinomial for the rows without a seed,
         # one per seeded row (its own generator keeps its draws reproducible)
-        x = _filtered(logits[torch.tensor(rest)], [params[i] for i in rest])  # [R, V]
+        x = _filtered(logits[torch.tensor(rest, device=dev)], [params[i] for i in rest])  # [R, V]
         probs = torch.softmax(x, dim=-1)
         free = [j for j, i in enumerate(rest) if generators[i] is None]
         if free:
-            drawn = torch.multinomial(probs[torch.tensor(free)], 1).squeeze(1)
-            tokens[torch.tensor([rest[j] for j in free])] = drawn
+            drawn = torch.multinomial(probs[torch.tensor(free, device=dev)], 1).squeeze(1)
+            tokens[torch.tensor([rest[j] for j in free], device=dev)] = drawn
         for j, i in enumerate(rest):
             if generators[i] is not None:
                 tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
@@ -40,7 +41,7 @@ def sample(
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         # one log_softmax, one gather and one topk for every row that asked, then plain lists
-        rows = torch.tensor(want)
+        rows = torch.tensor(want, device=dev)
         logp = torch.log_softmax(logits[rows], dim=-1)  # [W, V]
         chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()  # [W]
         n_max = max(params[i].logprobs or 0 for i in want)
@@ -60,15 +61,17 @@ def _filtered(
     params: list[SamplingParams],  # R rows' parameters, none greedy
 ) -> torch.Tensor:  # [R, V]: logits / temperature, -inf outside each row's top-k and top-p
     R, V = logits.shape
-    x = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    dev = logits.device
+    x = logits / torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
     ks = [p.top_k if p.top_k and 0 < p.top_k < V else 0 for p in params]
     if any(ks):
         kth = torch.topk(x, max(ks), dim=-1).values  # [R, max k], best first
-        cut = kth.gather(1, (torch.tensor(ks) - 1).clamp(min=0).unsqueeze(1))  # [R, 1]
-        cut[torch.tensor(ks) == 0] = float("-inf")  # rows without top-k keep everything
+        k = torch.tensor(ks, device=dev)
+        cut = kth.gather(1, (k - 1).clamp(min=0).unsqueeze(1))  # [R, 1]
+        cut[k == 0] = float("-inf")  # rows without top-k keep everything
         x = x.masked_fill(x < cut, float("-inf"))
-    ps = torch.tensor([p.top_p for p in params])
-    if bool((ps < 1.0).any()):
+    if any(p.top_p < 1.0 for p in params):
+        ps = torch.tensor([p.top_p for p in params], device=dev)
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
         # drop a token once the mass before it already reaches top_p (the first always stays);

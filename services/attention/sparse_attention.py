@@ -86,7 +86,7 @@ def sparse_attention(
 ) -> torch.Tensor:  # [T, nh * dv]
     T, nh, D = q.shape
     pool = latent_pool.view(-1, D)  # [NB * bs, D]
-    out = torch.empty(T, nh * dv, dtype=q.dtype)
+    out = torch.empty(T, nh * dv, dtype=q.dtype, device=q.device)
     nd = meta.num_decode
     if nd:
         assert meta.decode_blocks is not None and meta.decode_bias is not None

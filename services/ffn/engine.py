@@ -15,6 +15,7 @@ import torch
 from afd.blockfp8 import BlockFP8, cat_rows
 from afd.checkpoint import load_weights
 from afd.config import ExpertConfig, ModelConfig
+from afd.device import CPU, place, to_device, to_host
 from afd.messages import FFNRequest
 from afd.ops import Linear
 from afd.quant import dequantize_fp8
@@ -37,9 +38,11 @@ class FFNEngine:
         progress: bool = True,
         inject_delay_s: float = 0.0,
         experts: ExpertConfig | None = None,
+        device: torch.device = CPU,
     ):
         tune_allocator()
         self.cfg = cfg
+        self.device = device
         # Fault injection (tests): extra seconds inside every layer call's compute window, so
         # this server looks like a slow FFN to the attention side's straggler detection.
         self.inject_delay_s = inject_delay_s
@@ -52,6 +55,7 @@ class FFNEngine:
             if weights is not None
             else load_weights(cfg, "ffn", dtype, shard, progress)
         )
+        place(w, device)
         self.experts: dict[int, ExpertGroup] = {}
         self.shared: dict[int, MLPWeights] = {}
         self.dense: dict[int, MLPWeights] = {}
@@ -93,6 +97,9 @@ class FFNEngine:
         return outputs
 
     def _compute(self, layer: int, group: list[FFNRequest]) -> list[torch.Tensor]:
+        """The requests' host tensors go to this engine's device (wire bytes before the FP8
+        decode: fewer to copy) and the outputs come back to the host (afd/device.py)."""
+        dev = self.device
         x = (
             torch.cat([self._dequant(r) for r in group])
             if len(group) > 1
@@ -103,6 +110,7 @@ class FFNEngine:
             one = len(group) == 1
             ids = group[0].expert_ids if one else torch.cat([r.expert_ids for r in group])  # [T, k]
             wts = group[0].expert_weights if one else torch.cat([r.expert_weights for r in group])
+            ids, wts = to_device(ids, dev), to_device(wts, dev)
             routed_experts(x, ids, wts, self.experts[layer], out)
         mlp = self.shared.get(layer) or self.dense.get(layer)
         if mlp is not None:
@@ -110,12 +118,14 @@ class FFNEngine:
         reply_dtype = torch.float32 if group[0].hidden.dtype == torch.float32 else torch.bfloat16
         if out.dtype != reply_dtype:
             out = out.to(reply_dtype)
+        out = to_host(out)
         return [out] if len(group) == 1 else list(out.split([r.num_tokens for r in group]))
 
     def _dequant(self, r: FFNRequest) -> torch.Tensor:
-        if r.hidden.dtype == torch.float8_e4m3fn:
-            return dequantize_fp8(r.hidden, r.scales, self.dtype)
-        return r.hidden if r.hidden.dtype == self.dtype else r.hidden.to(self.dtype)
+        hidden = to_device(r.hidden, self.device)
+        if hidden.dtype == torch.float8_e4m3fn:
+            return dequantize_fp8(hidden, to_device(r.scales, self.device), self.dtype)
+        return hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
 
 
 def _add_dense(mlp: MLPWeights, x: torch.Tensor, out: torch.Tensor, group: list[FFNRequest]):
@@ -127,7 +137,7 @@ def _add_dense(mlp: MLPWeights, x: torch.Tensor, out: torch.Tensor, group: list[
     rows, start = [], 0
     for r in group:
         if not r.skip_dense:
-            rows.append(torch.arange(start, start + r.num_tokens))
+            rows.append(torch.arange(start, start + r.num_tokens, device=x.device))
         start += r.num_tokens
     if rows:
         idx = torch.cat(rows)

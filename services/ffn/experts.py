@@ -23,6 +23,41 @@ class MLPWeights:
 
 
 @dataclass(frozen=True)
+class Stacked:
+    """A layer's experts as one tensor each, for grouped matmuls: the torch path's layout
+    (every device), where each expert's Linear multiplies a view of these."""
+
+    w13: torch.Tensor  # [n, 2I, H]
+    w2: torch.Tensor  # [n, H, I]
+    b13: torch.Tensor | None  # [n, 2I]
+    b2: torch.Tensor | None  # [n, H]
+
+    @staticmethod
+    def of(w13: list[Linear], w2: list[Linear]) -> Stacked | None:
+        """The stack, where every weight is a dense tensor on torch's matmul (else None)."""
+        lins = (*w13, *w2)
+        if not all(lin.matmul == "torch" and isinstance(lin.w, torch.Tensor) for lin in lins):
+            return None
+        biased = [lin.bias is not None for lin in lins]
+        if any(biased) and not all(biased):
+            return None
+        return Stacked(
+            torch.stack([lin.w for lin in w13]),
+            torch.stack([lin.w for lin in w2]),
+            torch.stack([lin.bias for lin in w13]) if biased[0] else None,
+            torch.stack([lin.bias for lin in w2]) if biased[0] else None,
+        )
+
+    def grouped(self, x: torch.Tensor) -> bool:
+        """Whether torch's grouped matmul takes x's dtype and layout on x's device (CUDA's
+        wants bf16 and rows in whole 16 bytes; the CPU's takes any)."""
+        if x.device.type == "cpu":
+            return True
+        n, two_i, h = self.w13.shape
+        return x.dtype == torch.bfloat16 and h % 8 == 0 and two_i % 16 == 0
+
+
+@dataclass(frozen=True)
 class ExpertGroup:
     """The experts of one layer that this shard holds: global ids first .. first + n - 1."""
 
@@ -34,6 +69,7 @@ class ExpertGroup:
     # MXFP4 experts converted on use into this shared pool (else multiplied as stored)
     workspace: ExpertWorkspace | None = None
     layer: int = -1
+    stacked: Stacked | None = None  # the torch path's experts as stacks (grouped matmuls)
 
     @staticmethod
     def build(
@@ -52,7 +88,11 @@ class ExpertGroup:
             and NativeExperts.usable(weights13, weights2)
         )
         fused = NativeExperts(weights13, weights2, w13[0].isa) if native else None
-        return ExpertGroup(first, w13, w2, act, fused, workspace, layer)
+        stacked = Stacked.of(w13, w2) if workspace is None else None
+        if stacked is not None:  # each Linear multiplies its slice of the stack: one copy
+            w13 = [Linear(stacked.w13[e], lin.bias) for e, lin in enumerate(w13)]
+            w2 = [Linear(stacked.w2[e], lin.bias) for e, lin in enumerate(w2)]
+        return ExpertGroup(first, w13, w2, act, fused, workspace, layer, stacked)
 
     @property
     def count(self) -> int:
@@ -92,6 +132,8 @@ def routed_experts(
         # one call: the pair sorting below, the experts and the sum, with the same roundings
         group.native(x, expert_ids, expert_weights, group.first, out)
         return out
+    if group.stacked is not None and group.stacked.grouped(x):
+        return _grouped(x, expert_ids, expert_weights, group, group.stacked, out)
     local = expert_ids.reshape(-1).long() - group.first  # [T*k]
     held = (local >= 0) & (local < group.count)
     if not bool(held.any()):
@@ -112,4 +154,44 @@ def routed_experts(
             start += n
     w = expert_weights.reshape(-1)[pair].to(ys.dtype).unsqueeze(1)  # [P, 1]
     out.index_add_(0, tokens, ys * w)
+    return out
+
+
+def _grouped(
+    x: torch.Tensor,  # [T, H]
+    expert_ids: torch.Tensor,  # [T, k] int, global ids
+    expert_weights: torch.Tensor,  # [T, k]
+    group: ExpertGroup,
+    st: Stacked,
+    out: torch.Tensor,  # [T, H], accumulated into
+) -> torch.Tensor:
+    """routed_experts' sum as two grouped matmuls over every (token, expert) pair, with no
+    value read back to the host (a GPU runs it without a sync): the pairs of experts held
+    elsewhere sort last, past the last group, and add zero. Pairs are ordered as in the loop
+    above (by expert, then token), so the sum is accumulated in the same order."""
+    T, k = expert_ids.shape
+    n = group.count
+    local = expert_ids.reshape(-1).long() - group.first  # [T*k]
+    held = (local >= 0) & (local < n)
+    key = torch.where(held, local, n)  # [T*k]: n for pairs another shard computes
+    order = torch.argsort(key, stable=True)  # [T*k]
+    key, held = key[order], held[order]
+    tokens = order // k
+    # pairs per expert without bincount (on CUDA it reads the largest id back to the host)
+    counts = torch.zeros(n + 1, dtype=torch.long, device=x.device).index_add_(
+        0, key, torch.ones_like(key)
+    )
+    ends = counts[:n].cumsum(0).to(torch.int32)  # [n]: where each expert's rows end
+    xs = x.index_select(0, tokens)  # [T*k, H]
+    expert = key.clamp(max=n - 1)  # each row's expert (the unheld rows' is never used)
+    h = torch._grouped_mm(xs, st.w13.transpose(1, 2), offs=ends)  # [T*k, 2I]
+    if st.b13 is not None:
+        h = h + st.b13.index_select(0, expert).to(h.dtype)
+    gate, up = h.chunk(2, dim=-1)
+    ys = torch._grouped_mm(group.act(gate, up), st.w2.transpose(1, 2), offs=ends)  # [T*k, H]
+    if st.b2 is not None:
+        ys = ys + st.b2.index_select(0, expert).to(ys.dtype)
+    w = expert_weights.reshape(-1)[order].to(ys.dtype).unsqueeze(1)  # [T*k, 1]
+    # rows past the last group are not written by the matmul: select, never multiply, them away
+    out.index_add_(0, tokens, torch.where(held.unsqueeze(1), ys * w, 0))
     return out

@@ -19,6 +19,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     flags.add_model_flag(p)
     option(p, "--dtype", f, "dtype", choices=["bfloat16", "float32"], help="compute dtype")
     option(p, "--threads", f, "threads", help="torch threads (0: torch's default)")
+    option(
+        p,
+        "--device",
+        f,
+        "device",
+        help="weights and compute: auto, cpu, cuda or cuda:N (auto: the first CUDA device when "
+        "one is visible, else cpu)",
+    )
     p.add_argument(
         "--shard",
         default=DEFAULT_SHARD,

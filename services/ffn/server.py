@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from afd import metrics, sidecar
-from afd.config import COMPUTE_DTYPES, ExpertConfig, ModelConfig, check
+from afd.config import COMPUTE_DTYPES, ExpertConfig, ModelConfig, check, check_device
+from afd.device import resolve as resolve_device
 from afd.dtypes import compute_dtype
 from afd.errors import ConfigError
 from afd.runtime import freeze_startup_heap
@@ -44,6 +45,7 @@ class FFNServerConfig:
     shard: ExpertShard
     listen: str = "tcp://127.0.0.1:5600"  # data-plane address: tcp://, ipc:// or grpc://
     dtype: str = "bfloat16"  # compute dtype
+    device: str = "auto"  # weights and compute: auto | cpu | cuda | cuda:N (afd/device.py)
     threads: int = 0  # torch threads; 0: torch's default
     max_tokens: int = 65536  # largest message accepted, in tokens
     side: SidePortConfig = field(default_factory=SidePortConfig)
@@ -57,6 +59,7 @@ class FFNServerConfig:
     def __post_init__(self) -> None:
         check("://" in self.listen, f"--listen must be scheme://address, got {self.listen!r}")
         check(self.dtype in COMPUTE_DTYPES, f"dtype must be one of {COMPUTE_DTYPES}")
+        check_device(self.device)
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         check(self.inject_delay_s >= 0, "the injected delay must be >= 0")
@@ -93,6 +96,7 @@ def serve(cfg: FFNServerConfig) -> int:
         compute_dtype(cfg.dtype),
         inject_delay_s=cfg.inject_delay_s,
         experts=cfg.experts,
+        device=resolve_device(cfg.device),
     )
     serving = FFNServing(engine.compute, WireLimits.for_model(cfg.model, cfg.max_tokens))
     if cfg.inject_delay_s:

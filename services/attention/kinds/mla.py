@@ -97,7 +97,7 @@ class MLA(AttentionKind):
                 paged_attention(q_abs, cache.k[layer], cache.v[layer], rest, self.scale)
             )
         else:
-            o = torch.empty(x.shape[0], self.out_width, dtype=x.dtype)
+            o = torch.empty(x.shape[0], self.out_width, dtype=x.dtype, device=x.device)
         for p in long:
             rows = slice(p.q_start, p.q_start + p.q_len)
             o[rows] = self.expanded(q_nope[rows], q_pe[rows], cache.k[layer], p)
