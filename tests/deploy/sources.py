@@ -49,6 +49,17 @@ def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
     return out
 
 
+def dockerfile_stages() -> list[list[tuple[str, str]]]:
+    """The instructions of each build stage, from its FROM on (global ARGs before it dropped)."""
+    stages: list[list[tuple[str, str]]] = []
+    for instr, rest in dockerfile_instructions():
+        if instr == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append((instr, rest))
+    return stages
+
+
 def dockerfile_env() -> dict[str, str]:
     """The image's ENV (the last stage's, KEY=VALUE form), as a container would start with."""
     env: dict[str, str] = {}

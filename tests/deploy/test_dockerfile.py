@@ -21,20 +21,11 @@ from tests.deploy.sources import (
     ci_test_command,
     dockerfile_env,
     dockerfile_instructions,
+    dockerfile_stages,
     pip_installs,
 )
 
 INSTR = dockerfile_instructions()
-
-
-def _stages() -> list[list[tuple[str, str]]]:
-    stages: list[list[tuple[str, str]]] = []
-    for instr, rest in INSTR:
-        if instr == "FROM":
-            stages.append([])
-        if stages:
-            stages[-1].append((instr, rest))
-    return stages
 
 
 def _docker_installs() -> list[list[str]]:
@@ -79,7 +70,7 @@ def test_entrypoint_is_the_afd_console_script():
 
 
 def test_runs_as_a_non_root_user_with_a_health_check():
-    runtime = _stages()[-1]
+    runtime = dockerfile_stages()[-1]
     (user,) = [r for i, r in runtime if i == "USER"]
     assert user.split(":")[0] not in ("0", "root")
     assert user == "10001:10001"
@@ -100,7 +91,7 @@ def test_runs_as_a_non_root_user_with_a_health_check():
 @pytest.mark.timeout(180)
 def test_copied_sources_build_a_working_wheel(tmp_path):
     """Stage exactly what the build stage COPYs, then `pip wheel` it as `pip install .` would."""
-    build = _stages()[0]
+    build = dockerfile_stages()[0]
     (workdir,) = [r for i, r in build if i == "WORKDIR"]
     src = tmp_path / "context"
     ignored = {x for x in (DEPLOY / "Dockerfile.dockerignore").read_text().split() if x[0] != "#"}

@@ -38,6 +38,7 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor-monitoring.coreos.com-v1.json"
 }
 POOL = "afd.io/pool"
+GPU = "nvidia.com/gpu"
 ROLES = ("gateway", "attention", "ffn")
 OVERLAYS = overlays()
 
@@ -86,6 +87,11 @@ def container(docs, role) -> dict:
 def flag(c: dict, name: str) -> str:
     (value,) = [a.split("=", 1)[1] for a in c["args"] if a.startswith(name + "=")]
     return value
+
+
+def gpus(c: dict) -> int:
+    """The NVIDIA GPUs a container is given (its limit: what the device plugin allocates)."""
+    return int(c.get("resources", {}).get("limits", {}).get(GPU, 0))
 
 
 def named_port(c: dict, ref) -> int:
@@ -153,9 +159,11 @@ def test_attention_and_ffn_run_on_separate_node_pools(docs):
         assert ns == "afd-dev", "only the one-node dev overlay drops the pools"
         return
     for role, spec in specs.items():
-        assert spec["nodeSelector"] == {POOL: role}
+        # a pool moved onto GPUs has a node pool of its own (test_k8s_gpu.py checks which)
+        pool = f"{role}-gpu" if gpus(container(docs, role)) else role
+        assert spec["nodeSelector"] == {POOL: pool}
         tol = [t for t in spec["tolerations"] if t["key"] == POOL]
-        assert tol == [{"key": POOL, "operator": "Equal", "value": role, "effect": "NoSchedule"}]
+        assert tol == [{"key": POOL, "operator": "Equal", "value": pool, "effect": "NoSchedule"}]
 
 
 # ------------------------------------------------------------------ wiring

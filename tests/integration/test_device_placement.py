@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from afd.checkpoint import load_weights
 from afd.config import ModelConfig
@@ -116,9 +116,13 @@ def _run(path, attention_device: torch.device, ffn_device: torch.device, a2f: st
             peer = Peer(connect(address), ExpertShard(0, 1, cfg.num_experts))
             replicas = Replicas(cfg, [peer], 5.0, 0.0)
             ffn_out = FFNDispatcher(cfg, replicas, a2f, dtype, device=attention_device)
-            for mbs in _steps():
-                mbs = [batch.to_device(mb, attention_device) for mb in mbs]
-                head = lambda m, h: model.logits(h.index_select(0, mbs[m].sample_rows))  # noqa: E731
+            for step in _steps():
+                mbs = [batch.to_device(mb, attention_device) for mb in step]
+                rows = [mb.sample_rows for mb in mbs]
+
+                def head(m: int, h: torch.Tensor, rows=rows) -> torch.Tensor:
+                    return model.logits(h.index_select(0, rows[m]))
+
                 for logits in run_layers(model, cache, ffn_out, mbs, head):
                     assert logits.device == attention_device and logits.dtype == torch.float32
                     assert logits.argmax(dim=-1).device == attention_device  # greedy, on device

@@ -18,6 +18,7 @@ from tests.helpers.procs import Procs, free_port, generate, wait_attention_ready
 
 PROMPTS = [[5, 9, 17, 3, 250], list(range(20, 57)), [7, 7, 7], list(range(100, 119))]
 NEW = 10
+TORCH_PATH = {"AFD_KERNELS": "torch"}  # native kernels off: the code a GPU executes
 
 # (transport, attention servers, FFN shards, micro-batches)
 CASES = [
@@ -45,22 +46,25 @@ def _ffn_addr(transport: str, tmp, i: int) -> str:
     return f"{transport}://127.0.0.1:{free_port()}"
 
 
-def _start_ffn(procs: Procs, model, ffn: list[str], i: int, *extra: str) -> None:
+def _start_ffn(procs: Procs, model, ffn: list[str], i: int, *extra: str, dtype="float32",
+               env=None) -> None:  # fmt: skip
     shard = f"{i}/{len(ffn)}"
     procs.start(
         f"ffn{i}", "ffn", "--model", str(model), "--shard", shard, "--listen", ffn[i],
-        "--dtype", "float32", *extra,
+        "--dtype", dtype, *extra, env=env,
     )  # fmt: skip
 
 
 def _start_cluster(
-    procs: Procs, model, transport, n_att, n_ffn, S, tmp, timeout="20", grace="20", ffn_args=()
-):
-    """ffn_args: extra flags for every FFN server, or a list of them, one per server."""
+    procs: Procs, model, transport, n_att, n_ffn, S, tmp, timeout="20", grace="20", ffn_args=(),
+    dtype="float32", env=None,
+):  # fmt: skip
+    """ffn_args: extra flags for every FFN server, or a list of them, one per server; env:
+    added to every server's environment. float32 sends fp32 on the wire, bfloat16 bf16."""
     ffn = [_ffn_addr(transport, tmp, i) for i in range(n_ffn)]
     per_server = ffn_args if ffn_args and isinstance(ffn_args[0], tuple) else [ffn_args] * n_ffn
     for i in range(n_ffn):
-        _start_ffn(procs, model, ffn, i, *per_server[i])
+        _start_ffn(procs, model, ffn, i, *per_server[i], dtype=dtype, env=env)
     att = []
     for j in range(n_att):
         addr = f"127.0.0.1:{free_port()}"
@@ -74,9 +78,9 @@ def _start_cluster(
             "--listen",
             addr,
             "--dtype",
-            "float32",
+            dtype,
             "--a2f-dtype",
-            "fp32",
+            "fp32" if dtype == "float32" else "bf16",
             "--micro-batches",
             str(S),
             "--kv-cache-gb",
@@ -85,6 +89,7 @@ def _start_cluster(
             timeout,
             "--ffn-grace",
             grace,
+            env=env,
         )
         att.append(addr)
     for j, addr in enumerate(att):
@@ -92,8 +97,10 @@ def _start_cluster(
     return ffn, att
 
 
-def _cluster_tokens(procs, model, transport, n_att, n_ffn, S, tmp, ffn_args=()) -> list[list[int]]:
-    _, att = _start_cluster(procs, model, transport, n_att, n_ffn, S, tmp, ffn_args=ffn_args)
+def _cluster_tokens(
+    procs, model, transport, n_att, n_ffn, S, tmp, ffn_args=(), **kw
+) -> list[list[int]]:
+    _, att = _start_cluster(procs, model, transport, n_att, n_ffn, S, tmp, ffn_args=ffn_args, **kw)
     # All prompts at once, spread over the attention servers: they batch on each server
     # and their FFN messages meet on the shared FFN servers.
     with ThreadPoolExecutor(len(PROMPTS)) as ex:
@@ -114,12 +121,35 @@ def test_topology_matches_transformers(qwen3_dir, reference, tmp_path, transport
 def test_1a2f_over_tcp_matches_transformers(family, tmp_path):
     """MLA's latent cache (and V3.2's indexer pool) on the attention server, the experts and
     shared expert split over two FFN servers: the router's ids and weights are all that
-    crosses the wire. (gpt-oss: the MXFP4 test below.)"""
+    crosses the wire. (gpt-oss: the MXFP4 test below.) On the torch path (AFD_KERNELS=torch):
+    the code a GPU runs."""
     path = REFERENCE_CHECKPOINTS[family](tmp_path / "ckpt")
     ref = hf_greedy(hf_model(path, torch.float32), PROMPTS, NEW)
     procs = Procs(tmp_path)
     try:
-        assert _cluster_tokens(procs, path, "tcp", 1, 2, 2, tmp_path) == ref
+        got = _cluster_tokens(procs, path, "tcp", 1, 2, 2, tmp_path, env=TORCH_PATH)
+        assert got == ref
+    finally:
+        procs.stop_all()
+
+
+def test_bf16_torch_path_1a2f_gives_the_in_process_tokens(qwen3_dir, tmp_path):
+    """bf16 on the torch path (AFD_KERNELS=torch: grouped experts, torch attention, as on a
+    GPU) with bf16 on the wire: two FFN processes over tcp give exactly the tokens of the
+    same path in one process, whose closeness to transformers test_engine_reference checks."""
+    from afd.kernels import paths
+    from tests.integration.test_engine_reference import PROMPTS as P
+    from tests.integration.test_engine_reference import afd_greedy, engine_cfg
+
+    with paths.use("torch"):
+        want, _ = afd_greedy(engine_cfg(qwen3_dir, dtype="bfloat16", S=2), num_ffn=2)
+    procs = Procs(tmp_path)
+    try:
+        _, att = _start_cluster(procs, qwen3_dir, "tcp", 1, 2, 2, tmp_path, dtype="bfloat16",
+                                env=TORCH_PATH)  # fmt: skip
+        with ThreadPoolExecutor(len(P)) as ex:
+            got = [f.result()[0] for f in [ex.submit(generate, att[0], p, 16) for p in P]]
+        assert got == want
     finally:
         procs.stop_all()
 
