@@ -63,6 +63,7 @@ def bench_parser() -> argparse.ArgumentParser:
     from afd_cli.bench import (
         context,
         engine,
+        gpu,
         http,
         mxfp4,
         peer,
@@ -76,7 +77,8 @@ def bench_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="afd bench", description="benchmarks that print JSON")
     bsub = parser.add_subparsers(dest="bench", required=True)
-    for bench in (engine, pipeline, http, serve, peer, context, weights, mxfp4, quality, prefix):
+    benches = (engine, gpu, pipeline, http, serve, peer, context, weights, mxfp4, quality, prefix)
+    for bench in benches:
         bench.add_parser(bsub)
     w = bsub.add_parser(
         "wire", help="FP8 codec, per-layer round trip, bytes on the wire", add_help=False

@@ -197,3 +197,18 @@ def test_planted_unordered_pairs_in_the_grouped_experts_are_caught(monkeypatch):
         monkeypatch.setattr(experts.torch, "argsort", real)
         want = experts.routed_experts(x, ids, w, replace(group, stacked=None), torch.zeros(5, 64))
     assert not torch.allclose(got, want)
+
+
+def test_the_gpu_bench_runs_its_mfa_layer_here(capsys):
+    """`afd bench gpu`'s MFA part on the CPU (its smoke test; the figures are a GPU's)."""
+    import json
+
+    from afd_cli.main import bench_parser
+
+    args = bench_parser().parse_args(
+        ["gpu", "--device", "cpu", "--parts", "mfa", "--mfa-batch", "2", "--context", "20",
+         "--repeat-us", "1"]
+    )  # fmt: skip
+    args.func(args)
+    got = json.loads(capsys.readouterr().out.split("\n", 1)[1])["mfa_layer"]
+    assert got["shape"]["hidden"] == 7168 and got["batch"] == 2 and got["layer_us"] > 0
