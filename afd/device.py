@@ -62,8 +62,7 @@ class Memory:
     """A device's memory as the KV planner reads it, in bytes."""
 
     total: int
-    free: int
-    used_here: int  # by this process's tensors on the device (weights, buffers)
+    free: int  # what no process holds (this one's weights are already out of it)
 
 
 def memory(device: torch.device) -> Memory:
@@ -71,4 +70,4 @@ def memory(device: torch.device) -> Memory:
     if device.type != "cuda":
         raise ConfigError(f"no memory planning for {device}: size the KV cache in GiB")
     free, total = torch.cuda.mem_get_info(device)
-    return Memory(total, free, torch.cuda.memory_allocated(device))
+    return Memory(total, free)

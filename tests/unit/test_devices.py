@@ -106,8 +106,7 @@ def _device_engine(qwen3_dir, monkeypatch, memory: Memory, util=0.9) -> Engine:
 def test_the_engine_plans_its_kv_pool_on_the_device(qwen3_dir, monkeypatch, caplog):
     mib = 1 << 20
     caplog.set_level("INFO", logger="afd.attention")
-    eng = _device_engine(qwen3_dir, monkeypatch, Memory(total=1024 * mib, free=1000 * mib,
-                                                        used_here=24 * mib))  # fmt: skip
+    eng = _device_engine(qwen3_dir, monkeypatch, Memory(total=1024 * mib, free=1000 * mib))
     assert eng.cache.k[0].device.type == "meta"
     assert eng.blocks.num_blocks > 100
     assert "KV cache on meta" in caplog.text and "GiB for activations" in caplog.text
@@ -116,7 +115,7 @@ def test_the_engine_plans_its_kv_pool_on_the_device(qwen3_dir, monkeypatch, capl
 def test_no_room_for_the_kv_pool_is_a_start_up_error(qwen3_dir, monkeypatch):
     mib = 1 << 20
     with pytest.raises(ConfigError, match="no room for a KV cache.*--gpu-memory-utilization"):
-        _device_engine(qwen3_dir, monkeypatch, Memory(1024 * mib, 100 * mib, 924 * mib))
+        _device_engine(qwen3_dir, monkeypatch, Memory(1024 * mib, 100 * mib))
 
 
 def test_a_step_out_of_device_memory_fails_its_requests_and_the_engine_goes_on(qwen3_dir):
