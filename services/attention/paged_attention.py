@@ -9,6 +9,7 @@ from functools import cached_property
 
 import torch
 
+from afd.kernels import cuda_attention
 from afd.kernels.attention import decode_attention
 from afd.ops import bmm, native
 
@@ -66,6 +67,10 @@ def paged_attention(
         lens = meta.decode_lens
         out[:nd] = decode_attention(
             q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale, sinks, window
+        )
+    elif nd and cuda_attention.usable(q, k_cache):  # reads the blocks where they lie
+        out[:nd] = cuda_attention.decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_blocks, meta.decode_lens, scale, sinks, window
         )
     elif nd:
         assert meta.decode_bias is not None

@@ -173,3 +173,36 @@ def test_grouped_experts_on_cuda_match_the_cpu_loop():
     want = experts.routed_experts(x, ids, wts, cpu, torch.zeros(T, H, dtype=torch.bfloat16))
     err = (got.float().cpu() - want.float()).norm() / want.float().norm()
     assert err < 1e-2, f"grouped experts on {DEV} differ from the CPU loop by {err:.2e}"
+
+
+def test_triton_decode_attention_equals_the_torch_path_on_the_device():
+    from tests.helpers.attention_cases import errors
+
+    if not DEV.startswith("cuda"):
+        pytest.skip("the Triton kernel runs on CUDA (the interpreter's check: tests/unit)")
+    for case, err in errors(0, DEV).items():
+        bound = 1.5e-2 if "bf16" in case else 1e-5
+        assert err < bound, f"{case}: relative error {err:.2e} over {bound:.0e}"
+
+
+def test_triton_decode_attention_at_step3_shape():
+    """MFA at Step-3's head shape, 64 rows of 2,048 keys, against the torch path on the device."""
+    from afd.kernels import cuda_attention
+    from tests.helpers.attention_cases import reference
+
+    if not DEV.startswith("cuda"):
+        pytest.skip("the Triton kernel runs on CUDA (the interpreter's check: tests/unit)")
+    g = torch.Generator().manual_seed(1)
+    B, nh, D, bs, L = 64, 64, 256, 16, 2048
+    nb = L // bs
+    k = torch.randn(1, B * nb, bs, D, generator=g).bfloat16()
+    v = torch.randn(1, B * nb, bs, D, generator=g).bfloat16()
+    table = torch.randperm(B * nb, generator=g).view(B, nb)
+    lens = torch.randint(L // 2, L + 1, (B,), generator=g)
+    q = torch.randn(B, nh, D, generator=g).bfloat16()
+    want = reference(q, k, v, table, lens, D**-0.5, None, 0)
+    got = cuda_attention.decode_attention(
+        q.cuda(), k.cuda(), v.cuda(), table.cuda(), lens.cuda(), D**-0.5
+    )
+    err = (got.float().cpu() - want).norm() / want.norm()
+    assert err < 1.5e-2, f"relative error {err:.2e}"
