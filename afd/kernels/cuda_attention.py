@@ -67,7 +67,8 @@ if triton is not None:
             mask=h_ok[:, None] & (d[None, :] < D), other=0.0,
         )  # fmt: skip
         L = tl.load(lens_ptr + b)
-        first = tl.maximum(L - window, 0) if window > 0 else 0
+        # the first key the row sees (one expression: compiled branches must agree in type)
+        first = tl.where(window > 0, tl.maximum(L - window, 0), 0)
         span = tl.cdiv(tl.cdiv(L - first, n_split), BLOCK_N) * BLOCK_N
         start = first + split * span
         stop = tl.minimum(start + span, L)
@@ -136,6 +137,22 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def partial_constexprs(D: int, Dv: int, bs: int, group: int, dtype: torch.dtype) -> dict:
+    """The compile-time shape of `_partial` for one attention shape (its tiles: 16 to 64 query
+    heads, the smallest `tl.dot` takes 16; 32 keys, 16 for MLA's wide latent)."""
+    return dict(
+        D=D, DV=Dv, BS=bs, BLOCK_H=max(16, min(64, _pow2(group))),
+        BLOCK_N=32 if max(D, Dv) <= 256 else 16,
+        BLOCK_D=max(16, _pow2(D)), BLOCK_DV=max(16, _pow2(Dv)),
+        # the interpreter multiplies bf16 wrongly: it takes the float32 route on the same values
+        IEEE=dtype == torch.float32 or _INTERPRET,
+    )  # fmt: skip
+
+
+def merge_constexprs(Dv: int, splits: int, sinks: bool) -> dict:
+    return dict(DV=Dv, BLOCK_S=_pow2(splits), BLOCK_DV=_pow2(Dv), SINKS=sinks)
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, nh, D]
     k_cache: torch.Tensor,  # [kvh, NB, bs, D]
@@ -155,12 +172,11 @@ def decode_attention(
     q = q.contiguous()
     table = table.contiguous()
     lens = lens.contiguous()
-    block_h = max(16, min(64, _pow2(group)))
-    tiles = kvh * triton.cdiv(group, block_h)
+    consts = partial_constexprs(D, Dv, bs, group, q.dtype)
+    tiles = kvh * triton.cdiv(group, consts["BLOCK_H"])
     if not splits:  # about four programs per multiprocessor, from the longest context's tiles
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         splits = max(1, min(64, (4 * sms) // max(1, B * tiles)))
-    block_n = 32 if max(D, Dv) <= 256 else 16
     acc = torch.empty(B * nh * splits, Dv, dtype=torch.float32, device=q.device)
     m = torch.empty(B * nh * splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
@@ -168,15 +184,11 @@ def decode_attention(
         q, k_cache, v_cache, table, lens, acc, m, lsum,
         scale, window, group, nh, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
-        D=D, DV=Dv, BS=bs, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=max(16, _pow2(D)),
-        BLOCK_DV=max(16, _pow2(Dv)),
-        # the interpreter multiplies bf16 wrongly: it takes the float32 route on the same values
-        IEEE=q.dtype == torch.float32 or _INTERPRET,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0), **consts,
     )  # fmt: skip
     out = torch.empty(B, nh * Dv, dtype=q.dtype, device=q.device)
     _merge[(B, nh)](
         acc, m, lsum, sinks if sinks is not None else m, out, splits, nh, out.stride(0),
-        DV=Dv, BLOCK_S=_pow2(splits), BLOCK_DV=_pow2(Dv), SINKS=sinks is not None,
+        **merge_constexprs(Dv, splits, sinks is not None),
     )  # fmt: skip
     return out

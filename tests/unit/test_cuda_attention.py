@@ -6,18 +6,16 @@ runs it inside every family's greedy check."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+triton = pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="Triton is not installed"
-)
 # float32 is exact to rounding; bf16 rounds the probabilities and the output to 8 bits
 BOUND = {"fp32": 1e-5, "bf16": 1.5e-2}
 
@@ -38,3 +36,34 @@ def test_triton_decode_attention_equals_the_torch_path():
     for case, err in errors.items():
         bound = BOUND["bf16" if "bf16" in case else "fp32"]
         assert err < bound, f"{case}: relative error {err:.2e} over {bound:.0e}"
+
+
+# Shapes the families decode with: (D, Dv, query heads per K/V head, dtype)
+COMPILED = [
+    (64, 64, 4, torch.bfloat16),  # GQA (the bench model, Qwen3-MoE, Mixtral)
+    (256, 256, 64, torch.bfloat16),  # MFA (Step-3)
+    (576, 512, 128, torch.bfloat16),  # MLA's latent (DeepSeek), V in K
+    (64, 64, 8, torch.float32),  # float32 compute
+]
+
+
+@pytest.mark.parametrize("D,Dv,group,dtype", COMPILED, ids=lambda v: str(v))
+def test_the_kernels_compile_for_the_h200(D, Dv, group, dtype):
+    """Compiled ahead of time for sm_90 (Triton's own ptxas; no GPU needed), with the tile
+    sizes decode_attention launches: a kernel that only the interpreter runs is not enough."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from afd.kernels import cuda_attention as ca
+
+    target = GPUTarget("cuda", 90, 32)
+    el = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    consts = ca.partial_constexprs(D, Dv, 16, group, dtype)
+    types = [f"*{el}"] * 3 + ["*i64"] * 2 + ["*fp32"] * 3 + ["fp32"] + ["i32"] * 4 + ["i64"] * 9
+    sig = dict(zip(ca._partial.arg_names, [*types, *["constexpr"] * len(consts)], strict=True))
+    kernel = triton.compile(ASTSource(ca._partial, sig, consts), target=target)
+    assert kernel.metadata.shared <= 227 * 1024  # an H200 multiprocessor's shared memory
+    merge = ca.merge_constexprs(Dv, 64, True)
+    types = ["*fp32"] * 4 + [f"*{el}", "i32", "i32", "i64"]
+    sig = dict(zip(ca._merge.arg_names, [*types, *["constexpr"] * len(merge)], strict=True))
+    triton.compile(ASTSource(ca._merge, sig, merge), target=target)
