@@ -257,12 +257,19 @@ class CacheConfig:
     # On a CUDA device: the share of its memory this process may hold; the KV pool takes what
     # weights and activations leave of it (kv_cache_memory_gb is the CPU's budget).
     gpu_memory_utilization: float = 0.9
+    # what K and V are stored as: auto (the compute dtype) or fp8 (e4m3 with a float32 scale
+    # per token and head: about half of bf16's bytes, read back as the compute dtype)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check(self.block_size >= 1, f"block size must be >= 1, got {self.block_size}")
         check(self.num_blocks >= 0, f"num_blocks must be >= 0, got {self.num_blocks}")
         check(
             self.kv_cache_memory_gb > 0, f"KV cache GB must be > 0, got {self.kv_cache_memory_gb}"
+        )
+        check(
+            self.kv_cache_dtype in ("auto", "fp8"),
+            f"the KV cache dtype must be auto or fp8, got {self.kv_cache_dtype!r}",
         )
         check(
             0 < self.gpu_memory_utilization <= 1,

@@ -35,7 +35,8 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the Triton kernel takes this decode (a CUDA device, or the interpreter in tests)."""
     if triton is None or os.environ.get(ENV, "triton") == "torch":
         return False
-    return (q.is_cuda or _INTERPRET) and q.dtype == k_cache.dtype and q.dtype in _DOT
+    same = q.dtype == k_cache.dtype or k_cache.dtype == torch.float8_e4m3fn  # FP8: a scaled cache
+    return (q.is_cuda or _INTERPRET) and same and q.dtype in _DOT
 
 
 _DOT = {torch.bfloat16, torch.float16, torch.float32}
@@ -45,13 +46,13 @@ if triton is not None:
 
     @triton.jit
     def _partial(
-        q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr,
         acc_ptr, m_ptr, l_ptr,
         scale, window, group, nh, n_split,
-        sq_t, sq_h, sk_h, sk_b, sk_t, sv_h, sv_b, sv_t, s_table,
+        sq_t, sq_h, sk_h, sk_b, sk_t, sv_h, sv_b, sv_t, ss_h, ss_b, s_table,
         D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kh = tl.program_id(1) // tl.cdiv(group, BLOCK_H)
@@ -82,6 +83,10 @@ if triton is not None:
             row = blk.to(tl.int64) * sk_b + (t % BS) * sk_t + kh * sk_h
             k = tl.load(k_ptr + row[:, None] + d[None, :],
                         mask=t_ok[:, None] & (d[None, :] < D), other=0.0)  # fmt: skip
+            if FP8:  # e4m3 times its row's scale, as q's dtype (the torch path's rounding)
+                srow = blk.to(tl.int64) * ss_b + (t % BS) + kh * ss_h
+                ks = tl.load(ks_ptr + srow, mask=t_ok, other=0.0)
+                k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
             if IEEE:  # float32 operands: full precision, not the matrix units' tf32
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -94,6 +99,9 @@ if triton is not None:
             vrow = blk.to(tl.int64) * sv_b + (t % BS) * sv_t + kh * sv_h
             v = tl.load(v_ptr + vrow[:, None] + dv[None, :],
                         mask=t_ok[:, None] & (dv[None, :] < DV), other=0.0)  # fmt: skip
+            if FP8:
+                vs = tl.load(vs_ptr + srow, mask=t_ok, other=0.0)
+                v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
                 acc = acc * alpha[:, None] + pv
@@ -137,7 +145,9 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def partial_constexprs(D: int, Dv: int, bs: int, group: int, dtype: torch.dtype) -> dict:
+def partial_constexprs(
+    D: int, Dv: int, bs: int, group: int, dtype: torch.dtype, fp8: bool = False
+) -> dict:
     """The compile-time shape of `_partial` for one attention shape (its tiles: 16 to 64 query
     heads, the smallest `tl.dot` takes 16; 32 keys, 16 for MLA's wide latent)."""
     return dict(
@@ -146,6 +156,7 @@ def partial_constexprs(D: int, Dv: int, bs: int, group: int, dtype: torch.dtype)
         BLOCK_D=max(16, _pow2(D)), BLOCK_DV=max(16, _pow2(Dv)),
         # the interpreter multiplies bf16 wrongly: it takes the float32 route on the same values
         IEEE=dtype == torch.float32 or _INTERPRET,
+        FP8=fp8,
     )  # fmt: skip
 
 
@@ -163,6 +174,8 @@ def decode_attention(
     sinks: torch.Tensor | None = None,  # [nh]: a logit per head that takes no value
     window: int = 0,  # keys a query sees, itself included (0: all)
     splits: int = 0,  # splits of each sequence's keys (0: enough to fill the device)
+    k_scale: torch.Tensor | None = None,  # [kvh, NB, bs] float32 where the cache is FP8
+    v_scale: torch.Tensor | None = None,  # the same layout (K's own where V lives in K)
 ) -> torch.Tensor:  # [B, nh * Dv]
     assert triton is not None
     B, nh, D = q.shape
@@ -172,7 +185,10 @@ def decode_attention(
     q = q.contiguous()
     table = table.contiguous()
     lens = lens.contiguous()
-    consts = partial_constexprs(D, Dv, bs, group, q.dtype)
+    fp8 = k_scale is not None
+    consts = partial_constexprs(D, Dv, bs, group, q.dtype, fp8)
+    ks = k_scale if fp8 else lens  # any pointer: an unused argument
+    vs = v_scale if fp8 else lens
     tiles = kvh * triton.cdiv(group, consts["BLOCK_H"])
     if not splits:  # about four programs per multiprocessor, from the longest context's tiles
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
@@ -181,10 +197,11 @@ def decode_attention(
     m = torch.empty(B * nh * splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     _partial[(B, tiles, splits)](
-        q, k_cache, v_cache, table, lens, acc, m, lsum,
+        q, k_cache, v_cache, ks, vs, table, lens, acc, m, lsum,
         scale, window, group, nh, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0), **consts,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, table.stride(0), **consts,
     )  # fmt: skip
     out = torch.empty(B, nh * Dv, dtype=q.dtype, device=q.device)
     _merge[(B, nh)](

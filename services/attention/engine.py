@@ -76,7 +76,10 @@ class Engine:
         self.max_model_len = min(cfg.scheduler.max_model_len or mc.max_position, mc.max_position)
         layout = self.model.cache_layout
         num_blocks = self._num_blocks(layout, dtype)
-        self.cache = KVCache(layout, mc.num_layers, num_blocks, cfg.cache.block_size, dtype, device)
+        fp8 = cfg.cache.kv_cache_dtype == "fp8"
+        self.cache = KVCache(
+            layout, mc.num_layers, num_blocks, cfg.cache.block_size, dtype, device, fp8
+        )
         self.blocks = BlockManager(num_blocks, cfg.cache.block_size)
         self.scheduler = Scheduler(
             cfg.scheduler, self.blocks, self.max_model_len, cfg.cache.enable_prefix_caching
@@ -120,7 +123,8 @@ class Engine:
             activations=activation_bytes(
                 mc, s.max_num_batched_tokens, s.max_num_seqs, self.max_model_len
             ),
-            block_bytes=cc.block_size * layout.bytes_per_token(mc.num_layers, dtype),
+            block_bytes=cc.block_size
+            * layout.bytes_per_token(mc.num_layers, dtype, cc.kv_cache_dtype == "fp8"),
         )
         if plan.num_blocks < 1:
             raise ConfigError(

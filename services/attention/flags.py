@@ -82,6 +82,16 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
         option(g, "--kv-cache-gb", c, "kv_cache_memory_gb", help="memory for the KV pool (CPU)"),
         option(
             g,
+            "--kv-cache-dtype",
+            c,
+            "kv_cache_dtype",
+            choices=["auto", "fp8"],
+            help="K and V in the cache: auto (the compute dtype) or fp8 (e4m3, a float32 scale "
+            "per token and head: about half the bytes; afd's native CPU attention kernels read "
+            "bf16 only, so on a CPU attention takes the torch path)",
+        ),
+        option(
+            g,
             "--gpu-memory-utilization",
             c,
             "gpu_memory_utilization",

@@ -126,6 +126,8 @@ class AttentionModel:
         ours = lw.o_proj.ours(h.shape[0])  # else oneDNN's matmuls are faster (ops.Linear)
         if lw.fused is None or not (decode_only and ours and h.dtype == torch.bfloat16):
             return None
+        if cache.k[layer].dtype != torch.bfloat16:  # an FP8 cache: the kernel reads bf16 only
+            return None
         cos, sin = lw.kind.rope.tables(torch.bfloat16)
         return lw.fused(
             h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens,

@@ -12,6 +12,7 @@ import torch
 from afd.kernels import cuda_attention
 from afd.kernels.attention import decode_attention
 from afd.ops import bmm, native
+from services.attention.kv_cache import gather
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,11 @@ def paged_attention(
     scale: float,
     sinks: torch.Tensor | None = None,  # [nh] float32: a logit per head that takes no value
     window: int = 0,  # keys a query sees, itself included (0: every earlier one)
+    k_scale: torch.Tensor | None = None,  # [kvh, NB, bs] float32 where the cache is FP8
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, nh * Dv]
     T, nh, D = q.shape
+    scales = (k_scale, v_scale)
     Dv = v_cache.shape[-1]
     out = torch.empty(T, nh * Dv, dtype=q.dtype, device=q.device)
     nd = meta.num_decode
@@ -70,18 +74,20 @@ def paged_attention(
         )
     elif nd and cuda_attention.usable(q, k_cache):  # reads the blocks where they lie
         out[:nd] = cuda_attention.decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_blocks, meta.decode_lens, scale, sinks, window
-        )
+            q[:nd], k_cache, v_cache, meta.decode_blocks, meta.decode_lens, scale, sinks, window,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     elif nd:
         assert meta.decode_bias is not None
         bias = _windowed(meta.decode_bias, meta.positions[:nd], window)
-        o = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_blocks, bias, scale, sinks)
+        o = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_blocks, bias, scale, sinks,
+                    scales)  # fmt: skip
         out[:nd] = o.reshape(nd, -1)
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         qs = q[rows].unsqueeze(0)  # [1, n, nh, D]
         bias = _windowed(p.bias, meta.positions[rows], window).unsqueeze(0)
-        o = _attend(qs, k_cache, v_cache, p.blocks.unsqueeze(0), bias, scale, sinks)
+        o = _attend(qs, k_cache, v_cache, p.blocks.unsqueeze(0), bias, scale, sinks, scales)
         out[rows] = o.reshape(p.q_len, -1)
     return out
 
@@ -104,6 +110,7 @@ def _attend(
     bias: torch.Tensor,  # [B, n or 1, L] float32, L = nb * bs: 0 visible, -inf masked
     scale: float,
     sinks: torch.Tensor | None = None,  # [nh] float32
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),  # an FP8 cache's
 ) -> torch.Tensor:  # [B, n, nh, Dv]
     """Softmax attention as batched matmuls over (K/V head, sequence) pairs; the g query heads
     of a K/V head and the n query tokens of a sequence share one matmul."""
@@ -112,12 +119,14 @@ def _attend(
     Dv = v_cache.shape[-1]
     L = blocks.shape[1] * bs
     g = nh // kvh
-    # One gather of whole blocks per cache: [kvh, B*nb, bs, D] is already [kvh*B, L, D].
-    k = k_cache.index_select(1, blocks.reshape(-1)).view(kvh * B, L, D)
+    # One gather of whole blocks per cache: [kvh, B*nb, bs, D] is already [kvh*B, L, D] (an
+    # FP8 cache's blocks dequantized to q's dtype as they are gathered).
+    idx = blocks.reshape(-1)
+    k = gather(k_cache, scales[0], 1, idx, q.dtype).view(kvh * B, L, D)
     if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride():
         v = k[..., :Dv]  # V is K's leading columns (MLA's latent): gathered once
     else:
-        v = v_cache.index_select(1, blocks.reshape(-1)).view(kvh * B, L, Dv)
+        v = gather(v_cache, scales[1], 1, idx, q.dtype).view(kvh * B, L, Dv)
     qg = q.view(B, n, kvh, g, D).permute(2, 0, 3, 1, 4).reshape(kvh * B, g * n, D)
     scores = bmm(qg, k.transpose(1, 2)).float().view(kvh, B, g, n, L) * scale
     scores = scores + bias.view(1, B, 1, -1, L)

@@ -15,6 +15,7 @@ import torch
 
 from afd.kernels import indexer
 from afd.ops import bmm
+from services.attention.kv_cache import gather
 from services.attention.paged_attention import AttnMeta
 
 # Rows of one prefill scored at once: rows x index heads x context stays under this many
@@ -66,8 +67,9 @@ def attend_selected(
     visible: torch.Tensor,  # [n, k] bool
     dv: int,
     scale: float,
+    pool_scale: torch.Tensor | None = None,  # [NB * bs] where the cache is FP8
 ) -> torch.Tensor:  # [n, nh * dv]
-    rows = pool.index_select(0, slots.reshape(-1)).view(*slots.shape, -1)  # [n, k, D]
+    rows = gather(pool, pool_scale, 0, slots.reshape(-1), q.dtype).view(*slots.shape, -1)
     scores = bmm(q, rows.transpose(1, 2)).float() * scale  # [n, nh, k]
     scores = scores.masked_fill(~visible.unsqueeze(1), -torch.inf)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
@@ -83,9 +85,11 @@ def sparse_attention(
     topk: int,
     dv: int,
     scale: float,
+    latent_scale: torch.Tensor | None = None,  # [1, NB, bs] where the cache is FP8
 ) -> torch.Tensor:  # [T, nh * dv]
     T, nh, D = q.shape
     pool = latent_pool.view(-1, D)  # [NB * bs, D]
+    pool_scale = None if latent_scale is None else latent_scale.reshape(-1)
     out = torch.empty(T, nh * dv, dtype=q.dtype, device=q.device)
     nd = meta.num_decode
     if nd:
@@ -93,7 +97,7 @@ def sparse_attention(
         slots, vis = select(
             iq, slice(0, nd), index_pool, meta.decode_blocks, meta.decode_bias[:, 0], topk
         )
-        out[:nd] = attend_selected(q[:nd], pool, slots, vis, dv, scale)
+        out[:nd] = attend_selected(q[:nd], pool, slots, vis, dv, scale, pool_scale)
     for p in meta.prefills:
         L = p.bias.shape[1]
         step = max(1, _SCORES_PER_CHUNK // (L * iq.q.shape[1]))
@@ -101,5 +105,5 @@ def sparse_attention(
             b = min(p.q_len, a + step)
             rows = slice(p.q_start + a, p.q_start + b)
             slots, vis = select(iq, rows, index_pool, p.blocks.unsqueeze(0), p.bias[a:b], topk)
-            out[rows] = attend_selected(q[rows], pool, slots, vis, dv, scale)
+            out[rows] = attend_selected(q[rows], pool, slots, vis, dv, scale, pool_scale)
     return out

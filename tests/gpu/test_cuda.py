@@ -206,3 +206,25 @@ def test_triton_decode_attention_at_step3_shape():
     )
     err = (got.float().cpu() - want).norm() / want.norm()
     assert err < 1.5e-2, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("family", TRANSFORMERS_REFERENCED)
+def test_an_fp8_cache_on_the_device_gives_the_tokens_of_its_numbers_in_bf16(
+    refs, family, monkeypatch
+):
+    """The FP8 KV cache on CUDA (Triton decode reading e4m3 and scales) against a bf16 cache
+    holding the same numbers (tests/integration/test_fp8_kv_cache.py's check, on the device)."""
+    from tests.integration.test_fp8_kv_cache import _quantized_then_stored
+
+    path, _, _ = refs[family]
+
+    def tokens(kv):
+        from afd.kernels import paths
+
+        cfg = engine_cfg(path, dtype="bfloat16", S=2, budget=16, device=DEV)
+        with paths.use("torch"):  # the CPU's native kernels read bf16 caches only (cpu runs)
+            return afd_greedy(replace(cfg, cache=replace(cfg.cache, kv_cache_dtype=kv)))[0]
+
+    got = tokens("fp8")
+    _quantized_then_stored(monkeypatch)
+    assert got == tokens("auto")

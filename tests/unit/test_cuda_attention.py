@@ -32,24 +32,25 @@ def _errors(seed: int = 0) -> dict[str, float]:
 
 def test_triton_decode_attention_equals_the_torch_path():
     errors = _errors()
-    assert len(errors) == 10
+    assert len(errors) == 14
     for case, err in errors.items():
         bound = BOUND["bf16" if "bf16" in case else "fp32"]
         assert err < bound, f"{case}: relative error {err:.2e} over {bound:.0e}"
 
 
-# Shapes the families decode with: (D, Dv, query heads per K/V head, dtype)
+# Shapes the families decode with: (D, Dv, query heads per K/V head, dtype, FP8 cache)
 COMPILED = [
-    (64, 64, 4, torch.bfloat16),  # GQA (the bench model, Qwen3-MoE, Mixtral)
-    (256, 256, 64, torch.bfloat16),  # MFA (Step-3)
+    (64, 64, 4, torch.bfloat16, False),  # GQA (the bench model, Qwen3-MoE, Mixtral)
+    (256, 256, 64, torch.bfloat16, False),  # MFA (Step-3)
+    (256, 256, 64, torch.bfloat16, True),  # MFA over an FP8 cache
     # MLA's latent (DeepSeek), V in K: its wide tiles take ~12 s to compile
-    pytest.param(576, 512, 128, torch.bfloat16, marks=pytest.mark.slow),
-    (64, 64, 8, torch.float32),  # float32 compute
+    pytest.param(576, 512, 128, torch.bfloat16, False, marks=pytest.mark.slow),
+    (64, 64, 8, torch.float32, False),  # float32 compute
 ]
 
 
-@pytest.mark.parametrize("D,Dv,group,dtype", COMPILED, ids=lambda v: str(v))
-def test_the_kernels_compile_for_the_h200(D, Dv, group, dtype):
+@pytest.mark.parametrize("D,Dv,group,dtype,fp8", COMPILED, ids=lambda v: str(v))
+def test_the_kernels_compile_for_the_h200(D, Dv, group, dtype, fp8):
     """Compiled ahead of time for sm_90 (Triton's own ptxas; no GPU needed), with the tile
     sizes decode_attention launches: a kernel that only the interpreter runs is not enough."""
     from triton.backends.compiler import GPUTarget
@@ -59,8 +60,10 @@ def test_the_kernels_compile_for_the_h200(D, Dv, group, dtype):
 
     target = GPUTarget("cuda", 90, 32)
     el = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
-    consts = ca.partial_constexprs(D, Dv, 16, group, dtype)
-    types = [f"*{el}"] * 3 + ["*i64"] * 2 + ["*fp32"] * 3 + ["fp32"] + ["i32"] * 4 + ["i64"] * 9
+    consts = ca.partial_constexprs(D, Dv, 16, group, dtype, fp8)
+    kv = "*fp8e4nv" if fp8 else f"*{el}"
+    types = [f"*{el}", kv, kv, "*fp32", "*fp32", "*i64", "*i64"] + ["*fp32"] * 3 + ["fp32"]
+    types += ["i32"] * 4 + ["i64"] * 11
     sig = dict(zip(ca._partial.arg_names, [*types, *["constexpr"] * len(consts)], strict=True))
     kernel = triton.compile(ASTSource(ca._partial, sig, consts), target=target)
     assert kernel.metadata.shared <= 227 * 1024  # an H200 multiprocessor's shared memory

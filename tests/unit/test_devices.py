@@ -211,4 +211,5 @@ def test_the_gpu_bench_runs_its_mfa_layer_here(capsys):
     args.func(args)
     got = json.loads(capsys.readouterr().out.split("\n", 1)[1])["mfa_layer"]
     assert got["shape"]["hidden"] == 7168 and got["batch"] == 2
-    assert set(got["layer_us"]) == {"triton", "torch"} and min(got["layer_us"].values()) > 0
+    paths = {f"{kv}/{p}" for kv in ("bf16", "fp8") for p in ("triton", "torch")}
+    assert set(got["layer_us"]) == paths and min(got["layer_us"].values()) > 0

@@ -47,7 +47,10 @@ class AttentionKind:
         q, k, v = self.qkv(x)
         q, k = self.rope(q, k, meta.positions)
         cache.write(layer, meta.slots, k, v)
-        return paged_attention(q, cache.k[layer], cache.v[layer], meta, self.scale)
+        return paged_attention(
+            q, cache.k[layer], cache.v[layer], meta, self.scale,
+            k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer],
+        )  # fmt: skip
 
     def decode_weights(self) -> DecodeWeights | None:
         """This kind's weights for the fused native decode layer (afd/kernels/decode_layer.c),

@@ -59,6 +59,7 @@ class DSA(MLA):
         iq = self.index_query(x, q_lat, meta, cache, layer)
         r = self.m.kv_lora_rank
         o = sparse_attention(
-            q_abs, iq, cache.k[layer], cache.index[layer], meta, self.ix.topk, r, self.scale
-        )  # [T, nh * r]
+            q_abs, iq, cache.k[layer], cache.index[layer], meta, self.ix.topk, r, self.scale,
+            cache.k_scale[layer],
+        )  # [T, nh * r]  # fmt: skip
         return self.values(o)

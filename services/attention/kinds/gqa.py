@@ -45,8 +45,9 @@ class GQA(AttentionKind):
         q, k = self.rope(q, k, meta.positions)
         cache.write(layer, meta.slots, k, v)
         return paged_attention(
-            q, cache.k[layer], cache.v[layer], meta, self.scale, self.sinks, self.window
-        )
+            q, cache.k[layer], cache.v[layer], meta, self.scale, self.sinks, self.window,
+            cache.k_scale[layer], cache.v_scale[layer],
+        )  # fmt: skip
 
     def decode_weights(self) -> DecodeWeights | None:
         if not self.w_qkv.native or self.w_qkv.bias is not None or self.sinks is not None:

@@ -19,7 +19,7 @@ from afd.blockfp8 import cat_rows, take_rows
 from afd.config import ModelConfig
 from afd.ops import Linear, bmm, rms_norm
 from services.attention.kinds.base import AttentionKind
-from services.attention.kv_cache import CacheLayout, KVCache
+from services.attention.kv_cache import CacheLayout, KVCache, gather
 from services.attention.paged_attention import AttnMeta, PrefillSeq, paged_attention
 
 # The latent norms are built with their module's default epsilon, not the model's rms_norm_eps
@@ -94,13 +94,22 @@ class MLA(AttentionKind):
             rest = replace(meta, prefills=short)
             q_abs = self.absorb(q_nope, q_pe)
             o = self.values(
-                paged_attention(q_abs, cache.k[layer], cache.v[layer], rest, self.scale)
+                paged_attention(
+                    q_abs,
+                    cache.k[layer],
+                    cache.v[layer],
+                    rest,
+                    self.scale,
+                    k_scale=cache.k_scale[layer],
+                    v_scale=cache.v_scale[layer],
+                )  # fmt: skip
             )
         else:
             o = torch.empty(x.shape[0], self.out_width, dtype=x.dtype, device=x.device)
         for p in long:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            o[rows] = self.expanded(q_nope[rows], q_pe[rows], cache.k[layer], p)
+            o[rows] = self.expanded(q_nope[rows], q_pe[rows], cache.k[layer], p,
+                                    cache.k_scale[layer])  # fmt: skip
         return o
 
     def project(
@@ -130,13 +139,15 @@ class MLA(AttentionKind):
         q_pe: torch.Tensor,  # [n, nh, dr]
         pool: torch.Tensor,  # [1, NB, bs, r + dr]
         p: PrefillSeq,
+        pool_scale: torch.Tensor | None = None,  # [1, NB, bs] where the cache is FP8
     ) -> torch.Tensor:  # [n, nh * dv]
         """One prefill's attention the way the checkpoint was trained: its context's latents
         expanded into every head's key and value (kv_b_proj), then attention at head width
         dn + dr: fewer FLOPs than the absorbed form from `expand_from` query rows on."""
         m, nh, n = self.m, self.cfg.num_heads, q_nope.shape[0]
         r, dr = m.kv_lora_rank, m.qk_rope_head_dim
-        rows = pool[0].index_select(0, p.blocks).view(-1, r + dr)  # [L, r + dr]
+        scale = None if pool_scale is None else pool_scale[0]
+        rows = gather(pool[0], scale, 0, p.blocks, q_nope.dtype).view(-1, r + dr)  # [L, r + dr]
         L = rows.shape[0]
         latent = rows[:, :r].expand(nh, L, r)
         k_nope = bmm(self.w_uk, latent.transpose(1, 2))  # [nh, dn, L]
