@@ -18,8 +18,8 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), '| transformers', transformers.__version__)" || exit 1
-timeout 330 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu -rfs 2>&1 \
+timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu -rfs 2>&1 \
     | tee "$OUT/tests_gpu.log" | tail -25
-timeout 240 python3 -m afd_cli --log-level WARNING bench gpu --cache-dir /tmp/afd-cache \
+timeout 230 python3 -m afd_cli --log-level WARNING bench gpu --cache-dir /tmp/afd-cache \
     >"$OUT/bench_gpu.json" 2>"$OUT/bench_gpu.err"
 echo "bench exit $?"; tail -5 "$OUT/bench_gpu.err"; cat "$OUT/bench_gpu.json"

@@ -98,7 +98,9 @@ def host_copies(monkeypatch):
     monkeypatch.setattr(engine, "to_host", _host_copy)
 
 
-def _run(path, attention_device: torch.device, ffn_device: torch.device, a2f: str) -> None:
+def _run(
+    path, attention_device: torch.device, ffn_device: torch.device, a2f: str, fp8_kv=False
+) -> None:
     cfg = ModelConfig.from_hf(path)
     dtype = torch.bfloat16
     w_att = load_weights(cfg, "attention", dtype, None, False)
@@ -107,7 +109,7 @@ def _run(path, attention_device: torch.device, ffn_device: torch.device, a2f: st
     # the CPU side on the torch path too: the code a GPU runs, on both sides
     with paths.use("torch"), OneDevicePerOp():
         model = AttentionModel(cfg, dtype, w_att, progress=False, device=attention_device)
-        cache = KVCache(model.cache_layout, cfg.num_layers, 8, BS, dtype, attention_device)
+        cache = KVCache(model.cache_layout, cfg.num_layers, 8, BS, dtype, attention_device, fp8_kv)
         ffn = FFNEngine(cfg, ExpertShard(0, 1, cfg.num_experts), dtype, w_ffn, False,
                         device=ffn_device)  # fmt: skip
         listener = listen(address, FFNServing(ffn.compute, WireLimits.for_model(cfg, 64)),
@@ -133,6 +135,11 @@ def _run(path, attention_device: torch.device, ffn_device: torch.device, a2f: st
 @pytest.mark.parametrize("family", list(REFERENCE_CHECKPOINTS))
 def test_every_family_runs_on_a_device_without_a_host_sync(ckpts, family):
     _run(ckpts[family], DEV, DEV, "fp8")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v32"])
+def test_an_fp8_kv_cache_on_a_device_without_a_host_sync(ckpts, family):
+    _run(ckpts[family], DEV, DEV, "fp8", fp8_kv=True)
 
 
 @pytest.mark.parametrize("pair", ["experts-on-cpu", "attention-on-cpu"])
