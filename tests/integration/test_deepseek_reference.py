@@ -59,8 +59,8 @@ def test_planted_expanded_prefill_without_rotary_keys_is_caught(
     path, ref = ds
     real = mla_kind.MLA.expanded
 
-    def no_rope(self, q_nope, q_pe, pool, p):
-        return real(self, q_nope, torch.zeros_like(q_pe), pool, p)
+    def no_rope(self, q_nope, q_pe, pool, p, *scale):
+        return real(self, q_nope, torch.zeros_like(q_pe), pool, p, *scale)
 
     monkeypatch.setattr(mla_kind.MLA, "expanded", no_rope)
     assert afd_greedy(engine_cfg(path, S=1))[0] != ref

@@ -20,17 +20,18 @@ PROMPTS = [[5, 9, 17, 3, 250], list(range(20, 57)), [7, 7, 7], list(range(100, 1
 NEW = 10
 TORCH_PATH = {"AFD_KERNELS": "torch"}  # native kernels off: the code a GPU executes
 
-# (transport, attention servers, FFN shards, micro-batches)
+# (transport, attention servers, FFN shards, micro-batches); the slow set adds the cases another
+# one covers in the default suite (S = 3 in 1A1F: tcp 1A3F; ipc and grpc 1A2F: their 2A2F)
 CASES = [
     ("tcp", 1, 1, 1),
     ("tcp", 1, 1, 2),
-    ("tcp", 1, 1, 3),
+    pytest.param("tcp", 1, 1, 3, marks=pytest.mark.slow),
     ("tcp", 1, 2, 2),
     ("tcp", 2, 2, 2),
     ("tcp", 1, 3, 3),
-    ("ipc", 1, 2, 2),
+    pytest.param("ipc", 1, 2, 2, marks=pytest.mark.slow),
     ("ipc", 2, 2, 3),
-    ("grpc", 1, 2, 2),
+    pytest.param("grpc", 1, 2, 2, marks=pytest.mark.slow),
     ("grpc", 2, 2, 1),
 ]
 
