@@ -61,9 +61,12 @@ def error_reply(req_or_err: FFNRequest | WireError, code: str, message: str) -> 
 class FFNServing:
     """What an FFN server does with the messages it receives; one per listener."""
 
-    def __init__(self, compute: Compute, limits: WireLimits):
+    def __init__(self, compute: Compute, limits: WireLimits, device: torch.device | None = None):
         self.compute = compute
         self.limits = limits
+        # where `compute` runs, when it is an engine in this process: a caller on the same
+        # device hands serve_local its tensors without a copy to the host (afd/device.py)
+        self.device = device
         # Set on SIGTERM: every message from then on gets a typed `unavailable` reply, so the
         # attention side moves its work to another replica at once.
         self.draining = False

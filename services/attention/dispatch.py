@@ -135,6 +135,11 @@ class FFNDispatcher:
         self._idle_since = 0.0
         self._direct_known = False
 
+    @property
+    def _direct_here(self) -> bool:
+        """Every shard is called in process and computes on this side's device."""
+        return self._direct is not None and all(s.device == self.device for s in self._direct)
+
     def _direct_servings(self) -> list[FFNServing] | None:
         if self.placement is not None:
             return None
@@ -159,9 +164,12 @@ class FFNDispatcher:
         else:
             wire = _WIRE[self.a2f_dtype]
             hidden, scales = (x if x.dtype == wire else x.to(wire)), None
-        if self.device.type != "cpu":
+        if not self._direct_known:
+            self._direct, self._direct_known = self._direct_servings(), True
+        if self.device.type != "cpu" and not self._direct_here:
             # messages hold host tensors (afd/device.py): encoded on the device (FP8 first:
-            # fewer bytes to copy), then one copy each to the host
+            # fewer bytes to copy), then one copy each to the host. In-process shards that
+            # compute on this same device take the device's tensors as they are.
             hidden, ids, weights = to_host(hidden), to_host(ids), to_host(weights)
             scales = None if scales is None else to_host(scales)
         if self._idle_since:
@@ -179,8 +187,6 @@ class FFNDispatcher:
         moe = self.cfg.is_moe(layer)
         if moe:
             self._routed.append((layer, ids))
-        if not self._direct_known:
-            self._direct, self._direct_known = self._direct_servings(), True
         if self._direct is not None:
             parts = self._call_direct(message, moe)
         elif self.placement is not None:
@@ -231,7 +237,9 @@ class FFNDispatcher:
             return
         # numpy on these few small arrays: a third of the time of the same torch ops
         e, load = self.expert_load.shape[1], self.expert_load.view(-1).numpy()
-        flat = np.concatenate([ids.numpy().ravel() + layer * e for layer, ids in self._counted])
+        flat = np.concatenate(
+            [to_host(ids).numpy().ravel() + layer * e for layer, ids in self._counted]
+        )
         load += np.bincount(flat, minlength=load.size)
         self._counted.clear()
 

@@ -15,7 +15,7 @@ import torch
 from afd.blockfp8 import BlockFP8, cat_rows
 from afd.checkpoint import load_weights
 from afd.config import ExpertConfig, ModelConfig
-from afd.device import CPU, place, to_device, to_host
+from afd.device import CPU, place, to_device
 from afd.messages import FFNRequest
 from afd.ops import Linear
 from afd.quant import dequantize_fp8
@@ -97,8 +97,9 @@ class FFNEngine:
         return outputs
 
     def _compute(self, layer: int, group: list[FFNRequest]) -> list[torch.Tensor]:
-        """The requests' host tensors go to this engine's device (wire bytes before the FP8
-        decode: fewer to copy) and the outputs come back to the host (afd/device.py)."""
+        """The requests' tensors go to this engine's device (wire bytes before the FP8 decode:
+        fewer to copy) and the outputs go back where the requests came from: the host for
+        every message, the device itself for an in-process caller on it (afd/device.py)."""
         dev = self.device
         x = (
             torch.cat([self._dequant(r) for r in group])
@@ -118,7 +119,7 @@ class FFNEngine:
         reply_dtype = torch.float32 if group[0].hidden.dtype == torch.float32 else torch.bfloat16
         if out.dtype != reply_dtype:
             out = out.to(reply_dtype)
-        out = to_host(out)
+        out = to_device(out, group[0].hidden.device)
         return [out] if len(group) == 1 else list(out.split([r.num_tokens for r in group]))
 
     def _dequant(self, r: FFNRequest) -> torch.Tensor:

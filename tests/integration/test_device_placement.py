@@ -6,10 +6,11 @@ host scalar aside). An op that meets tensors of two devices (a table built on th
 without `device=`) raises, and so does any value read back to the host inside a layer
 (`.item()`, `.tolist()`, `bool(t)`, `nonzero`, `bincount`): each is a sync that stalls a GPU.
 
-The only host <-> device copies are at the boundary (afd/device.py): the dispatcher's and the
-FFN engine's `to_host`, here a copy without data (zeros: the CPU side computes on them). Each
-pair of devices across the boundary is run: both on the device, attention on the device with
-experts on the CPU (the KTransformers-style split), and the reverse. The numbers a GPU gives are
+The only host <-> device copies are at the boundary (afd/device.py): the dispatcher's `to_host`
+and the FFN engine's `to_device`, a copy to the host here made without data (zeros: the CPU
+side computes on them) and counted. Each pair of devices across the boundary is run: both on
+the device (in one process: no copy to the host at all), attention on the device with experts
+on the CPU (the KTransformers-style split), and the reverse. The numbers a GPU gives are
 checked on one (tests/gpu); the numbers of this same code on the CPU are checked against
 transformers by every reference test on the torch path (AFD_KERNELS=torch) and in float32.
 """
@@ -23,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from afd.checkpoint import load_weights
 from afd.config import ModelConfig
+from afd.device import to_device
 from afd.kernels import paths
 from afd.sharding import ExpertShard
 from afd.transport import FFNServing, connect, listen
@@ -61,9 +63,15 @@ class OneDevicePerOp(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """The boundary's copy to the host; a meta tensor's has no data to copy: zeros."""
-    return torch.zeros_like(t, device=CPU) if t.device.type == "meta" else t
+COPIES_TO_HOST = [0]  # the boundary's device -> host copies in the current run
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The boundary's move; a meta tensor's copy to the host has no data to copy: zeros."""
+    if t.device.type == "meta" and device.type == "cpu":
+        COPIES_TO_HOST[0] += 1
+        return torch.zeros_like(t, device=CPU)
+    return to_device(t, device)
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +102,9 @@ def host_copies(monkeypatch):
     from services.attention import dispatch
     from services.ffn import engine
 
-    monkeypatch.setattr(dispatch, "to_host", _host_copy)
-    monkeypatch.setattr(engine, "to_host", _host_copy)
+    monkeypatch.setattr(dispatch, "to_host", lambda t: _to(t, CPU))
+    monkeypatch.setattr(engine, "to_device", _to)
+    COPIES_TO_HOST[0] = 0
 
 
 def _run(
@@ -112,8 +121,8 @@ def _run(
         cache = KVCache(model.cache_layout, cfg.num_layers, 8, BS, dtype, attention_device, fp8_kv)
         ffn = FFNEngine(cfg, ExpertShard(0, 1, cfg.num_experts), dtype, w_ffn, False,
                         device=ffn_device)  # fmt: skip
-        listener = listen(address, FFNServing(ffn.compute, WireLimits.for_model(cfg, 64)),
-                          inline=True)  # fmt: skip
+        serving = FFNServing(ffn.compute, WireLimits.for_model(cfg, 64), ffn_device)
+        listener = listen(address, serving, inline=True)
         try:
             peer = Peer(connect(address), ExpertShard(0, 1, cfg.num_experts))
             replicas = Replicas(cfg, [peer], 5.0, 0.0)
@@ -135,6 +144,7 @@ def _run(
 @pytest.mark.parametrize("family", list(REFERENCE_CHECKPOINTS))
 def test_every_family_runs_on_a_device_without_a_host_sync(ckpts, family):
     _run(ckpts[family], DEV, DEV, "fp8")
+    assert COPIES_TO_HOST[0] == 0  # one device, one process: the shard takes its tensors as is
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v32"])
@@ -146,6 +156,7 @@ def test_an_fp8_kv_cache_on_a_device_without_a_host_sync(ckpts, family):
 @pytest.mark.parametrize("a2f", ["fp8", "bf16"])
 def test_mixed_devices_meet_only_at_the_dispatcher(ckpts, pair, a2f):
     _run(ckpts["qwen3_moe"], *PAIRS[pair], a2f)
+    assert COPIES_TO_HOST[0] > 0
 
 
 def test_planted_host_table_on_the_device_path_is_caught(ckpts, monkeypatch):
