@@ -99,7 +99,7 @@ class KVCache:
         self.layout = layout
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.fp8 = fp8  # K and V as e4m3 with a float32 scale per token and head (kv_scale)
+        self.fp8 = fp8  # K and V as e4m3 with a float32 scale per token and head (k_scale, v_scale)
         store = FP8 if fp8 else dtype
         # Heads outermost, then whole blocks: gathering a sequence's blocks copies 2-4 KiB rows
         # and yields [kvh, L, D] directly, the layout the attention matmuls read.
