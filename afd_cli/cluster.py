@@ -42,18 +42,36 @@ TRANSPORTS = ("auto", "tcp", "ipc", "grpc", "inproc")
 CORES_PER_PROCESS = 2
 
 
-def topology(transport: str, attention: int, ffn: int, cores: int, elastic: bool = False) -> str:
+def topology(
+    transport: str, attention: int, ffn: int, cores: int, elastic: bool = False,
+    one_gpu: bool = False,
+) -> str:  # fmt: skip
     """The data plane `afd serve` runs. "auto": the FFN shards in their own processes over tcp
     when every compute process (attention and FFN) can have CORES_PER_PROCESS cores; on a
     smaller host (a laptop, a 2-core VM) inside each attention process (inproc), where the
     step's attention and FFN halves would otherwise take turns on cores of their own, one of
-    them idle at any moment. Any other value is kept: a user can always ask for processes. An
-    elastic FFN pool is processes joining and leaving: tcp where auto would say inproc."""
+    them idle at any moment; and inproc where both roles compute on one and the same GPU
+    (`one_gpu`): processes there would each plan the device's memory without the others (the
+    attention server's KV cache takes --gpu-memory-utilization of it), while in one process
+    the shards' weights are loaded before the KV cache is planned, and the shards take the
+    attention side's device tensors with no copy. Any other value is kept: a user can always
+    ask for processes. An elastic FFN pool is processes joining and leaving: tcp where auto
+    would say inproc."""
     if transport != "auto":
         return transport
     if elastic:
         return "tcp"
+    if one_gpu:
+        return "inproc"
     return "tcp" if cores >= CORES_PER_PROCESS * (attention + ffn) else "inproc"
+
+
+def one_gpu(attention_device: str, ffn_device: str) -> bool:
+    """Both roles resolve to the same CUDA device on this host."""
+    from afd.device import resolve
+
+    att, ffn = resolve(attention_device), resolve(ffn_device)
+    return att.type == "cuda" and att == ffn
 
 
 @dataclass(frozen=True)
@@ -138,8 +156,9 @@ class Cluster:
         self.attention_addresses: list[str] = []
         self.ffn_addresses: list[str] = []
         self.transport = topology(
-            cfg.transport, cfg.attention, cfg.ffn, os.cpu_count() or 1, cfg.elastic_ffn
-        )
+            cfg.transport, cfg.attention, cfg.ffn, os.cpu_count() or 1, cfg.elastic_ffn,
+            one_gpu(cfg.attention_device or cfg.device, cfg.ffn_device or cfg.device),
+        )  # fmt: skip
         self.lock = threading.Lock()  # children: the supervisor and the admin endpoint
         self.pool_file: Path | None = None  # the elastic pool's member list
 

@@ -65,7 +65,10 @@ def test_every_compute_command_takes_a_device():
     assert p.parse_args(["generate", "--prompt", "x"]).device == "auto"
 
 
-def test_afd_serve_gives_each_role_its_device():
+def test_afd_serve_gives_each_role_its_device(monkeypatch):
+    from afd_cli import cluster
+
+    monkeypatch.setattr(cluster, "one_gpu", lambda attention, ffn: False)  # as on a GPU host
     cfg = ClusterConfig(ffn=2, transport="tcp", attention_device="cuda", ffn_device="cpu")
     children = {c.name: c.argv for c in Cluster(cfg).plan()}
 
@@ -76,6 +79,12 @@ def test_afd_serve_gives_each_role_its_device():
     assert device(children["ffn-0"]) == device(children["ffn-1"]) == "cpu"
     both = {c.name: c.argv for c in Cluster(ClusterConfig(device="cuda:1")).plan()}
     assert all(device(a) == "cuda:1" for n, a in both.items() if n != "gateway")
+
+
+@NO_CUDA
+def test_afd_serve_refuses_a_gpu_that_is_not_there_before_starting_anything():
+    with pytest.raises(ConfigError, match="--device cuda: no CUDA device"):
+        Cluster(ClusterConfig(attention_device="cuda"))
 
 
 def test_the_kv_pool_takes_what_the_device_has_left():

@@ -102,6 +102,10 @@ def test_auto_topology_disaggregates_only_where_each_process_gets_two_cores():
     assert topology("auto", 1, 1, 4) == "tcp"
     assert topology("auto", 2, 2, 6) == "inproc" and topology("auto", 2, 2, 8) == "tcp"
     assert topology("grpc", 1, 1, 2) == "grpc"  # what a user asks for is kept
+    # both roles on one GPU: one process, whatever the cores (one plan of the device's memory)
+    assert topology("auto", 1, 1, 16, one_gpu=True) == "inproc"
+    assert topology("tcp", 1, 1, 16, one_gpu=True) == "tcp"
+    assert topology("auto", 1, 1, 16, elastic=True, one_gpu=True) == "tcp"
 
 
 def test_serve_in_one_process_hands_hidden_states_over_in_bf16():
