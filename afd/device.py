@@ -63,6 +63,7 @@ class Memory:
 
     total: int
     free: int  # what no process holds (this one's weights are already out of it)
+    ours: int = 0  # what this process's allocator holds on it (its weights, so far)
 
 
 def memory(device: torch.device) -> Memory:
@@ -70,4 +71,4 @@ def memory(device: torch.device) -> Memory:
     if device.type != "cuda":
         raise ConfigError(f"no memory planning for {device}: size the KV cache in GiB")
     free, total = torch.cuda.mem_get_info(device)
-    return Memory(total, free)
+    return Memory(total, free, torch.cuda.memory_reserved(device))

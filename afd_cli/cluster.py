@@ -30,9 +30,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from afd.config import check, check_device
+from afd.config import CacheConfig, check, check_device
 from afd.errors import AfdError
-from afd.flags import EXPERT_FLAGS, served_name
+from afd.flags import EXPERT_FLAGS, field_default, served_name
 from afd_cli.procs import die_with_parent, free_port, pump_lines, signal_group
 
 log = logging.getLogger("afd.serve")
@@ -155,9 +155,11 @@ class Cluster:
         self.port = cfg.port or free_port(cfg.host)
         self.attention_addresses: list[str] = []
         self.ffn_addresses: list[str] = []
+        # where every compute process would share one GPU (afd_cli/cluster.py: topology)
+        self.one_gpu = one_gpu(cfg.attention_device or cfg.device, cfg.ffn_device or cfg.device)
         self.transport = topology(
             cfg.transport, cfg.attention, cfg.ffn, os.cpu_count() or 1, cfg.elastic_ffn,
-            one_gpu(cfg.attention_device or cfg.device, cfg.ffn_device or cfg.device),
+            self.one_gpu,
         )  # fmt: skip
         self.lock = threading.Lock()  # children: the supervisor and the admin endpoint
         self.pool_file: Path | None = None  # the elastic pool's member list
@@ -227,6 +229,11 @@ class Cluster:
             argv = [*py, "attention", *model, *threads, *c.engine_args, "--listen", addr]
             argv += ["--device", c.attention_device or c.device]
             argv += ["--ffn-device", c.ffn_device or c.device]  # its in-process shards' (inproc)
+            if self.one_gpu and c.attention > 1 and "--gpu-memory-utilization" not in c.engine_args:
+                # N attention servers on one GPU: each plans its KV cache from 1/N of the
+                # default share (a share given on the command line is each server's own)
+                share = field_default(CacheConfig, "gpu_memory_utilization") / c.attention
+                argv += ["--gpu-memory-utilization", f"{share:.4f}"]
             if self.transport == "inproc" and "--a2f-dtype" not in c.engine_args:
                 # FP8 exists to cut the bytes on a network; in one process it would only cost
                 # time and precision: hand the hidden states over in bf16, as they are

@@ -119,7 +119,8 @@ class Engine:
         plan = DevicePlan(
             total=mem.total,
             utilization=cc.gpu_memory_utilization,
-            in_use=mem.total - mem.free,
+            ours=mem.ours,
+            free=mem.free,
             activations=activation_bytes(
                 mc, s.max_num_batched_tokens, s.max_num_seqs, self.max_model_len
             ),

@@ -50,18 +50,22 @@ def num_blocks_for(
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """How a device's memory is shared out (bytes): the KV pool gets what is left of
-    utilization x total once what is in use and the activations' reserve are taken."""
+    """How a device's memory is shared out (bytes), as vLLM's --gpu-memory-utilization reads:
+    this process may hold utilization x total; the KV pool gets that less what the process
+    holds already (its weights) and the activations' reserve, and never more than is free (so
+    processes sharing a device, each with its share, fit)."""
 
     total: int
     utilization: float
-    in_use: int  # on the device when the pool is planned: this process's weights, and others'
+    ours: int  # held by this process when the pool is planned (its weights)
+    free: int  # held by no process
     activations: int  # reserve for one step's temporaries at the scheduler's bounds
     block_bytes: int
 
     @property
     def kv_bytes(self) -> int:
-        return int(self.total * self.utilization) - self.in_use - self.activations
+        share = int(self.total * self.utilization) - self.ours
+        return min(share, self.free) - self.activations
 
     @property
     def num_blocks(self) -> int:
@@ -70,8 +74,9 @@ class DevicePlan:
     def describe(self) -> str:
         gib = 1 << 30
         return (
-            f"{self.utilization:.2f} x {self.total / gib:.1f} GiB, less {self.in_use / gib:.2f} "
-            f"GiB in use and {self.activations / gib:.2f} GiB for activations"
+            f"{self.utilization:.2f} x {self.total / gib:.1f} GiB less {self.ours / gib:.2f} GiB "
+            f"of weights (at most the {self.free / gib:.2f} GiB free), less "
+            f"{self.activations / gib:.2f} GiB for activations"
         )
 
 

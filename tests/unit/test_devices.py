@@ -89,11 +89,16 @@ def test_afd_serve_refuses_a_gpu_that_is_not_there_before_starting_anything():
 
 def test_the_kv_pool_takes_what_the_device_has_left():
     gib = 1 << 30
-    plan = DevicePlan(total=80 * gib, utilization=0.9, in_use=20 * gib, activations=2 * gib,
-                      block_bytes=gib // 4)  # fmt: skip
+    plan = DevicePlan(total=80 * gib, utilization=0.9, ours=20 * gib, free=60 * gib,
+                      activations=2 * gib, block_bytes=gib // 4)  # fmt: skip
     assert plan.kv_bytes == 50 * gib and plan.num_blocks == 200
     assert "0.90 x 80.0 GiB" in plan.describe()
-    full = replace(plan, in_use=71 * gib)
+    # a second process on the device with its own share: never more than is free
+    shared = replace(plan, utilization=0.45, ours=10 * gib, free=30 * gib)
+    assert shared.kv_bytes == 26 * gib - 2 * gib
+    crowded = replace(plan, free=10 * gib)
+    assert crowded.kv_bytes == 8 * gib
+    full = replace(plan, ours=71 * gib)
     assert full.kv_bytes < 0 and full.num_blocks == 0
 
 
@@ -115,7 +120,7 @@ def _device_engine(qwen3_dir, monkeypatch, memory: Memory, util=0.9) -> Engine:
 def test_the_engine_plans_its_kv_pool_on_the_device(qwen3_dir, monkeypatch, caplog):
     mib = 1 << 20
     caplog.set_level("INFO", logger="afd.attention")
-    eng = _device_engine(qwen3_dir, monkeypatch, Memory(total=1024 * mib, free=1000 * mib))
+    eng = _device_engine(qwen3_dir, monkeypatch, Memory(1024 * mib, 1000 * mib, 24 * mib))
     assert eng.cache.k[0].device.type == "meta"
     assert eng.blocks.num_blocks > 100
     assert "KV cache on meta" in caplog.text and "GiB for activations" in caplog.text
@@ -124,7 +129,7 @@ def test_the_engine_plans_its_kv_pool_on_the_device(qwen3_dir, monkeypatch, capl
 def test_no_room_for_the_kv_pool_is_a_start_up_error(qwen3_dir, monkeypatch):
     mib = 1 << 20
     with pytest.raises(ConfigError, match="no room for a KV cache.*--gpu-memory-utilization"):
-        _device_engine(qwen3_dir, monkeypatch, Memory(1024 * mib, 100 * mib))
+        _device_engine(qwen3_dir, monkeypatch, Memory(1024 * mib, 20 * mib, 1000 * mib))
 
 
 def test_a_step_out_of_device_memory_fails_its_requests_and_the_engine_goes_on(qwen3_dir):
@@ -222,3 +227,16 @@ def test_the_gpu_bench_runs_its_mfa_layer_here(capsys):
     assert got["shape"]["hidden"] == 7168 and got["batch"] == 2
     paths = {f"{kv}/{p}" for kv in ("bf16", "fp8") for p in ("triton", "torch")}
     assert set(got["layer_us"]) == paths and min(got["layer_us"].values()) > 0
+
+
+def test_attention_servers_sharing_one_gpu_split_its_memory(monkeypatch):
+    from afd_cli import cluster
+
+    monkeypatch.setattr(cluster, "one_gpu", lambda attention, ffn: True)  # as on a 1-GPU host
+    plan = {c.name: c.argv for c in Cluster(ClusterConfig(attention=3)).plan()}
+    argv = plan["attention-0"]
+    assert "inproc://" in argv[argv.index("--ffn") + 1]  # auto: one process per server
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.3000"
+    given = ClusterConfig(attention=2, engine_args=("--gpu-memory-utilization", "0.4"))
+    argv = {c.name: c.argv for c in Cluster(given).plan()}["attention-1"]
+    assert argv.count("--gpu-memory-utilization") == 1  # the user's share is each server's
