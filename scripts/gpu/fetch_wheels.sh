@@ -3,11 +3,12 @@
 # a GPU machine: downloads into .whl/ the wheels afd needs that the GPU machine's image lacks or
 # holds in other versions (its python3 is 3.12 with torch and transformers of its own; nothing
 # can be fetched there). The versions are this checkout's venv's, so the protobuf modules built
-# there match the grpcio they are checked against. Then, with the device tool:
+# there match the grpcio they are checked against, and transformers finds the regex it checks
+# for at import. Then, with the device tool:
 #   run(command="bash scripts/gpu/check.sh", carry=[".whl"], timeout_s=600)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PKGS=(pyzmq grpcio grpcio-tools protobuf transformers fastapi starlette pydantic pydantic-core
+PKGS=(pyzmq grpcio grpcio-tools protobuf transformers regex fastapi starlette pydantic pydantic-core
       annotated-types typing-inspection uvicorn httptools)
 py=${PYTHON:-python3}
 pins=()
