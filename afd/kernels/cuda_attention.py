@@ -11,134 +11,39 @@ Keys before position - window + 1 are skipped (sliding windows). bf16 operands m
 matrix units with float32 sums; float32 operands in full float32 (not tf32).
 
 AFD_CUDA_ATTENTION=torch keeps the torch path on CUDA (for comparison; `afd bench gpu` times
-both). Without Triton, or off CUDA, `usable` is False. With TRITON_INTERPRET=1 the kernels run
-on CPU tensors through Triton's interpreter: how the tests check them without a GPU.
+both). Without Triton, or off CUDA, `usable` is False. The kernels themselves are in
+afd/kernels/triton_attention.py, imported on the first CUDA decode. With TRITON_INTERPRET=1 the
+kernels run on CPU tensors through Triton's interpreter: how the tests check them without a GPU.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from functools import cache
 
 import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU install: nothing here runs
-    triton = None
 
 ENV = "AFD_CUDA_ATTENTION"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the Triton kernel takes this decode (a CUDA device, or the interpreter in tests)."""
-    if triton is None or os.environ.get(ENV, "triton") == "torch":
+    """Whether the Triton kernel takes this decode (a CUDA device, or the interpreter in tests).
+    Asked of every decode on every device: it imports nothing (a CPU process never loads
+    Triton)."""
+    if not (q.is_cuda or _INTERPRET) or os.environ.get(ENV, "triton") == "torch":
         return False
     same = q.dtype == k_cache.dtype or k_cache.dtype == torch.float8_e4m3fn  # FP8: a scaled cache
-    return (q.is_cuda or _INTERPRET) and same and q.dtype in _DOT
+    return same and q.dtype in _DOT and _have_triton()
 
 
 _DOT = {torch.bfloat16, torch.float16, torch.float32}
-
-
-if triton is not None:
-
-    @triton.jit
-    def _partial(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr,
-        acc_ptr, m_ptr, l_ptr,
-        scale, window, group, nh, n_split,
-        sq_t, sq_h, sk_h, sk_b, sk_t, sv_h, sv_b, sv_t, ss_h, ss_b, s_table,
-        D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-    ):  # fmt: skip
-        b = tl.program_id(0)
-        kh = tl.program_id(1) // tl.cdiv(group, BLOCK_H)
-        h0 = (tl.program_id(1) % tl.cdiv(group, BLOCK_H)) * BLOCK_H
-        split = tl.program_id(2)
-        hs = h0 + tl.arange(0, BLOCK_H)  # heads within the group
-        h_ok = hs < group
-        heads = kh * group + hs
-        d = tl.arange(0, BLOCK_D)
-        dv = tl.arange(0, BLOCK_DV)
-        q = tl.load(
-            q_ptr + b * sq_t + heads[:, None] * sq_h + d[None, :],
-            mask=h_ok[:, None] & (d[None, :] < D), other=0.0,
-        )  # fmt: skip
-        L = tl.load(lens_ptr + b)
-        # the first key the row sees (one expression: compiled branches must agree in type)
-        first = tl.where(window > 0, tl.maximum(L - window, 0), 0)
-        span = tl.cdiv(tl.cdiv(L - first, n_split), BLOCK_N) * BLOCK_N
-        start = first + split * span
-        stop = tl.minimum(start + span, L)
-        m = tl.full([BLOCK_H], -1e30, tl.float32)
-        lsum = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-        for t0 in range(start, stop, BLOCK_N):
-            t = t0 + tl.arange(0, BLOCK_N)
-            t_ok = t < stop
-            blk = tl.load(table_ptr + b * s_table + t // BS, mask=t_ok, other=0)
-            row = blk.to(tl.int64) * sk_b + (t % BS) * sk_t + kh * sk_h
-            k = tl.load(k_ptr + row[:, None] + d[None, :],
-                        mask=t_ok[:, None] & (d[None, :] < D), other=0.0)  # fmt: skip
-            if FP8:  # e4m3 times its row's scale, as q's dtype (the torch path's rounding)
-                srow = blk.to(tl.int64) * ss_b + (t % BS) + kh * ss_h
-                ks = tl.load(ks_ptr + srow, mask=t_ok, other=0.0)
-                k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
-            if IEEE:  # float32 operands: full precision, not the matrix units' tf32
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(t_ok[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            lsum = lsum * alpha + tl.sum(p, axis=1)
-            vrow = blk.to(tl.int64) * sv_b + (t % BS) * sv_t + kh * sv_h
-            v = tl.load(v_ptr + vrow[:, None] + dv[None, :],
-                        mask=t_ok[:, None] & (dv[None, :] < DV), other=0.0)  # fmt: skip
-            if FP8:
-                vs = tl.load(vs_ptr + srow, mask=t_ok, other=0.0)
-                v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-                acc = acc * alpha[:, None] + pv
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        idx = (b.to(tl.int64) * nh + heads) * n_split + split  # [BLOCK_H]: (row, head, split)
-        tl.store(m_ptr + idx, m, mask=h_ok)
-        tl.store(l_ptr + idx, lsum, mask=h_ok)
-        tl.store(acc_ptr + idx[:, None] * DV + dv[None, :], acc,
-                 mask=h_ok[:, None] & (dv[None, :] < DV))  # fmt: skip
-
-    @triton.jit
-    def _merge(
-        acc_ptr, m_ptr, l_ptr, sinks_ptr, out_ptr, n_split, nh, so_t,
-        DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, SINKS: tl.constexpr,
-    ):  # fmt: skip
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        sp = tl.arange(0, BLOCK_S)
-        dv = tl.arange(0, BLOCK_DV)
-        base = (b.to(tl.int64) * nh + h) * n_split
-        ok = sp < n_split
-        ms = tl.load(m_ptr + base + sp, mask=ok, other=-1e30)
-        ls = tl.load(l_ptr + base + sp, mask=ok, other=0.0)
-        top = tl.max(ms, axis=0)
-        if SINKS:
-            sink = tl.load(sinks_ptr + h).to(tl.float32)
-            top = tl.maximum(top, sink)
-        w = tl.exp(ms - top)
-        denom = tl.sum(ls * w, axis=0)
-        if SINKS:
-            denom += tl.exp(sink - top)
-        acc = tl.load(acc_ptr + (base + sp)[:, None] * DV + dv[None, :],
-                      mask=ok[:, None] & (dv[None, :] < DV), other=0.0)  # fmt: skip
-        o = tl.sum(acc * w[:, None], axis=0) / denom
-        tl.store(out_ptr + b * so_t + h * DV + dv, o.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
 def _pow2(n: int) -> int:
@@ -177,7 +82,8 @@ def decode_attention(
     k_scale: torch.Tensor | None = None,  # [kvh, NB, bs] float32 where the cache is FP8
     v_scale: torch.Tensor | None = None,  # the same layout (K's own where V lives in K)
 ) -> torch.Tensor:  # [B, nh * Dv]
-    assert triton is not None
+    from afd.kernels import triton_attention as kernels
+
     B, nh, D = q.shape
     kvh, _, bs, _ = k_cache.shape
     Dv = v_cache.shape[-1]
@@ -189,14 +95,14 @@ def decode_attention(
     consts = partial_constexprs(D, Dv, bs, group, q.dtype, fp8)
     ks = k_scale if fp8 else lens  # any pointer: an unused argument
     vs = v_scale if fp8 else lens
-    tiles = kvh * triton.cdiv(group, consts["BLOCK_H"])
+    tiles = kvh * -(-group // consts["BLOCK_H"])
     if not splits:  # about four programs per multiprocessor, from the longest context's tiles
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         splits = max(1, min(64, (4 * sms) // max(1, B * tiles)))
     acc = torch.empty(B * nh * splits, Dv, dtype=torch.float32, device=q.device)
     m = torch.empty(B * nh * splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
-    _partial[(B, tiles, splits)](
+    kernels.partial[(B, tiles, splits)](
         q, k_cache, v_cache, ks, vs, table, lens, acc, m, lsum,
         scale, window, group, nh, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -204,7 +110,7 @@ def decode_attention(
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, table.stride(0), **consts,
     )  # fmt: skip
     out = torch.empty(B, nh * Dv, dtype=q.dtype, device=q.device)
-    _merge[(B, nh)](
+    kernels.merge[(B, nh)](
         acc, m, lsum, sinks if sinks is not None else m, out, splits, nh, out.stride(0),
         **merge_constexprs(Dv, splits, sinks is not None),
     )  # fmt: skip

@@ -57,6 +57,7 @@ def test_the_kernels_compile_for_the_h200(D, Dv, group, dtype, fp8):
     from triton.compiler import ASTSource
 
     from afd.kernels import cuda_attention as ca
+    from afd.kernels import triton_attention as tk
 
     target = GPUTarget("cuda", 90, 32)
     el = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
@@ -64,10 +65,10 @@ def test_the_kernels_compile_for_the_h200(D, Dv, group, dtype, fp8):
     kv = "*fp8e4nv" if fp8 else f"*{el}"
     types = [f"*{el}", kv, kv, "*fp32", "*fp32", "*i64", "*i64"] + ["*fp32"] * 3 + ["fp32"]
     types += ["i32"] * 4 + ["i64"] * 11
-    sig = dict(zip(ca._partial.arg_names, [*types, *["constexpr"] * len(consts)], strict=True))
-    kernel = triton.compile(ASTSource(ca._partial, sig, consts), target=target)
+    sig = dict(zip(tk.partial.arg_names, [*types, *["constexpr"] * len(consts)], strict=True))
+    kernel = triton.compile(ASTSource(tk.partial, sig, consts), target=target)
     assert kernel.metadata.shared <= 227 * 1024  # an H200 multiprocessor's shared memory
     merge = ca.merge_constexprs(Dv, 64, True)
     types = ["*fp32"] * 4 + [f"*{el}", "i32", "i32", "i64"]
-    sig = dict(zip(ca._merge.arg_names, [*types, *["constexpr"] * len(merge)], strict=True))
-    triton.compile(ASTSource(ca._merge, sig, merge), target=target)
+    sig = dict(zip(tk.merge.arg_names, [*types, *["constexpr"] * len(merge)], strict=True))
+    triton.compile(ASTSource(tk.merge, sig, merge), target=target)
