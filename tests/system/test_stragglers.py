@@ -27,6 +27,9 @@ def model(tmp_path_factory):
     )
 
 
+# In the slow set: on a loaded 2-core box the healthy shard's round trips stretch too, and it was
+# flagged beside the slow one in 2 of 6 clean-clone runs on 2026-12-02 (it passes alone).
+@pytest.mark.slow
 def test_the_slow_ffn_shard_is_flagged_with_ffn_compute_named(model, tmp_path):
     procs = Procs(tmp_path)
     ffn = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
