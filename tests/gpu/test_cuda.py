@@ -22,9 +22,8 @@ from tests.helpers.checkpoints import (
     DENSE_REFERENCES,
     REFERENCE_CHECKPOINTS,
     TRANSFORMERS_REFERENCED,
-    hf_greedy,
-    hf_model,
 )
+from tests.integration import test_engine_reference as _engine_reference
 from tests.integration.test_engine_reference import (
     BF16_GAP,
     NEW,
@@ -36,21 +35,12 @@ from tests.integration.test_engine_reference import (
 )
 
 DEV = os.environ.get("AFD_GPU_TESTS_DEVICE", "cuda")
+# the float32 transformers references on the CPU, the fixture the CPU tests use
+refs = _engine_reference.refs
 pytestmark = pytest.mark.skipif(
     DEV.startswith("cuda") and not torch.cuda.is_available(),
     reason="no CUDA device is visible: tests/gpu runs on a GPU machine (scripts/gpu/check.sh)",
 )
-
-
-@pytest.fixture(scope="module")
-def refs(tmp_path_factory):
-    """model_type -> (checkpoint, float32 transformers model on the CPU, its greedy tokens)."""
-    out = {}
-    for model_type in TRANSFORMERS_REFERENCED:
-        path = REFERENCE_CHECKPOINTS[model_type](tmp_path_factory.mktemp(model_type) / "ckpt")
-        m = hf_model(path, torch.float32)
-        out[model_type] = (path, m, hf_greedy(m, PROMPTS, NEW))
-    return out
 
 
 @pytest.mark.parametrize("family", TRANSFORMERS_REFERENCED)
