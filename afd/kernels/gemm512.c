@@ -7,10 +7,12 @@
  * (the attribute below), and afd/kernels/gemm.py calls them only where afd_cpu_avx512bf16()
  * says the CPU and the OS support them: one build, the instruction set chosen at run time.
  *
- * The weight stays row-major, as the checkpoint has it: with 4 rows read side by side, each step
- * of the loop loads 4 whole 64-byte lines, and streams as fast as a re-laid-out copy did
- * (measured); so the same tensor also serves oneDNN's matmul where afd/ops.py hands it the
- * larger batches, and no second copy is kept.
+ * The weight stays row-major, as the checkpoint has it, so the same tensor also serves oneDNN's
+ * matmul where afd/ops.py hands it the larger batches, and no second copy is kept. A few rows of
+ * x (decode) read it one weight row at a time, front to back: on AMD Zen 4 a thread reading
+ * four rows side by side (four streams) got about 0.6x the bandwidth of one stream, which is
+ * what a re-laid-out copy would read (measured; Intel's cores read both alike). More rows of x
+ * take four weight rows side by side: a quarter of the loads of x per product.
  *
  * Each output is one dot product in 16 lanes (each lane sums pairs 32s + 2l, 32s + 2l + 1 over
  * s), then the same reduction of the lanes whatever the number of rows of x: a row's result is
@@ -135,6 +137,63 @@ static AVX512BF16 void one_row(const uint16_t *x, const uint16_t *w, uint16_t *y
   }
 }
 
+/* R rows of x from row m (R <= 6, a constant where inlined) against one weight row n (at w),
+ * read front to back: one stream of weights per thread. Each output accumulates exactly as in
+ * group_rows (one accumulator, the same steps, the same reduction), so the two give the same
+ * bits. */
+static inline __attribute__((always_inline)) AVX512BF16 void stream_rows(
+    const uint16_t *x, const uint16_t *w, uint16_t *y, int R, int m, int N, int K, int n) {
+  __m512 a[6];
+  for (int i = 0; i < R; i++) a[i] = _mm512_setzero_ps();
+  const int S = K / 32, tail = K % 32;
+  for (int s = 0; s < S; s++) {
+    __m512bh v = ld32(w + 32 * s);
+    for (int i = 0; i < R; i++)
+      a[i] = _mm512_dpbf16_ps(a[i], ld32(x + (size_t)(m + i) * K + 32 * s), v);
+  }
+  if (tail) {
+    const __mmask32 mk = (__mmask32)((1ull << tail) - 1);
+    __m512bh v = ld_tail(w + 32 * S, mk);
+    for (int i = 0; i < R; i++)
+      a[i] = _mm512_dpbf16_ps(a[i], ld_tail(x + (size_t)(m + i) * K + 32 * S, mk), v);
+  }
+  const __m512 z = _mm512_setzero_ps();
+  for (int i = 0; i < R; i += 4) {
+    float s[4];
+    _mm_storeu_ps(s, sum4(a[i], i + 1 < R ? a[i + 1] : z, i + 2 < R ? a[i + 2] : z,
+                          i + 3 < R ? a[i + 3] : z));
+    for (int j = 0; j < 4 && i + j < R; j++) y[(size_t)(m + i + j) * N + n] = to_bf16(s[j]);
+  }
+}
+
+/* Rows m0..m1 of x (at most STREAM_MAX_M) against weight rows n0..n1, one weight row at a
+ * time. */
+static AVX512BF16 void stream_chunks(const uint16_t *x, const uint16_t *w, uint16_t *y, int m0,
+                                     int m1, int N, int K, int n0, int n1) {
+  for (int n = n0; n < n1; n++) {
+    const uint16_t *wn = w + (size_t)n * K;
+    for (int m = m0; m < m1;) {
+      int r = m1 - m < 6 ? m1 - m : 6;
+      switch (r) {
+        case 1: stream_rows(x, wn, y, 1, m, N, K, n); break;
+        case 2: stream_rows(x, wn, y, 2, m, N, K, n); break;
+        case 3: stream_rows(x, wn, y, 3, m, N, K, n); break;
+        case 4: stream_rows(x, wn, y, 4, m, N, K, n); break;
+        case 5: stream_rows(x, wn, y, 5, m, N, K, n); break;
+        default: stream_rows(x, wn, y, 6, m, N, K, n); break;
+      }
+      m += r;
+    }
+  }
+}
+
+/* Up to this many rows of x (measured crossover on Zen 4: 4 rows 0.88x, 8 rows 1.04x of the
+ * side-by-side time), the weights are read one row at a time (stream_chunks), above it
+ * four rows side by side (group_chunks: a quarter of the loads of x per product, for the batches
+ * where the multiplies, not the reads, take the time). On AMD Zen 4 four streams at once read
+ * DRAM at about 0.6x the rate of one (measured: docs/benchmarks.md). */
+#define STREAM_MAX_M 6
+
 /* How many rows of x one pass over a thread's weight rows takes: a block of x (~128 KiB at
  * K = 1024) stays in L2 while the weights stream past it once per block. */
 #define M_BLOCK 64
@@ -142,6 +201,10 @@ static AVX512BF16 void one_row(const uint16_t *x, const uint16_t *w, uint16_t *y
 /* Rows n0..n1 of packed512 W (n0 a multiple of 4) against all M rows of x (bf16 [M, K]). */
 AVX512BF16 void afd_rows512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N,
                             int K, int n0, int n1) {
+  if (M <= STREAM_MAX_M) {
+    stream_chunks(x, w, y, 0, M, N, K, n0, n1);
+    return;
+  }
   for (int mb = 0; mb < M; mb += M_BLOCK) {
     int me = mb + M_BLOCK < M ? mb + M_BLOCK : M;
     int n = n0;

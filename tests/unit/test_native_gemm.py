@@ -70,6 +70,23 @@ def test_a_rows_result_does_not_depend_on_the_batch_it_is_in(native_path, thread
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 9, 12, 13, 33, 70])
+def test_every_batch_size_adds_a_rows_products_in_k_order(native_path, m):
+    """The path a batch takes depends on its rows (one weight row at a time for a few rows of
+    x, groups of four weight rows for more, fp32 tiles), and every path adds a lane's products
+    in the order of k: 2^24 + 1 - 2^24 is 0 in fp32 that way and 1 the other way round."""
+    isa = native_path.matmul
+    k = 96
+    w = torch.zeros(8, k)
+    x = torch.zeros(m, k)
+    x[:, 0], w[0, 0] = 2.0**12, 2.0**12
+    x[:, 32], w[0, 32] = 1.0, 1.0
+    x[:, 64], w[0, 64] = 2.0**12, -(2.0**12)
+    w[1:] = torch.randn(7, k)
+    y = gemm.bf16_linear(x.to(torch.bfloat16), laid_out(w.to(torch.bfloat16), isa), isa)
+    assert torch.equal(y[:, 0].float(), torch.zeros(m))
+
+
 def test_leading_dims_and_non_contiguous_input(native_path):
     isa = native_path.matmul
     w = torch.randn(64, 32).to(torch.bfloat16)
