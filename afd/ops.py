@@ -114,7 +114,11 @@ class Linear:
     def _fp8_kernel(self, x: torch.Tensor):
         """How a dequantized run of rows is multiplied: as this path multiplies a dense W."""
         isa = self._run_isa
-        if isa is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return F.linear
+        if self.matmul == "onednn":  # as the dense weight: F.linear takes other kernels for
+            return _onednn_linear  # small shapes on some CPUs (one bf16 ulp apart on Zen 4)
+        if isa is None:
             return F.linear
         if isa == "avx512bf16" and x.numel() // self.in_features >= paths.onednn_from_rows(
             torch.get_num_threads()
@@ -123,6 +127,12 @@ class Linear:
         if isa == "avx2":
             return lambda x, w: gemm.bf16_linear(x, gemm.pack(w), isa)
         return lambda x, w: gemm.bf16_linear(x, w, isa)
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T by oneDNN's matmul on w re-laid out for it: what Linear's onednn path runs."""
+    w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
 def swiglu(x: torch.Tensor, w13: Linear, w2: Linear) -> torch.Tensor:
