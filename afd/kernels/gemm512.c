@@ -10,9 +10,10 @@
  * The weight stays row-major, as the checkpoint has it, so the same tensor also serves oneDNN's
  * matmul where afd/ops.py hands it the larger batches, and no second copy is kept. A few rows of
  * x (decode) read it one weight row at a time, front to back: on AMD Zen 4 a thread reading
- * four rows side by side (four streams) got about 0.6x the bandwidth of one stream, which is
- * what a re-laid-out copy would read (measured; Intel's cores read both alike). More rows of x
- * take four weight rows side by side: a quarter of the loads of x per product.
+ * four rows side by side (four streams) got about 0.6x the bandwidth of one stream or of a
+ * re-laid-out copy read in order (measured; on an Intel Xeon the four-row read had matched the
+ * re-laid-out copy). More rows of x take four weight rows side by side: a quarter of the loads
+ * of x per product.
  *
  * Each output is one dot product in 16 lanes (each lane sums pairs 32s + 2l, 32s + 2l + 1 over
  * s), then the same reduction of the lanes whatever the number of rows of x: a row's result is
