@@ -79,7 +79,7 @@ class Linear:
             paths.onednn_from_rows(threads) if matmul == "avx512bf16" else paths.NEVER
         )
         if matmul == "onednn":
-            self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+            self.w = _onednn_layout(w)
         elif matmul == "avx2":
             self.w = gemm.pack(w)
         else:
@@ -105,7 +105,7 @@ class Linear:
         if self.fp8 is not None:
             return self.fp8.linear(x, self._fp8_kernel(x))
         if self.matmul == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [], "")
+            return _onednn_matmul(x, self.w)
         cpu_bf16 = x.dtype == torch.bfloat16 and x.device.type == "cpu"
         if cpu_bf16 and self.ours(x.numel() // self.in_features):
             return gemm.bf16_linear(x, self.w, self.isa)
@@ -117,7 +117,8 @@ class Linear:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu":
             return F.linear
         if self.matmul == "onednn":  # as the dense weight: F.linear takes other kernels for
-            return _onednn_linear  # small shapes on some CPUs (one bf16 ulp apart on Zen 4)
+            # small shapes on some CPUs (one bf16 ulp apart on Zen 4)
+            return lambda x, w: _onednn_matmul(x, _onednn_layout(w))
         if isa is None:
             return F.linear
         if isa == "avx512bf16" and x.numel() // self.in_features >= paths.onednn_from_rows(
@@ -129,9 +130,13 @@ class Linear:
         return lambda x, w: gemm.bf16_linear(x, w, isa)
 
 
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T by oneDNN's matmul on w re-laid out for it: what Linear's onednn path runs."""
-    w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+def _onednn_layout(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] re-laid out for oneDNN's matmul (the onednn path's weight)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+
+
+def _onednn_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ W.T by oneDNN's matmul, w = _onednn_layout(W)."""
     return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
