@@ -153,6 +153,7 @@ def test_compose_cluster_on_the_demo_model_answers_a_chat(tmp_path):
     assert any("afd_" in text for text in out["scraped"].values())
 
 
+@pytest.mark.slow  # the same compose file as the demo case; only the model's source differs
 def test_compose_cluster_on_a_mounted_model_dir(tmp_path):
     models = tmp_path / "host-models"
     write_step3_checkpoint(models / "tiny-step3", TINY_CONFIG, seed=0, init_std=0.2)
