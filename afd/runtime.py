@@ -7,8 +7,13 @@ import ctypes.util
 import functools
 import gc
 import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 log = logging.getLogger("afd.runtime")
+
+T = TypeVar("T")
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -65,3 +70,31 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def on_own_thread(fn: Callable[..., T], *args, **kwargs) -> T:
+    """fn(*args, **kwargs) on a thread that ends when it returns: for building what a service
+    then computes with on another thread (an engine, its weights laid out, its kernels
+    measured), so that the OpenMP workers the build used go with it.
+
+    libgomp gives every thread that starts a parallel region a pool of workers, kept until that
+    thread ends. With more workers than cores (the loading thread's pool beside the compute
+    thread's), libgomp caps spinning at its barriers and its workers sleep instead: a decode
+    step, dozens of short parallel regions, then waits on a wake-up at each one (a batch-1
+    engine on its own thread, beside a main thread that had run a parallel matmul: 0.80-0.82x the
+    tokens per second, docs/benchmarks.md). fn's exception, if any, is raised here."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
+            out.append((False, e))
+
+    t = threading.Thread(target=run, name=f"build:{getattr(fn, '__name__', 'fn')}", daemon=True)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value

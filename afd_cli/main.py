@@ -27,13 +27,15 @@ def _run_ffn(args: argparse.Namespace) -> int:
 
 
 def _run_attention(args: argparse.Namespace) -> int:
+    from afd.runtime import on_own_thread
     from afd_cli.local import serve_ffn_inproc, serves_ffn_inproc
     from services.attention.flags import config
     from services.attention.server import serve
 
     cfg = config(args)
     # `afd serve --transport inproc`: this process serves the expert shards itself
-    ffn = serve_ffn_inproc(cfg.engine) if serves_ffn_inproc(cfg.engine) else []
+    inproc = serves_ffn_inproc(cfg.engine)
+    ffn = on_own_thread(serve_ffn_inproc, cfg.engine) if inproc else []
     try:
         return serve(cfg)
     finally:

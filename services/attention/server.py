@@ -34,7 +34,7 @@ from afd.control import (
 )
 from afd.errors import ErrorCode, RequestError, TransportError
 from afd.expert_load import ExpertLoadCollector
-from afd.runtime import freeze_startup_heap
+from afd.runtime import freeze_startup_heap, on_own_thread
 from afd.security import add_port
 from afd.sidecar import SidePortConfig
 from services.attention.engine import Engine
@@ -200,7 +200,7 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
 
 
 async def _serve(cfg: AttentionServerConfig) -> None:
-    engine = Engine(cfg.engine)
+    engine = on_own_thread(Engine, cfg.engine)  # the engine thread's OpenMP pool the only one
     metrics.register("attention")
     moe = [i for i in range(cfg.engine.model.num_layers) if cfg.engine.model.is_moe(i)]
     REGISTRY.register(ExpertLoadCollector(lambda: engine.expert_load, moe))

@@ -27,7 +27,7 @@ from afd.config import COMPUTE_DTYPES, ExpertConfig, ModelConfig, check, check_d
 from afd.device import resolve as resolve_device
 from afd.dtypes import compute_dtype
 from afd.errors import ConfigError
-from afd.runtime import freeze_startup_heap
+from afd.runtime import freeze_startup_heap, on_own_thread
 from afd.security import Security
 from afd.sharding import ExpertShard
 from afd.sidecar import SidePortConfig
@@ -90,7 +90,8 @@ def serve(cfg: FFNServerConfig) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     metrics.register("ffn")
-    engine = FFNEngine(
+    engine = on_own_thread(  # the serving thread's OpenMP pool the only one
+        FFNEngine,
         cfg.model,
         cfg.shard,
         compute_dtype(cfg.dtype),
