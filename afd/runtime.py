@@ -80,9 +80,9 @@ def on_own_thread(fn: Callable[..., T], *args, **kwargs) -> T:
     libgomp gives every thread that starts a parallel region a pool of workers, kept until that
     thread ends. With more workers than cores (the loading thread's pool beside the compute
     thread's), libgomp caps spinning at its barriers and its workers sleep instead: a decode
-    step, dozens of short parallel regions, then waits on a wake-up at each one (a batch-1
-    engine on its own thread, beside a main thread that had run a parallel matmul: 0.80-0.82x the
-    tokens per second, docs/benchmarks.md). fn's exception, if any, is raised here."""
+    step, dozens of short parallel regions, then waits on a wake-up at each one (measured in
+    docs/benchmarks.md, "One OpenMP pool per process"). fn's exception, if any, is raised
+    here."""
     out: list = []
 
     def run() -> None:
