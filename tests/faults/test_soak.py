@@ -100,29 +100,31 @@ def test_soak_with_ffn_restarts(tmp_path, seconds):
 
         with ThreadPoolExecutor(CLIENTS) as ex:
             futs = [ex.submit(client, i) for i in range(CLIENTS)]
-            time.sleep(seconds * 0.25)
-            before = {n: (open_fds(p), rss_mb(p)) for n, p in pids.items()}  # warmed up
-            time.sleep(seconds * 0.05)
-            outage[0] = time.monotonic() - t_zero
-            cluster.kill("ffn1")  # the shard without a spare: its requests pause
-            time.sleep(1.0)
-            cluster.restart("ffn1")
-            cluster.wait_ready(30, servers=2)
-            outage[1] = time.monotonic() - t_zero  # every expert covered again
-            time.sleep(max(0.0, t_zero + seconds * 0.5 - time.monotonic()))
-            cluster.kill("ffn0a")  # a replica: failover, nothing lost
-            time.sleep(1.0)
-            cluster.restart("ffn0a")
-            # A slow box may take most of the run to bring ffn1 back: the clients go on for a
-            # quarter of the run after the outage, so requests started after it are measured.
-            time.sleep(
-                max(
-                    0.0,
-                    stop_at - time.monotonic(),
-                    t_zero + outage[1] + seconds * 0.25 - time.monotonic(),
+            try:
+                time.sleep(seconds * 0.25)
+                before = {n: (open_fds(p), rss_mb(p)) for n, p in pids.items()}  # warmed up
+                time.sleep(seconds * 0.05)
+                outage[0] = time.monotonic() - t_zero
+                cluster.kill("ffn1")  # the shard without a spare: its requests pause
+                time.sleep(1.0)
+                cluster.restart("ffn1")
+                cluster.wait_ready(30, servers=2)
+                outage[1] = time.monotonic() - t_zero  # every expert covered again
+                time.sleep(max(0.0, t_zero + seconds * 0.5 - time.monotonic()))
+                cluster.kill("ffn0a")  # a replica: failover, nothing lost
+                time.sleep(1.0)
+                cluster.restart("ffn0a")
+                # A slow box may take most of the run to bring ffn1 back: the clients go on for a
+                # quarter of the run after the outage, so requests started after it are measured.
+                time.sleep(
+                    max(
+                        0.0,
+                        stop_at - time.monotonic(),
+                        t_zero + outage[1] + seconds * 0.25 - time.monotonic(),
+                    )
                 )
-            )
-            done.set()
+            finally:  # the clients stop even where a step above fails: else the pool waits on them
+                done.set()
             for f in futs:
                 f.result()
         ran = time.monotonic() - t_zero

@@ -129,31 +129,33 @@ def test_soak_on_afd_serve_with_every_kind_of_restart(tmp_path, seconds, clients
 
         with ThreadPoolExecutor(clients) as ex:
             futs = [ex.submit(client, i) for i in range(clients)]
-            at(0.15)
-            os.kill(att[0], signal.SIGKILL)  # its streams end with a typed error
-            at(0.35)  # restarted and taken back by the gateway by now
-            before = {n: (open_fds(p), rss_mb(p)) for n, p in steady.items()}
-            at(0.4)
-            os.kill(ffn[0], signal.SIGKILL)  # its streams pause until the restart is back
-            at(0.6)
-            os.kill(ffn[1], signal.SIGSTOP)  # hung: the heartbeats mark it down; a pause
-            time.sleep(3.0)
-            os.kill(ffn[1], signal.SIGCONT)
-            at(0.8)
-            gateway = children_of(parent, "gateway")[0]
-            window[0] = time.monotonic()
-            os.kill(gateway, signal.SIGTERM)  # drains, exits 0, and is started again
-            deadline = time.monotonic() + 120
-            while children_of(parent, "gateway") in ([], [gateway]):
-                assert time.monotonic() < deadline, "the gateway was not restarted"
-                time.sleep(0.1)
-            while stream(base, 4).kind != "ok":  # back, and the whole path with it
-                assert time.monotonic() < deadline, "the cluster did not answer again"
-                time.sleep(0.2)
-            last_fault_over[0] = window[1] = time.monotonic()
-            at(1.0)
-            time.sleep(max(0.0, last_fault_over[0] + seconds * 0.1 - time.monotonic()))
-            done.set()
+            try:
+                at(0.15)
+                os.kill(att[0], signal.SIGKILL)  # its streams end with a typed error
+                at(0.35)  # restarted and taken back by the gateway by now
+                before = {n: (open_fds(p), rss_mb(p)) for n, p in steady.items()}
+                at(0.4)
+                os.kill(ffn[0], signal.SIGKILL)  # its streams pause until the restart is back
+                at(0.6)
+                os.kill(ffn[1], signal.SIGSTOP)  # hung: the heartbeats mark it down; a pause
+                time.sleep(3.0)
+                os.kill(ffn[1], signal.SIGCONT)
+                at(0.8)
+                gateway = children_of(parent, "gateway")[0]
+                window[0] = time.monotonic()
+                os.kill(gateway, signal.SIGTERM)  # drains, exits 0, and is started again
+                deadline = time.monotonic() + 120
+                while children_of(parent, "gateway") in ([], [gateway]):
+                    assert time.monotonic() < deadline, "the gateway was not restarted"
+                    time.sleep(0.1)
+                while stream(base, 4).kind != "ok":  # back, and the whole path with it
+                    assert time.monotonic() < deadline, "the cluster did not answer again"
+                    time.sleep(0.2)
+                last_fault_over[0] = window[1] = time.monotonic()
+                at(1.0)
+                time.sleep(max(0.0, last_fault_over[0] + seconds * 0.1 - time.monotonic()))
+            finally:  # the clients stop even where a step above fails: else the pool waits on them
+                done.set()
             for f in futs:
                 f.result()
         ran = time.monotonic() - t0
