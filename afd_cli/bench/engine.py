@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> dict:
                 row["runs"] = {name: [round(v, 1) for v in r] for name, r in runs.items()}
             results.append(row)
             print(json.dumps(row), flush=True)
-            if batch == 1:  # where the batch-1 step goes, beside the bound below
+            if batch == 1 and args.new_tokens > 1:  # where the step goes, beside the bound
                 fn, p = _afd_fn(engines[kernels[0]], kernels[0]), prompts
                 breakdown = step_breakdown(lambda n, fn=fn, p=p: fn(p, n), args.new_tokens)
     step_bytes, bandwidth = _step_bytes(), _read_bandwidth(args.threads)
