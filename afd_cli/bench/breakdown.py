@@ -3,7 +3,7 @@
 `afd bench engine` reports it for batch 1 next to the memory bound, so that the distance to the
 bound can be split into what the kernels take and what the step spends around them. The calls
 are timed by wrapping, for the length of one measurement, the methods that make them; the
-wrapping itself costs about a microsecond a call, a few hundredths of a millisecond a step.
+wrappers' own time lands in the rest.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+
+KERNELS = ("fused_experts", "fused_decode_layers", "matmuls")  # the timed calls' keys
 
 
 @contextmanager
@@ -66,9 +68,6 @@ def step_breakdown(
             generate(n)
         runs.append(totals)
     one, many = runs
-    per_step = {k: (many[k] - one[k]) / (new - 1) * 1e3 for k in ("step", *_KERNELS)}
-    per_step["rest"] = per_step["step"] - sum(per_step[k] for k in _KERNELS)
+    per_step = {k: (many[k] - one[k]) / (new - 1) * 1e3 for k in ("step", *KERNELS)}
+    per_step["rest"] = per_step["step"] - sum(per_step[k] for k in KERNELS)
     return {k: round(v, 3) for k, v in per_step.items()}
-
-
-_KERNELS = ("fused_experts", "fused_decode_layers", "matmuls")
