@@ -56,6 +56,7 @@ def _kernels() -> list[Extension]:
                     "attention",
                     "norm_rope",
                     "decode_layer",
+                    "decode_stack",
                     "fp8",
                     "indexer",
                     "mxfp4",

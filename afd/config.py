@@ -339,6 +339,9 @@ class EngineConfig:
     # S micro-batches in flight per step (1: serial). S >= 2 overlaps attention and FFN, which
     # pays when the FFN side is compute-bound (large batches).
     micro_batches: int = 1
+    # A decode step's layers in one native call where attention and the one expert shard share
+    # this process (services/attention/stack.py); False: the layer loop (the same bits).
+    decode_stack: bool = True
     a2f_dtype: str = "fp8"  # hidden states on the wire attention -> FFN: fp8 | bf16 | fp32
     # The i-th entry serves expert shard i; "a|b" names replicas of one shard (failover).
     ffn_addresses: tuple[str, ...] = ("inproc://ffn0",)

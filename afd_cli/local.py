@@ -46,7 +46,7 @@ def serve_ffn_inproc(cfg: EngineConfig, progress: bool = True) -> list[Listener]
                 experts=cfg.experts, device=device,
             )  # fmt: skip
             # With one micro-batch there is nothing to overlap: compute on the engine's thread.
-            serving = FFNServing(engine.compute, limits, device)
+            serving = FFNServing(engine.compute, limits, device, engine.inline_experts)
             listeners.append(listen(addr, serving, inline=cfg.micro_batches == 1))
     return listeners
 

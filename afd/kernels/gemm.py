@@ -1,6 +1,7 @@
 """afd's kernels library (gemm.c, gemm512.c, moe.c, attention.c, norm_rope.c, decode_layer.c,
-fp8.c, indexer.c, mxfp4.c), found next to this file when the build compiled it, and its bf16
-matmuls: the AVX2 one on a packed weight (pack), the AVX-512 BF16 one on the weight as it is.
+decode_stack.c, fp8.c, indexer.c, mxfp4.c), found next to this file when the build compiled it,
+and its bf16 matmuls: the AVX2 one on a packed weight (pack), the AVX-512 BF16 one on the weight
+as it is.
 
 `available()` is false where the library was not built (no compiler, not x86-64) or does not
 load, or the CPU lacks AVX2/FMA; callers then use torch. Which kernels run is chosen in
@@ -60,6 +61,9 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_rope.restype = i
     lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i, i, p, p, i, i, i, p, p]
     lib.afd_bf16_decode_layer.restype = i
+    stack = [p, i, p, p, p, p, p, p, p, p] + [i] * 13 + [f, i, i, p, p, p, p]
+    lib.afd_bf16_decode_stack.argtypes = stack
+    lib.afd_bf16_decode_stack.restype = i
     lib.afd_fp8_quantize.argtypes = [p, p, p, i, i, i]
     lib.afd_fp8_quantize.restype = i
     lib.afd_fp8_dequantize.argtypes = [p, p, p, i, i, i]

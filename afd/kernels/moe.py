@@ -4,6 +4,7 @@ all the experts a shard holds, where the torch path issues ~6 ops per expert."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -78,3 +79,14 @@ class NativeExperts:
         self._reverse = not self._reverse
         if rc:
             raise RuntimeError("afd_bf16_moe failed (out of memory?)")
+
+
+@dataclass(frozen=True)
+class InlineExperts:
+    """A layer's routed experts as an in-process caller may call them directly, in place of a
+    message to the shard (afd/kernels/decode_stack.py): only where the shard's whole answer to
+    that layer would be this one call (FFNEngine.inline_experts)."""
+
+    native: NativeExperts
+    first: int  # global id of native's first expert
+    rows_below: int  # the shard takes this call below this many rows per expert (else oneDNN)

@@ -23,6 +23,7 @@ from typing import Generic, TypeVar
 import torch
 
 from afd import metrics
+from afd.kernels.moe import InlineExperts
 from afd.messages import FFNReply, FFNRequest, Trace
 from afd.wire import Buffer, WireError, WireLimits, check_request, decode_request, encode_reply
 
@@ -61,7 +62,13 @@ def error_reply(req_or_err: FFNRequest | WireError, code: str, message: str) -> 
 class FFNServing:
     """What an FFN server does with the messages it receives; one per listener."""
 
-    def __init__(self, compute: Compute, limits: WireLimits, device: torch.device | None = None):
+    def __init__(
+        self,
+        compute: Compute,
+        limits: WireLimits,
+        device: torch.device | None = None,
+        inline_experts: Callable[[int], InlineExperts | None] | None = None,
+    ):
         self.compute = compute
         self.limits = limits
         # where `compute` runs, when it is an engine in this process: a caller on the same
@@ -73,6 +80,9 @@ class FFNServing:
         # serve_local's (tokens, compute seconds) not yet in the metrics: recorded in batches
         # (flush_local): seven metric updates per layer were ~0.2 ms of a ~15 ms batch-1 step
         self._local: list[tuple[int, float]] = []
+        # layer -> its experts as one native call, for a caller in this process that computes
+        # the decode step natively instead of sending messages (FFNEngine.inline_experts)
+        self.inline_experts = inline_experts
 
     def serve_frames(self, messages: Sequence[Inbound[P]]) -> list[tuple[P, list[Buffer]]]:
         """Decode (validating), serve and encode; returns (peer, reply frames) for every
@@ -137,6 +147,14 @@ class FFNServing:
         elif rep.error_code:
             metrics.FFN_ERRORS.labels(rep.error_code).inc()
         return rep
+
+    def served_inline(self, tokens: int, seconds: Sequence[float]) -> None:
+        """The caller computed layers with this shard's kernels itself (inline_experts), one
+        layer of `tokens` tokens in each of `seconds`: recorded as serve_local's calls are."""
+        if tokens:
+            self._local += [(tokens, s) for s in seconds]
+            if len(self._local) >= _LOCAL_BATCH:
+                self.flush_local()
 
     def flush_local(self) -> None:
         """Record serve_local's calls since the last flush in the FFN metrics, each as the

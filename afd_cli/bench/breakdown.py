@@ -13,7 +13,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
-KERNELS = ("fused_experts", "fused_decode_layers", "matmuls")  # the timed calls' keys
+# the timed calls' keys
+KERNELS = ("decode_stacks", "fused_experts", "fused_decode_layers", "matmuls")
 
 
 @contextmanager
@@ -38,11 +39,13 @@ def timed(owner: object, name: str, key: str, totals: Counter) -> Iterator[None]
 def _targets() -> list[tuple[object, str, str]]:
     """(class, method, key): the native calls of a decode step, and the step itself."""
     from afd.kernels.decode_layer import NativeDecodeLayer
+    from afd.kernels.decode_stack import NativeDecodeStack
     from afd.kernels.moe import NativeExperts
     from afd.ops import Linear
     from services.attention.engine import Engine
 
     return [
+        (NativeDecodeStack, "__call__", "decode_stacks"),  # layers with attention + experts
         (NativeExperts, "__call__", "fused_experts"),
         (NativeDecodeLayer, "__call__", "fused_decode_layers"),
         (Linear, "_matmul", "matmuls"),  # the LM head, on the fused path
@@ -57,7 +60,7 @@ def step_breakdown(
 ) -> dict[str, float]:
     """Milliseconds per decode step: `generate(n)` decodes n tokens from the same prompts; the
     one-token run (the prefill and the first token) is subtracted from the `new`-token run.
-    Keys: step, fused_experts, fused_decode_layers, matmuls, rest (the step less the three).
+    Keys: step, the KERNELS, rest (the step less the KERNELS).
     `targets` replaces the engine's methods (for tests); its keys must be those."""
     runs = []
     for n in (1, new):

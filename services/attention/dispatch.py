@@ -61,6 +61,9 @@ class StepTiming:
     """Where one step's time went on the FFN path (read by the telemetry)."""
 
     traces: list[tuple[str, FFNReply]] = field(default_factory=list)  # (peer address, reply)
+    # layers run in one native call with the shard's kernels (stack.py): (peer address, [n, 3]
+    # float64 wall-clock stamps per layer: its start, the end of its attention, of its experts)
+    inline: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     attention_seconds: list[float] = field(default_factory=list)  # work between pool calls
     max_in_flight: int = 0  # micro-batches with FFN work outstanding at once
 
@@ -115,7 +118,8 @@ class FFNDispatcher:
         # elastic pool's placement balances. The layers' ids are kept as sent and counted
         # every few steps (count_routed): one bincount for many layers and steps.
         self.expert_load = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.long)
-        self._routed: list[tuple[int, torch.Tensor]] = []  # (layer, [T, k] ids) this step
+        # (layer, [T, k] ids) this step; (first layer, [n, T, k]) for layers run inline
+        self._routed: list[tuple[int, torch.Tensor]] = []
         self._counted: list[tuple[int, torch.Tensor]] = []  # of completed steps, not yet added
         self._count_at = _COUNT_STEPS * max(1, cfg.num_layers)
         # an elastic pool's placement (set between steps); None: fixed expert shards
@@ -139,6 +143,41 @@ class FFNDispatcher:
     def _direct_here(self) -> bool:
         """Every shard is called in process and computes on this side's device."""
         return self._direct is not None and all(s.device == self.device for s in self._direct)
+
+    def inline_shard(self) -> tuple[FFNServing, str] | None:
+        """(serving, address) of the one in-process shard that is the whole pool and computes
+        on this thread and device, where it offers its experts to be called directly
+        (FFNServing.inline_experts) and the wire is bf16 (what the experts read as sent); else
+        None. A caller that runs layers with them reports them with `ran_inline`."""
+        if self.a2f_dtype != "bf16" or self.dtype != torch.bfloat16:
+            return None
+        if not self._direct_known:
+            self._direct, self._direct_known = self._direct_servings(), True
+        if self._direct is None or len(self._direct) != 1 or not self._direct_here:
+            return None
+        serving = self._direct[0]
+        if serving.draining or serving.inline_experts is None:
+            return None
+        return serving, self.replicas.shards[0][0].address
+
+    def ran_inline(
+        self,
+        first: int,
+        ids: torch.Tensor,  # [n, T, k] int32: layers first .. first + n - 1's routing
+        stamps: torch.Tensor,  # [n, 3] float64 (StepTiming.inline)
+    ) -> None:
+        """Layers the caller ran with the inline shard's kernels: their routing is counted and
+        their timing kept, as the messages' would have been."""
+        if not len(ids):
+            return
+        shard = self.inline_shard()
+        assert shard is not None
+        serving, address = shard
+        self._routed.append((first, ids))
+        self.timing.inline.append((address, stamps))
+        self.timing.max_in_flight = max(self.timing.max_in_flight, 1)
+        serving.served_inline(ids.shape[1], (stamps[:, 2] - stamps[:, 1]).tolist())
+        self._idle_since = time.perf_counter()
 
     def _direct_servings(self) -> list[FFNServing] | None:
         if self.placement is not None:
@@ -237,9 +276,7 @@ class FFNDispatcher:
             return
         # numpy on these few small arrays: a third of the time of the same torch ops
         e, load = self.expert_load.shape[1], self.expert_load.view(-1).numpy()
-        flat = np.concatenate(
-            [to_host(ids).numpy().ravel() + layer * e for layer, ids in self._counted]
-        )
+        flat = np.concatenate([_flat_ids(layer, ids, e) for layer, ids in self._counted])
         load += np.bincount(flat, minlength=load.size)
         self._counted.clear()
 
@@ -389,3 +426,12 @@ class FFNDispatcher:
         for part in [p for p in self._open if p.peer is peer]:
             self._open.remove(part)
             self._assign(part, why)
+
+
+def _flat_ids(layer: int, ids: torch.Tensor, e: int) -> np.ndarray:
+    """ids [T, k] of `layer`, or [n, T, k] of layers layer .. layer + n - 1, as flat indices
+    into the [L, E] load."""
+    a = to_host(ids).numpy()
+    if a.ndim == 3:
+        return (a + (layer + np.arange(a.shape[0]))[:, None, None] * e).ravel()
+    return a.ravel() + layer * e

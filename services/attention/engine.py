@@ -103,7 +103,9 @@ class Engine:
                 cfg.hot_expert_replicas,
             )
             self.dispatcher.placement = self.pool.placement
-        self.runner = ModelRunner(self.model, self.cache, self.dispatcher, cfg.micro_batches)
+        self.runner = ModelRunner(
+            self.model, self.cache, self.dispatcher, cfg.micro_batches, cfg.decode_stack
+        )
         self._ids = itertools.count()
         self._outage_since: float | None = None  # monotonic: a shard lost its last replica
 

@@ -55,6 +55,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         option(
             g,
+            "--no-decode-stack",
+            e,
+            "decode_stack",
+            help="run a decode step's layers one by one even where attention and the one expert "
+            "shard share this process (there they are one native call by default; same tokens)",
+        ),
+        option(
+            g,
             "--a2f-dtype",
             e,
             "a2f_dtype",

@@ -12,6 +12,7 @@ from services.attention.model import AttentionModel
 from services.attention.pipeline import run_layers
 from services.attention.sampler import sample, score
 from services.attention.scheduler import SchedulerOutput
+from services.attention.stack import DecodeStack
 
 # Prompt rows scored per LM-head call: [rows, V] float32 logits at a time, not the whole prompt.
 SCORE_ROWS = 256
@@ -24,12 +25,15 @@ class ModelRunner:
         cache: KVCache,
         dispatcher: FFNDispatcher,
         micro_batches: int,
+        decode_stack: bool = True,
     ):
         self.model = model
         self.cache = cache
         self.dispatcher = dispatcher
         self.micro_batches = micro_batches
         self._generators: dict[str, torch.Generator] = {}
+        # a decode step's layers as one native call where they may be (stack.py)
+        self.stack = DecodeStack(model, cache, dispatcher) if decode_stack else None
 
     @torch.inference_mode()
     def execute(
@@ -48,7 +52,7 @@ class ModelRunner:
             rows = mbs[m].sample_rows
             return self.model.logits(h.index_select(0, rows)) if len(rows) else h.new_empty(0)
 
-        per_mb = run_layers(self.model, self.cache, self.dispatcher, mbs, head)
+        per_mb = run_layers(self.model, self.cache, self.dispatcher, mbs, head, self.stack)
         seqs = [s for mb in mbs for s in mb.sample_seqs]
         if not seqs:
             return {}, {}, prompt_lps

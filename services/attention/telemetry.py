@@ -88,16 +88,24 @@ class EngineTelemetry:
             self._layer.observe(s)
         now = time.monotonic()
         for addr, reply in timing.traces:
-            rt, parts = breakdown(reply.trace)
-            if addr not in self._roundtrip:
-                self._add_peer(addr)  # joined an elastic pool
-            self._roundtrip[addr].observe(rt)
-            for h, v in zip(self._parts[addr], parts, strict=True):
-                h.observe(v)
-            self.detector.add(addr, now, rt, parts)
+            self._roundtrip_of(addr, now, *breakdown(reply.trace))
+        for addr, stamps in timing.inline:  # layers run in one native call (stack.py)
+            for start, attended, done in stamps.tolist():
+                self._layer.observe(attended - start)
+                # the experts were called, not sent: the whole round trip is their compute
+                compute = done - attended
+                self._roundtrip_of(addr, now, compute, (0.0, 0.0, 0.0, compute, 0.0))
         if self.detector.maybe_check(now):
             for addr, g in self._straggler.items():
                 g.set(1 if self.detector.flagged(addr) else 0)
+
+    def _roundtrip_of(self, addr: str, now: float, rt: float, parts: tuple[float, ...]) -> None:
+        if addr not in self._roundtrip:
+            self._add_peer(addr)  # joined an elastic pool
+        self._roundtrip[addr].observe(rt)
+        for h, v in zip(self._parts[addr], parts, strict=True):
+            h.observe(v)
+        self.detector.add(addr, now, rt, parts)
 
     def _gauges(self, load: Stats) -> None:
         metrics.NUM_RUNNING.set(load.running)

@@ -16,6 +16,7 @@ from afd.blockfp8 import BlockFP8, cat_rows
 from afd.checkpoint import load_weights
 from afd.config import ExpertConfig, ModelConfig
 from afd.device import CPU, place, to_device
+from afd.kernels.moe import InlineExperts
 from afd.messages import FFNRequest
 from afd.ops import Linear
 from afd.quant import dequantize_fp8
@@ -95,6 +96,19 @@ class FFNEngine:
         if self.inject_delay_s:
             time.sleep(self.inject_delay_s)
         return outputs
+
+    def inline_experts(self, layer: int) -> InlineExperts | None:
+        """This layer's experts for a caller in this process that computes the decode step
+        natively (the attention side's decode stack), where compute() would answer a bf16
+        message with that call alone: no shared expert or dense MLP here, no injected delay,
+        bf16 on the CPU. None where anything else would run."""
+        g = self.experts.get(layer)
+        plain = g is not None and g.native is not None and g.workspace is None
+        if not plain or self.inject_delay_s or layer in self.shared or layer in self.dense:
+            return None
+        if self.dtype != torch.bfloat16 or self.device.type != "cpu":
+            return None
+        return InlineExperts(g.native, g.first, g.w13[0].onednn_from)
 
     def _compute(self, layer: int, group: list[FFNRequest]) -> list[torch.Tensor]:
         """The requests' tensors go to this engine's device (wire bytes before the FP8 decode:

@@ -1,0 +1,101 @@
+/* A decode step's layers in one native call (loaded with ctypes by afd/kernels/decode_stack.py),
+ * where the attention side and the one expert shard compute in the same process:
+ *
+ *   for each layer l:
+ *     h', x, routing = afd_bf16_decode_layer(h)      (decode_layer.c: attention, router, top-k)
+ *     y = afd_bf16_moe(x, routing) into zeros        (moe.c: what the FFN shard computes)
+ *     h = bf16(h' + y)                               (the residual add of the pipeline)
+ *
+ * It is services/attention/pipeline.py's layer loop with one micro-batch and the shard called
+ * inline (dispatch.py: serve_local), composed of the same two calls with the same roundings, so
+ * its results are the same bits. What it saves is the ~100 us of Python per layer around the
+ * two calls (the arguments, the FFN message, its reply, the add), a tenth of a batch-1 step. */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "bf16.h"
+
+int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
+                          const uint16_t *attn_norm, const uint16_t *ffn_norm,
+                          const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
+                          const uint16_t *inter_norm, const uint16_t *w_q, const uint16_t *w_o,
+                          const uint16_t *cos, const uint16_t *sin, const int64_t *pos,
+                          const int64_t *slots, uint16_t *k_cache, uint16_t *v_cache,
+                          const int64_t *blocks, const int64_t *lens, int T, int H, int qin,
+                          int nh, int kvh, int D, int NB, int bs, int nb, float eps, float scale,
+                          int threads, int isa, const uint16_t *w_router, uint16_t *logits,
+                          int E, int topk, int norm, int32_t *ids, float *weights);
+int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int topk, int first,
+                 const uint16_t *const *w13, const uint16_t *const *w2, uint16_t *out, int T,
+                 int E, int H, int I, int threads, int reverse, int isa);
+
+/* One layer's weights and cache (afd/kernels/decode_stack.py: StackLayer, the same fields in
+ * the same order). `reverse` is the experts' visiting order, flipped here after each call (as
+ * NativeExperts flips its own). */
+typedef struct {
+  const uint16_t *attn_norm, *ffn_norm, *w_qkv, *q_norm, *k_norm, *inter_norm, *w_q, *w_o;
+  const uint16_t *w_router, *cos, *sin;
+  uint16_t *k_cache, *v_cache;
+  const uint16_t *const *w13;
+  const uint16_t *const *w2;
+  int64_t experts, first, reverse; /* experts held (all of the layer's), the first one's id */
+  double scale;                     /* the attention's softmax scale */
+} afd_stack_layer;
+
+static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamps are its */
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* h [T, H] in: the layers' input; out: the last layer's output (before the final norm).
+ * h_attn, x [T, H] and logits [T, E] are work buffers; where a layer's routing is left to the
+ * caller they hold that layer's h', x and router logits. ids [L, T, topk] int32 and weights
+ * [L, T, topk] float32 out: each layer's routing; stamps [L, 3] out: each layer's start, the
+ * end of its attention, the end of its experts (wall clock, seconds). The rest as
+ * afd_bf16_decode_layer's and afd_bf16_moe's arguments (I: the experts' intermediate size).
+ * Returns L when every layer ran; l < L where layer l's routing is left to the caller (a tie
+ * across its top-k cut: h is then layer l's input); -1 where a layer's attention failed and -2
+ * where its experts did (bad sizes, memory short), *at set to that layer. */
+int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t *h_attn,
+                          uint16_t *x, uint16_t *logits, const int64_t *pos,
+                          const int64_t *slots, const int64_t *blocks, const int64_t *lens, int T,
+                          int H, int qin, int nh, int kvh, int D, int NB, int bs, int nb, int E,
+                          int topk, int norm, int I, float eps, int threads, int isa,
+                          int32_t *ids, float *weights, double *stamps, int *at) {
+  *at = 0;
+  if (T <= 0 || H % 8 != 0 || topk <= 0 || E <= 0) return -1;
+  uint16_t *y = (uint16_t *)malloc((size_t)T * H * sizeof(uint16_t));
+  if (!y) return -1;
+  int rc = L;
+  for (int l = 0; l < L; l++) {
+    afd_stack_layer *w = layers + l;
+    int32_t *ids_l = ids + (size_t)l * T * topk;
+    float *weights_l = weights + (size_t)l * T * topk;
+    *at = l;
+    stamps[3 * l] = wall_seconds();
+    int r = afd_bf16_decode_layer(h, h_attn, x, w->attn_norm, w->ffn_norm, w->w_qkv, w->q_norm,
+                                  w->k_norm, w->inter_norm, w->w_q, w->w_o, w->cos, w->sin, pos,
+                                  slots, w->k_cache, w->v_cache, blocks, lens, T, H, qin, nh, kvh,
+                                  D, NB, bs, nb, eps, (float)w->scale, threads, isa, w->w_router,
+                                  logits, E, topk, norm, ids_l, weights_l);
+    stamps[3 * l + 1] = wall_seconds();
+    if (r != 0) {
+      rc = r < 0 ? -1 : l;
+      break;
+    }
+    memset(y, 0, (size_t)T * H * sizeof(uint16_t)); /* the shard's output starts at zero */
+    if (afd_bf16_moe(x, ids_l, weights_l, topk, (int)w->first, w->w13, w->w2, y, T,
+                     (int)w->experts, H, I, threads, (int)w->reverse, isa)) {
+      rc = -2;
+      break;
+    }
+    w->reverse = !w->reverse;
+    for (size_t i = 0; i < (size_t)T * H; i += 8) /* bf16 + bf16, rounded once, as torch adds */
+      store8(h + i, round8(_mm256_add_ps(load_bf16(h_attn + i), load_bf16(y + i))));
+    stamps[3 * l + 2] = wall_seconds();
+  }
+  free(y);
+  return rc;
+}

@@ -1,0 +1,150 @@
+"""A decode step's layers in one native call (decode_stack.c): per layer the fused attention
+layer (decode_layer.py), the fused experts (moe.py) and the residual add, for a process that
+holds both sides of the model. The same calls with the same roundings as the layer loop; what
+it saves is the Python around them."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from afd.kernels import gemm
+from afd.kernels.decode_layer import NativeDecodeLayer
+from afd.kernels.moe import NativeExperts
+
+_POINTERS = (
+    "attn_norm", "ffn_norm", "w_qkv", "q_norm", "k_norm", "inter_norm", "w_q", "w_o",
+    "w_router", "cos", "sin", "k_cache", "v_cache", "w13", "w2",
+)  # fmt: skip
+
+
+class StackLayer(ctypes.Structure):
+    """decode_stack.c's afd_stack_layer: the same fields in the same order."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in _POINTERS] + [
+        ("experts", ctypes.c_int64),
+        ("first", ctypes.c_int64),
+        ("reverse", ctypes.c_int64),
+        ("scale", ctypes.c_double),
+    ]
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """What one layer of the stack is made of."""
+
+    attention: NativeDecodeLayer  # with its router and softmax-then-top-k (topk > 0)
+    experts: NativeExperts  # every routed expert of the layer
+    first: int  # the global id of experts' first
+    k_cache: torch.Tensor  # [kvh, NB, bs, D] bf16, contiguous
+    v_cache: torch.Tensor
+    cos: torch.Tensor  # [P, D] bf16
+    sin: torch.Tensor
+    scale: float  # the attention's softmax scale
+
+
+@dataclass(frozen=True)
+class StackResult:
+    """What one call leaves. `done` layers ran; where done < L, layer `done`'s routing is left
+    to the caller (a tie across its top-k cut) and h_attn, x, logits are that layer's."""
+
+    done: int
+    h: torch.Tensor  # [T, H] bf16: the last layer's output, or layer `done`'s input
+    h_attn: torch.Tensor  # [T, H]
+    x: torch.Tensor  # [T, H]
+    logits: torch.Tensor  # [T, E] bf16
+    ids: torch.Tensor  # [L, T, k] int32: the layers' routing (the first `done` are valid)
+    weights: torch.Tensor  # [L, T, k] float32
+    stamps: torch.Tensor  # [L, 3] float64: each layer's start, attention end, experts end
+
+
+class NativeDecodeStack:
+    """The layers' pointers, laid out once; the tensors stay referenced here."""
+
+    def __init__(self, parts: list[LayerParts]):
+        if not self.usable(parts):
+            raise ValueError("these layers cannot run as one native decode stack")
+        a, e = parts[0].attention, parts[0].experts
+        self.parts = parts
+        self.num_layers = len(parts)
+        self.hidden, self.q_in, self.nh, self.kvh, self.d = a.hidden, a.q_in, a.nh, a.kvh, a.d
+        self.eps, self.isa, self.topk, self.norm = a.eps, a.isa, a.topk, a.norm_topk
+        self.router_experts, self.inter = a.experts, e.inter
+        self._layers = (StackLayer * len(parts))()
+        for s, p in zip(self._layers, parts, strict=True):
+            an, fn, wqkv, qn, kn, inn, wq, wo, wr = p.attention._ptrs
+            caches = (p.cos, p.sin, p.k_cache, p.v_cache)
+            ptrs = (an, fn, wqkv, qn, kn, inn, wq, wo, wr, *(t.data_ptr() for t in caches))
+            for name, v in zip(_POINTERS, ptrs, strict=False):
+                setattr(s, name, v)
+            s.w13 = ctypes.cast(p.experts._p13, ctypes.c_void_p)
+            s.w2 = ctypes.cast(p.experts._p2, ctypes.c_void_p)
+            s.experts, s.first, s.scale = p.experts.count, p.first, p.scale
+
+    @staticmethod
+    def usable(parts: list[LayerParts]) -> bool:
+        """One shape and kernel for every layer, routing in the call, caches as the call reads."""
+        if not parts or not gemm.available():
+            return False
+        a0, e0, c0 = parts[0].attention, parts[0].experts, parts[0].k_cache
+        same_attention = ("hidden", "q_in", "nh", "kvh", "d", "eps", "isa", "experts", "topk")
+        for p in parts:
+            a, e = p.attention, p.experts
+            if any(getattr(a, f) != getattr(a0, f) for f in same_attention):
+                return False
+            if a.norm_topk != a0.norm_topk or a.topk <= 0 or a.experts == 0:
+                return False
+            if (e.inter, e.hidden, e.isa) != (e0.inter, e0.hidden, e0.isa):
+                return False
+            if gemm.ISAS[e.isa] != a.isa or e.hidden != a.hidden:
+                return False
+            if p.first < 0 or p.first + e.count > a.experts:
+                return False
+            for t in (p.k_cache, p.v_cache):
+                if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != c0.shape:
+                    return False
+        return True
+
+    def __call__(
+        self,
+        h: torch.Tensor,  # [T, H] bf16: the embedded tokens, T single-token decodes
+        positions: torch.Tensor,  # [T] long
+        slots: torch.Tensor,  # [T] long
+        blocks: torch.Tensor,  # [T, nb] long
+        lens: torch.Tensor,  # [T] long
+    ) -> StackResult:
+        T, L, k = h.shape[0], self.num_layers, self.topk
+        h = h.contiguous().clone()  # written in place by the call
+        h_attn, x = torch.empty_like(h), torch.empty_like(h)
+        logits = torch.empty(T, self.router_experts, dtype=torch.bfloat16)
+        ids = torch.empty(L, T, k, dtype=torch.int32)
+        weights = torch.empty(L, T, k, dtype=torch.float32)
+        stamps = torch.zeros(L, 3, dtype=torch.float64)
+        blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
+        _, NB, bs, _ = self.parts[0].k_cache.shape
+        at = ctypes.c_int(0)
+        rc = gemm._lib().afd_bf16_decode_stack(
+            self._layers, L, h.data_ptr(), h_attn.data_ptr(), x.data_ptr(), logits.data_ptr(),
+            positions.data_ptr(), slots.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
+            T, self.hidden, self.q_in, self.nh, self.kvh, self.d, NB, bs, blocks.shape[1],
+            self.router_experts, k, self.norm, self.inter, self.eps, torch.get_num_threads(),
+            self.isa, ids.data_ptr(), weights.data_ptr(), stamps.data_ptr(), ctypes.byref(at),
+        )  # fmt: skip
+        if rc == -1:
+            raise RuntimeError(
+                f"afd_bf16_decode_stack: layer {at.value}'s attention failed "
+                f"(lengths {lens.tolist()})"
+            )
+        if rc == -2:
+            raise ExpertsFailed(at.value)
+        return StackResult(rc, h, h_attn, x, logits, ids, weights, stamps)
+
+
+class ExpertsFailed(RuntimeError):
+    """The fused experts of a layer failed inside the stack (memory short)."""
+
+    def __init__(self, layer: int):
+        super().__init__(f"the fused experts of layer {layer} failed (out of memory?)")
+        self.layer = layer

@@ -1,0 +1,108 @@
+"""The decode step's layers in one native call, where attention and the experts share a process.
+
+`afd serve` on a small host (and `afd generate`) runs the expert shard inside the attention
+process, computing on the engine's thread (dispatch.py: serve_local). There a decode-only
+micro-batch's layers are one native call (afd/kernels/decode_stack.py): per layer the fused
+attention layer, the shard's fused experts and the residual add, the same kernels with the same
+roundings as the layer loop of pipeline.py. The FFN side offers its experts for this
+(FFNServing.inline_experts) and the dispatcher counts the routing and keeps the timing as if
+each layer had been a message (FFNDispatcher.ran_inline), so the metrics read the same.
+
+It applies where every layer has the fused attention layer with its router's top-k in the call,
+the one shard computes each layer with its fused experts alone, the wire is bf16 and the batch
+is below oneDNN's crossover on both sides. A layer whose routing the call leaves to torch (a tie
+across the top-k cut) is routed and sent as usual, and the loop goes on from the next layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afd.errors import TransportError
+from afd.kernels.decode_stack import ExpertsFailed, LayerParts, NativeDecodeStack
+from services.attention.batch import MicroBatch
+from services.attention.dispatch import FFNDispatcher, Pending
+from services.attention.kv_cache import KVCache
+from services.attention.model import AttentionModel
+
+
+class DecodeStack:
+    """The runner's view of the native stacks: one per run of consecutive layers that can be one
+    call (a dense layer between MoE layers, DeepSeek's first dense layers, stay in the loop),
+    built on first use for the shard in place then, rebuilt if that shard changes."""
+
+    def __init__(self, model: AttentionModel, cache: KVCache, ffn: FFNDispatcher):
+        self.model, self.cache, self.ffn = model, cache, ffn
+        self._built_for: object = None  # the serving the stacks were built with
+        self._stacks: dict[int, NativeDecodeStack] = {}  # by first layer
+        self._attention_rows = 0  # the fused attention layers run below this many rows
+        self._expert_rows = 0  # the shard's fused experts below this many rows per expert
+
+    def applies(self, h: torch.Tensor, mb: MicroBatch) -> bool:
+        """Whether this step's micro-batch (h [T, H]) runs its stacks (checked once a step)."""
+        meta, T = mb.meta, h.shape[0]
+        if meta.num_decode != T or meta.decode_blocks is None or h.dtype != torch.bfloat16:
+            return False
+        shard = self.ffn.inline_shard()
+        if shard is None:
+            return False
+        if shard[0] is not self._built_for:
+            self._build(shard[0])
+        if not self._stacks or T >= self._attention_rows:
+            return False
+        return T * self.model.cfg.top_k // self.model.cfg.num_experts < self._expert_rows
+
+    def run(
+        self, layer: int, h: torch.Tensor, mb: MicroBatch
+    ) -> tuple[int, torch.Tensor, Pending | None] | None:
+        """Where a stack starts at `layer` (and `applies` said yes this step): h [T, H], the
+        layer's input -> (the next layer to run, its input h [T, H], the FFN work of the layer
+        before it in flight or None); else None (the caller runs the layer)."""
+        stack = self._stacks.get(layer)
+        if stack is None:
+            return None
+        meta = mb.meta
+        try:
+            r = stack(h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens)
+        except ExpertsFailed as e:
+            _, address = self.ffn.inline_shard() or (None, "in process")
+            why = f"FFN shard {address} failed layer {layer + e.layer}: internal: {e}"
+            raise TransportError(why) from e
+        ffn, model, end = self.ffn, self.model, layer + stack.num_layers
+        ffn.ran_inline(layer, r.ids[: r.done], r.stamps[: r.done])
+        if r.done == stack.num_layers:
+            return end, r.h, None
+        # this layer: attention ran, its routing is torch's (a tie), its experts are sent
+        at = layer + r.done
+        ids, weights = model.route_fn(r.logits, model.cfg, model.layers[at].router_bias)
+        return at + 1, r.h_attn, ffn.send(at, 0, r.x, ids, weights)
+
+    def _build(self, serving) -> None:
+        self._built_for, self._stacks = serving, {}
+        model, cache = self.model, self.cache
+        runs: list[list[LayerParts]] = [[]]
+        starts = [0]
+        attention_rows = expert_rows = 1 << 30
+        for i, lw in enumerate(model.layers):
+            experts = serving.inline_experts(i)
+            fits = (
+                lw.fused is not None
+                and experts is not None
+                and cache.k[i].dtype == torch.bfloat16
+                and experts.native.count == lw.fused.experts  # the whole layer: one shard
+            )
+            if not fits:
+                runs.append([])
+                starts.append(i + 1)
+                continue
+            cos, sin = lw.kind.rope.tables(torch.bfloat16)
+            k, v, scale = cache.k[i], cache.v[i], lw.kind.scale
+            runs[-1].append(
+                LayerParts(lw.fused, experts.native, experts.first, k, v, cos, sin, scale)
+            )
+            attention_rows = min(attention_rows, lw.o_proj.onednn_from)
+            expert_rows = min(expert_rows, experts.rows_below)
+        for start, parts in zip(starts, runs, strict=True):
+            if parts and NativeDecodeStack.usable(parts):
+                self._stacks[start] = NativeDecodeStack(parts)
+        self._attention_rows, self._expert_rows = attention_rows, expert_rows

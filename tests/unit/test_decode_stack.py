@@ -1,0 +1,109 @@
+"""A decode step's layers as one native call (services/attention/stack.py) against the layer
+loop it replaces: on each of afd's kernel paths this machine runs, the same tokens with the same
+logprobs, the same routing counted, and every layer's timing kept. Qwen3-MoE's test checkpoint
+has a dense layer between two MoE layers (two stacks and the loop between them), Mixtral's is
+MoE throughout (one stack). A tie across a layer's top-k cut leaves that layer to torch and the
+rest to the stack; a failing experts call fails the step with its cause."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from afd.control import SamplingParams
+from afd.kernels import gemm
+from afd.kernels.decode_stack import ExpertsFailed, NativeDecodeStack
+from afd_cli.local import local_engine
+
+PROMPTS = [[5, 9, 17, 3, 250], list(range(20, 57)), [7, 7, 7], list(range(100, 119))]
+
+
+def _config(path, stack: bool) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig.from_hf(path),
+        dtype="bfloat16",
+        a2f_dtype="bf16",
+        micro_batches=1,
+        decode_stack=stack,
+        cache=CacheConfig(block_size=4, num_blocks=128),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24),
+    )
+
+
+def _generate(path, stack: bool, prepare=None):
+    """(tokens, logprobs, expert load, layers the stacks ran, inline timings) of greedy runs."""
+    with local_engine(_config(path, stack), 1, progress=False) as eng:
+        if prepare is not None:
+            prepare(eng)
+        inline = []
+        step = eng.step
+
+        def spy():
+            result = step()
+            inline.extend(stamps for _, stamps in eng.dispatcher.timing.inline)
+            return result
+
+        eng.step = spy
+        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+        reqs = eng.generate(PROMPTS, sp)
+        eng.dispatcher.count_routed(flush=True)
+        tokens = [r.output_token_ids for r in reqs]
+        logprobs = [[lp.logprob for lp in r.output_logprobs] for r in reqs]
+        ran = sum(len(s) for s in inline)
+        return tokens, logprobs, eng.dispatcher.expert_load.clone(), ran, inline
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir"])
+def test_the_stack_gives_the_layer_loops_tokens_and_logprobs(native_path, ckpt, request):
+    path = request.getfixturevalue(ckpt)
+    tokens, logprobs, load, ran, inline = _generate(path, stack=True)
+    want_tokens, want_logprobs, want_load, ran_without, _ = _generate(path, stack=False)
+    assert ran > 0 and ran_without == 0, "the stack did not run (or ran when off)"
+    assert tokens == want_tokens
+    assert logprobs == want_logprobs  # the same bits, not merely the same argmax
+    assert torch.equal(load, want_load), "the stacked layers' routing was counted differently"
+    stamps = torch.cat(inline)  # each layer: start <= attention end <= experts end
+    assert bool((stamps[:, 1] >= stamps[:, 0]).all() and (stamps[:, 2] >= stamps[:, 1]).all())
+
+
+def test_a_dense_layer_splits_the_stack(native_path, qwen3_dir):
+    cfg = ModelConfig.from_hf(qwen3_dir)
+    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe(i)]
+    assert dense, "the test checkpoint lost its dense layer"
+    with local_engine(_config(qwen3_dir, True), 1, progress=False) as eng:
+        eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        starts = sorted(eng.runner.stack._stacks)
+    assert starts == [0, dense[0] + 1]
+
+
+def test_a_tie_leaves_the_layer_to_torch_and_the_rest_to_the_stack(native_path, mixtral_dir):
+    """Layer 1's router rows all the same: every logit ties, so the stack stops there; torch
+    routes it and sends its experts, and the stack runs again from layer 2."""
+
+    def tie(eng):
+        r = eng.model.layers[1].router
+        same = torch.randn(1, r.w.shape[1]).to(torch.bfloat16).expand(r.w.shape[0], -1)
+        r.w.copy_(gemm.pack(same) if r.isa == "avx2" else same)
+
+    tokens, logprobs, load, ran, inline = _generate(mixtral_dir, True, tie)
+    want = _generate(mixtral_dir, False, tie)
+    assert ran > 0 and tokens == want[0] and logprobs == want[1]
+    assert torch.equal(load, want[2])
+    assert {len(s) for s in inline} == {1}, "each step: the stack stops at layer 1"
+
+
+def test_a_failing_experts_call_fails_the_step_with_its_cause(
+    native_path, mixtral_dir, monkeypatch
+):
+    def fail(self, *args):
+        raise ExpertsFailed(0)
+
+    monkeypatch.setattr(NativeDecodeStack, "__call__", fail)
+    with local_engine(_config(mixtral_dir, True), 1, progress=False) as eng:
+        (req,) = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
+        assert "failed layer 0: internal: the fused experts of layer 0 failed" in req.error
+        # the engine keeps serving: with the stack off the same request completes
+        eng.runner.stack = None
+        (again,) = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
+        assert not again.error and len(again.output_token_ids) == 4
