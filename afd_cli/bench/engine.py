@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> dict:
         dtype="bfloat16",
         a2f_dtype=args.a2f_dtype,
         micro_batches=args.micro_batches,
+        decode_stack=not args.no_decode_stack,
         threads=args.threads,
         cache=CacheConfig(block_size=16, kv_cache_memory_gb=1.0),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
@@ -210,6 +211,7 @@ def run(args: argparse.Namespace) -> dict:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "micro_batches": args.micro_batches,
+        "decode_stack": not args.no_decode_stack,
         "a2f_dtype": args.a2f_dtype,
         "repeat": args.repeat,
         "results": results,
@@ -268,6 +270,11 @@ def add_parser(sub) -> None:
         help="measure each side N times (alternating), report medians",
     )
     p.add_argument("--a2f-dtype", default="bf16", choices=["fp8", "bf16"])
+    p.add_argument(
+        "--no-decode-stack",
+        action="store_true",
+        help="afd runs a step's layers one by one (not as one native call)",
+    )
     p.add_argument(
         "--kernels",
         nargs="+",

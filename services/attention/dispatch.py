@@ -7,31 +7,27 @@ float32 and returned in the compute dtype.
 
 Failover: a replica that does not reply within its attempt time (the FFN timeout split
 between the shard's replicas, or `failover_s`; shorter once its usual round trip is known:
-deadlines.py), answers with an error of its own, or cannot
-take a message is marked down, and every message it held is sent again to another live
-replica of the shard, within the same deadline, so no request is lost while one replica is
-left. An error that says the message itself was bad is raised at once (another replica would
-refuse it too).
+deadlines.py), answers with an error of its own, or cannot take a message is marked down, and
+every message it held is sent again to another live replica of the shard, within the same
+deadline, so no request is lost while one replica is left. An error that says the message
+itself was bad is raised at once (another replica would refuse it too).
 
 Where every shard is one in-process listener that computes on the sender's thread (S = 1 with
 inproc:// shards), a layer is a function call: `FFNServing.serve_local` at send, no message,
 no queue; a failed compute fails the step (there is no other replica).
 
-The dispatcher also keeps the timing of the step in progress (`StepTiming`, returned with the
-step's result): every reply with its round-trip stamps, the engine thread's own work between
-calls (attention, router and quantization of one layer of one micro-batch: the loop is
-collect -> attention -> send), and the most micro-batches with FFN work outstanding at once.
-While a reply is awaited and other messages are out, every peer is polled about once a
-millisecond, so each reply's arrival stamp (trace.a_recv) is within that of its arrival rather
-than of the moment the engine got round to it.
+The dispatcher also records the step in progress (step_record.py): its timing (every reply
+with its round-trip stamps, the engine thread's own work between calls, the most micro-batches
+with FFN work outstanding at once) and its routing. While a reply is awaited and other
+messages are out, every peer is polled about once a millisecond, so each reply's arrival stamp
+(trace.a_recv) is within that of its arrival rather than of the moment the engine took it.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from afd.config import ModelConfig
@@ -43,29 +39,13 @@ from afd.transport.serving import FFNServing
 from services.attention.deadlines import RoundTripDeadlines
 from services.attention.placement import NOT_HERE, Placement
 from services.attention.replicas import Peer, Replicas
+from services.attention.step_record import RoutedLoad, StepTiming
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# Completed steps whose expert ids are added to expert_load at once (count_routed): a step's
-# count costs about as much as a batch-1 layer's router, and nothing needs it sooner.
-_COUNT_STEPS = 32
 _SWEEP_S = 0.001  # while several replies are out: how often every peer is polled
-# At least this often the wait looks again at every peer's connection (a loss between that look
-# and the wait would otherwise be noticed only at the attempt's end).
-_WAKE_S = 0.5
+_WAKE_S = 0.5  # the longest wait before every peer's connection is looked at again
 # Errors that say our message was bad: another replica would refuse it too, so no failover.
 _MESSAGE_ERRORS = ("bad_request", "bad_header", "bad_version", "bad_size", "bad_value")
-
-
-@dataclass
-class StepTiming:
-    """Where one step's time went on the FFN path (read by the telemetry)."""
-
-    traces: list[tuple[str, FFNReply]] = field(default_factory=list)  # (peer address, reply)
-    # layers run in one native call with the shard's kernels (stack.py): (peer address, [n, 3]
-    # float64 wall-clock stamps per layer: its start, the end of its attention, of its experts)
-    inline: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    attention_seconds: list[float] = field(default_factory=list)  # work between pool calls
-    max_in_flight: int = 0  # micro-batches with FFN work outstanding at once
 
 
 @dataclass(eq=False)
@@ -114,14 +94,9 @@ class FFNDispatcher:
         self._open: list[_Part] = []  # parts sent whose reply has not been taken
         self._in_flight = 0
         self._idle_since = 0.0  # perf_counter() when the pool last returned; 0: step start
-        # [L, E] tokens routed to each expert in completed steps: exported, and what an
-        # elastic pool's placement balances. The layers' ids are kept as sent and counted
-        # every few steps (count_routed): one bincount for many layers and steps.
-        self.expert_load = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.long)
-        # (layer, [T, k] ids) this step; (first layer, [n, T, k]) for layers run inline
-        self._routed: list[tuple[int, torch.Tensor]] = []
-        self._counted: list[tuple[int, torch.Tensor]] = []  # of completed steps, not yet added
-        self._count_at = _COUNT_STEPS * max(1, cfg.num_layers)
+        # tokens routed to each expert in completed steps: exported (expert_load), and what
+        # an elastic pool's placement balances
+        self.routed = RoutedLoad(cfg.num_layers, cfg.num_experts)
         # an elastic pool's placement (set between steps); None: fixed expert shards
         self.placement: Placement | None = None
         # each shard's serving loop, where every shard is one live replica computing inline in
@@ -133,7 +108,7 @@ class FFNDispatcher:
     def begin_step(self) -> None:
         """A new step's timing; probe replicas that are due."""
         self.replicas.maintain()
-        self._routed.clear()  # a step that did not complete is not counted
+        self.routed.drop_step()
         self.timing = StepTiming()
         self._in_flight = 0
         self._idle_since = 0.0
@@ -173,7 +148,7 @@ class FFNDispatcher:
         shard = self.inline_shard()
         assert shard is not None
         serving, address = shard
-        self._routed.append((first, ids))
+        self.routed.add(first, ids)
         self.timing.inline.append((address, stamps))
         self.timing.max_in_flight = max(self.timing.max_in_flight, 1)
         serving.served_inline(ids.shape[1], (stamps[:, 2] - stamps[:, 1]).tolist())
@@ -225,7 +200,7 @@ class FFNDispatcher:
         )
         moe = self.cfg.is_moe(layer)
         if moe:
-            self._routed.append((layer, ids))
+            self.routed.add(layer, ids)
         if self._direct is not None:
             parts = self._call_direct(message, moe)
         elif self.placement is not None:
@@ -263,22 +238,17 @@ class FFNDispatcher:
             parts.append(_Part(shard, message, peer=peer, sent=sent, reply=reply))
         return parts
 
+    @property
+    def expert_load(self) -> torch.Tensor:  # [L, E] int64
+        return self.routed.load
+
     def count_routed(self, flush: bool = False) -> None:
-        """After a completed step: its (token, expert) pairs are kept, and added to
-        expert_load every _COUNT_STEPS steps or with `flush` (the engine flushes when it runs
-        out of work): one bincount per many steps, not one per step."""
-        self._counted.extend(self._routed)
-        self._routed.clear()
+        """A step completed: its routing is counted (in batches of steps, or now with `flush`
+        when the engine runs out of work)."""
         if flush:
             for serving in self._direct or ():
                 serving.flush_local()  # the in-process shards' FFN metrics, likewise batched
-        if not self._counted or not (flush or len(self._counted) >= self._count_at):
-            return
-        # numpy on these few small arrays: a third of the time of the same torch ops
-        e, load = self.expert_load.shape[1], self.expert_load.view(-1).numpy()
-        flat = np.concatenate([_flat_ids(layer, ids, e) for layer, ids in self._counted])
-        load += np.bincount(flat, minlength=load.size)
-        self._counted.clear()
+        self.routed.step_done(flush)
 
     def _elastic_parts(self, layer: int, message: FFNRequest) -> list[_Part]:
         """One part per live member with work in this layer: the pairs the placement gives it
@@ -426,12 +396,3 @@ class FFNDispatcher:
         for part in [p for p in self._open if p.peer is peer]:
             self._open.remove(part)
             self._assign(part, why)
-
-
-def _flat_ids(layer: int, ids: torch.Tensor, e: int) -> np.ndarray:
-    """ids [T, k] of `layer`, or [n, T, k] of layers layer .. layer + n - 1, as flat indices
-    into the [L, E] load."""
-    a = to_host(ids).numpy()
-    if a.ndim == 3:
-        return (a + (layer + np.arange(a.shape[0]))[:, None, None] * e).ravel()
-    return a.ravel() + layer * e

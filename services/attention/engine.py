@@ -33,7 +33,7 @@ from afd.runtime import tune_allocator
 from afd.sharding import ExpertShard, pool_shards
 from afd.transport import connect
 from services.attention.block_manager import BlockManager
-from services.attention.dispatch import FFNDispatcher, StepTiming
+from services.attention.dispatch import FFNDispatcher
 from services.attention.elastic import ElasticPool
 from services.attention.kv_cache import (
     CacheLayout,
@@ -48,6 +48,7 @@ from services.attention.replicas import Peer, Replicas
 from services.attention.request import Request
 from services.attention.runner import ModelRunner
 from services.attention.scheduler import Scheduler
+from services.attention.step_record import StepTiming
 
 log = logging.getLogger("afd.attention")
 
