@@ -8,6 +8,7 @@ added without a greedy-vs-reference test.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -223,7 +224,16 @@ TRANSFORMERS_REFERENCED = tuple(m for m in REFERENCE_CHECKPOINTS if m not in DEN
 def hf_model(path: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    kwargs = {}
+    quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    if quant.get("quant_method") == "mxfp4":
+        from transformers import Mxfp4Config
+
+        # transformers' own dequantizer expands the MXFP4 experts to `dtype` on load. Without
+        # this, a transformers that has `kernels` and triton installed fetches its MXFP4 matmul
+        # kernels from the Hugging Face Hub, which a box without network access cannot reach.
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
 
 
 @torch.inference_mode()
