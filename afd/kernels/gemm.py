@@ -1,7 +1,7 @@
 """afd's kernels library (gemm.c, gemm512.c, moe.c, attention.c, norm_rope.c, decode_layer.c,
-decode_stack.c, fp8.c, indexer.c, mxfp4.c), found next to this file when the build compiled it,
-and its bf16 matmuls: the AVX2 one on a packed weight (pack), the AVX-512 BF16 one on the weight
-as it is.
+decode_stack.c, fp8.c, indexer.c, mxfp4.c, mxfp4_moe.c), found next to this file when the build
+compiled it, and its bf16 matmuls: the AVX2 one on a packed weight (pack), the AVX-512 BF16 one
+on the weight as it is.
 
 `available()` is false where the library was not built (no compiler, not x86-64) or does not
 load, or the CPU lacks AVX2/FMA; callers then use torch. Which kernels run is chosen in
@@ -72,6 +72,9 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_mxfp4_to_bf16.restype = i
     lib.afd_mxfp4_linear.argtypes = [p, p, p, p, i, i, i, i, i, i]
     lib.afd_mxfp4_linear.restype = i
+    f = ctypes.c_float
+    lib.afd_mxfp4_moe.argtypes = [p, p, p, i, i] + [p] * 7 + [i] * 5 + [f, f, i, i]
+    lib.afd_mxfp4_moe.restype = i
     return lib
 
 

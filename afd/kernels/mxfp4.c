@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "mxfp4.h"
 
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
@@ -247,8 +248,42 @@ static inline float x_at(const void *x, int f32, size_t i) {
   return f32 ? ((const float *)x)[i] : bf16_value(((const uint16_t *)x)[i]);
 }
 
-/* x [M, K] and y [M, N] are bf16, or float32 with f32 set; isa 1: AVX-512 BF16 (bf16 x only).
- * Returns 0, -1 for K not a multiple of 32, -2 when out of memory. */
+/* mxfp4.h: x in the weights' scrambled order, row m of M (see there) */
+void afd_mxfp4_vmap(int wide, int vmap[64]) {
+  for (int i = 0; i < 64; i++)
+    vmap[i] = wide ? avx512_element(i / 32, (i % 32) / 8, i % 8) : avx2_element(i / 8, i % 8);
+}
+
+void afd_mxfp4_prepare_row(const void *x, int f32, int wide, const int vmap[64], int m, int K,
+                           float *xp, uint16_t *xb, float *xtail) {
+  const int G = K / 32, groups = G / 2;
+  for (int g = 0; g < groups; g++)
+    for (int i = 0; i < 64; i++) {
+      size_t src = (size_t)m * K + (size_t)g * 64 + vmap[i];
+      if (wide)
+        xb[((size_t)m * groups + g) * 64 + i] = ((const uint16_t *)x)[src];
+      else
+        xp[(size_t)m * K + (size_t)g * 64 + i] = x_at(x, f32, src);
+    }
+  for (int i = 0; i < 32 * (G % 2); i++) {
+    size_t src = (size_t)m * K + (size_t)groups * 64 + i;
+    if (wide)
+      xtail[(size_t)m * 32 + i] = x_at(x, f32, src);
+    else
+      xp[(size_t)m * K + (size_t)groups * 64 + i] = x_at(x, f32, src);
+  }
+}
+
+void afd_mxfp4_rows(const float *xp, const uint16_t *xb, const float *xtail, int wide,
+                    const uint8_t *blocks, const uint8_t *scales, float *acc, int M, int N, int G,
+                    int n0, int n1) {
+  init_scales();
+  if (wide)
+    linear_avx512(xb, xtail, blocks, scales, acc, M, N, G, n0, n1);
+  else
+    linear_avx2(xp, blocks, scales, acc, M, N, G, n0, n1);
+}
+
 int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales, void *y, int M,
                      int N, int K, int f32, int isa, int threads) {
   if (K % 32) return -1;
@@ -266,28 +301,11 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
     return -2;
   }
   int vmap[64]; /* element of the group at each scrambled position */
-  for (int i = 0; i < 64; i++)
-    vmap[i] = wide ? avx512_element(i / 32, (i % 32) / 8, i % 8) : avx2_element(i / 8, i % 8);
+  afd_mxfp4_vmap(wide, vmap);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) {
-      for (int g = 0; g < groups; g++)
-        for (int i = 0; i < 64; i++) {
-          size_t src = (size_t)m * K + (size_t)g * 64 + vmap[i];
-          if (wide)
-            xb[((size_t)m * groups + g) * 64 + i] = ((const uint16_t *)x)[src];
-          else
-            xp[(size_t)m * K + (size_t)g * 64 + i] = x_at(x, f32, src);
-        }
-      for (int i = 0; i < 32 * (G % 2); i++) {
-        size_t src = (size_t)m * K + (size_t)groups * 64 + i;
-        if (wide)
-          xtail[(size_t)m * 32 + i] = x_at(x, f32, src);
-        else
-          xp[(size_t)m * K + (size_t)groups * 64 + i] = x_at(x, f32, src);
-      }
-    }
+    for (int m = 0; m < M; m++) afd_mxfp4_prepare_row(x, f32, wide, vmap, m, K, xp, xb, xtail);
     /* Guided: each thread first takes a long contiguous run of rows, then shorter ones. With
      * units of NU rows handed out one by one (dynamic), a thread's stream jumped every few
      * KiB and the hardware prefetcher restarted at each jump; a cold [2048 x 1024] weight at
@@ -296,10 +314,7 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
 #pragma omp for schedule(guided)
     for (int n0 = 0; n0 < N; n0 += NU) {
       int n1 = n0 + NU < N ? n0 + NU : N;
-      if (wide)
-        linear_avx512(xb, xtail, blocks, scales, acc, M, N, G, n0, n1);
-      else
-        linear_avx2(xp, blocks, scales, acc, M, N, G, n0, n1);
+      afd_mxfp4_rows(xp, xb, xtail, wide, blocks, scales, acc, M, N, G, n0, n1);
     }
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < (int64_t)M * N; i++) {

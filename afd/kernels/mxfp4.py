@@ -3,6 +3,8 @@ codes directly, and the expansion of rows into bf16."""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from afd.kernels import gemm, paths
@@ -44,3 +46,70 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch
     ):  # fmt: skip
         raise RuntimeError(f"afd_mxfp4_linear failed for x {tuple(x.shape)} @ w [{N}, {K}]")
     return y
+
+
+class FusedExperts:
+    """A layer's MXFP4 experts in one native call (afd_mxfp4_moe in mxfp4_moe.c): the torch
+    path's pair sorting, matmuls, biases, activation and weighted sum, with its roundings."""
+
+    ACTS = {"swiglu": 0, "swiglu_clamped": 1}  # services/ffn/kinds.py's kinds it computes
+
+    def __init__(
+        self,
+        w13: list,  # E x MXFP4 [2I, H] (gate rows, then up rows)
+        w2: list,  # E x MXFP4 [H, I]
+        b13: list[torch.Tensor] | None,  # E x [2I], or None
+        b2: list[torch.Tensor] | None,  # E x [H], or None
+        act: str,
+        limit: float = 0.0,
+        alpha: float = 0.0,
+    ):
+        self.count = len(w13)
+        self.hidden, self.inter = w2[0].shape
+        self.act, self.limit, self.alpha = self.ACTS[act], limit, alpha
+        # the tensors stay referenced: the pointer arrays point into them
+        self._keep = [m.blocks for m in (*w13, *w2)] + [m.scales for m in (*w13, *w2)]
+        self._b13 = [b.to(torch.bfloat16).contiguous() for b in b13] if b13 else None
+        self._b2 = [b.to(torch.bfloat16).contiguous() for b in b2] if b2 else None
+
+        def ptrs(ts):
+            return (ctypes.c_void_p * len(ts))(*(t.data_ptr() for t in ts)) if ts else None
+
+        self._p = [
+            *(ptrs([m.blocks for m in w13]), ptrs([m.scales for m in w13]), ptrs(self._b13)),
+            *(ptrs([m.blocks for m in w2]), ptrs([m.scales for m in w2]), ptrs(self._b2)),
+        ]
+
+    @classmethod
+    def usable(cls, w13: list, w2: list, act: str) -> bool:
+        if not (w13 and usable() and act in cls.ACTS):
+            return False
+        hidden, inter = w2[0].shape
+        return (
+            hidden % 32 == 0
+            and inter % 32 == 0
+            and all(m.shape == (2 * inter, hidden) for m in w13)
+            and all(m.shape == (hidden, inter) for m in w2)
+            and all(m.blocks.device.type == "cpu" for m in (*w13, *w2))
+            and all(m.blocks.is_contiguous() and m.scales.is_contiguous() for m in (*w13, *w2))
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, H] bf16
+        expert_ids: torch.Tensor,  # [T, k] int: global ids as routed (other shards' skipped)
+        expert_weights: torch.Tensor,  # [T, k] float: routing weights
+        first: int,  # global id of the first expert held
+        out: torch.Tensor,  # [T, H] bf16, contiguous, accumulated into
+    ) -> None:
+        x = x if x.is_contiguous() else x.contiguous()
+        ids = expert_ids.to(torch.int32).contiguous()
+        w = expert_weights.float().contiguous()
+        rc = gemm._lib().afd_mxfp4_moe(
+            x.data_ptr(), ids.data_ptr(), w.data_ptr(), ids.shape[1], first, *self._p,
+            out.data_ptr(), out.shape[0], self.count, self.hidden, self.inter, self.act,
+            self.limit, self.alpha, torch.get_num_threads(),
+            gemm.ISAS.get(paths.active().matmul, 0),
+        )  # fmt: skip
+        if rc:
+            raise RuntimeError(f"afd_mxfp4_moe failed ({rc}: out of memory?)")

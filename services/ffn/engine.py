@@ -23,7 +23,7 @@ from afd.quant import dequantize_fp8
 from afd.runtime import release_load_memory, tune_allocator
 from afd.sharding import ExpertShard
 from services.ffn.experts import ExpertGroup, MLPWeights, routed_experts
-from services.ffn.kinds import activation
+from services.ffn.kinds import activation, native_spec
 from services.ffn.workspace import ExpertWorkspace
 
 log = logging.getLogger("afd.ffn")
@@ -78,6 +78,7 @@ class FFNEngine:
                     act=act,
                     workspace=self.workspace,
                     layer=i,
+                    act_spec=native_spec(cfg),
                 )
                 if cfg.shared_expert_intermediate_size and shard.owns_dense:
                     self.shared[i] = _mlp(w, f"layers.{i}.shared", act)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.kernels import mxfp4 as native_mxfp4
 from afd.kernels.moe import NativeExperts
 from afd.ops import Linear
 from services.ffn.kinds import Activation, mlp, swiglu
@@ -70,6 +71,7 @@ class ExpertGroup:
     workspace: ExpertWorkspace | None = None
     layer: int = -1
     stacked: Stacked | None = None  # the torch path's experts as stacks (grouped matmuls)
+    fused_mx: native_mxfp4.FusedExperts | None = None  # MXFP4 experts in one native call
 
     @staticmethod
     def build(
@@ -79,6 +81,7 @@ class ExpertGroup:
         act: Activation = swiglu,
         workspace: ExpertWorkspace | None = None,
         layer: int = -1,
+        act_spec: tuple[str, float, float] = ("swiglu", 0.0, 0.0),  # kinds.native_spec
     ) -> ExpertGroup:
         weights13, weights2 = [lin.w for lin in w13], [lin.w for lin in w2]
         plain = act is swiglu and all(lin.bias is None for lin in (*w13, *w2))
@@ -92,7 +95,8 @@ class ExpertGroup:
         if stacked is not None:  # each Linear multiplies its slice of the stack: one copy
             w13 = [Linear(stacked.w13[e], lin.bias) for e, lin in enumerate(w13)]
             w2 = [Linear(stacked.w2[e], lin.bias) for e, lin in enumerate(w2)]
-        return ExpertGroup(first, w13, w2, act, fused, workspace, layer, stacked)
+        fused_mx = _fused_mxfp4(w13, w2, act_spec) if workspace is None else None
+        return ExpertGroup(first, w13, w2, act, fused, workspace, layer, stacked, fused_mx)
 
     @property
     def count(self) -> int:
@@ -105,6 +109,24 @@ class ExpertGroup:
         return self.workspace.get(
             (self.layer, e), lambda: (_expand(self.w13[e], dtype), _expand(self.w2[e], dtype))
         )
+
+
+def _fused_mxfp4(
+    w13: list[Linear], w2: list[Linear], act_spec: tuple[str, float, float]
+) -> native_mxfp4.FusedExperts | None:
+    """The fused native call for MXFP4 experts multiplied as stored, where it computes them."""
+    lins = (*w13, *w2)
+    if not all(lin.mx is not None for lin in lins):
+        return None
+    biased = [lin.bias is not None for lin in lins]
+    if any(biased) and not all(biased):
+        return None
+    m13, m2 = [lin.mx for lin in w13], [lin.mx for lin in w2]
+    if not native_mxfp4.FusedExperts.usable(m13, m2, act_spec[0]):
+        return None
+    b13 = [lin.bias for lin in w13] if biased[0] else None
+    b2 = [lin.bias for lin in w2] if biased[0] else None
+    return native_mxfp4.FusedExperts(m13, m2, b13, b2, *act_spec)
 
 
 def _expand(lin: Linear, dtype: torch.dtype) -> Linear:
@@ -126,6 +148,10 @@ def routed_experts(
     Hugging Face reference does) with one index_add_.
     """
     T, k = expert_ids.shape
+    fused_mx = group.fused_mx is not None and native_mxfp4.usable()
+    if fused_mx and out.is_contiguous() and x.dtype == out.dtype == torch.bfloat16:
+        group.fused_mx(x, expert_ids, expert_weights, group.first, out)  # the loop below, fused
+        return out
     # from as many rows per expert as oneDNN's matmul is faster from, the Linears take over
     native = group.native is not None and group.w13[0].ours(T * k // group.count)
     if native and out.is_contiguous() and x.dtype == out.dtype == torch.bfloat16:

@@ -42,6 +42,11 @@ def activation(cfg: ModelConfig) -> Activation:
     return FFN_KINDS[cfg.ffn](cfg)
 
 
+def native_spec(cfg: ModelConfig) -> tuple[str, float, float]:
+    """The kind with its parameters (limit, alpha), as the fused native experts take it."""
+    return cfg.ffn, cfg.swiglu_limit, cfg.swiglu_alpha
+
+
 def mlp(x: torch.Tensor, w13: Linear, w2: Linear, act: Activation = swiglu) -> torch.Tensor:
     """down(act(gate(x), up(x))) with gate and up fused: w13 [2I, H] (gate rows, then up rows),
     w2 [H, I]; x [T, H] -> [T, H]."""

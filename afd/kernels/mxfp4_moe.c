@@ -1,0 +1,158 @@
+/* Routed MXFP4 experts, fused (loaded with ctypes by afd/kernels/mxfp4.py): one call per layer
+ * for every expert a shard holds, where the torch path (services/ffn/experts.py) issues about
+ * fifteen ops per expert around the MXFP4 matmuls (gpt-oss: biases, the clamped SwiGLU).
+ *
+ * The (token, expert) pairs held here are sorted by expert (moe.c's counting sort); then, for
+ * each expert e with n tokens, with every step rounded to bf16 as the torch path rounds it:
+ *   h      = bf16(x[tokens] @ w13[e]^T), then bf16(h + b13[e]) with a bias
+ *   gate, up = h[:, :I], h[:, I:]
+ *   a      = act(gate, up): 0, SwiGLU: bf16(bf16(silu(gate)) * up);
+ *            1, gpt-oss's clamped SwiGLU: gate = min(gate, limit), up = clamp(up, +-limit),
+ *            bf16(bf16(up + 1) * bf16(gate * bf16(sigmoid(bf16(gate * alpha)))))
+ *   y      = bf16(a @ w2[e]^T), then bf16(y + b2[e]) with a bias
+ *   ys     = bf16(y * bf16(weight))
+ * and out[token] += ys in pair order, summed in fp32 and rounded once (index_add_). The matmuls
+ * are mxfp4.c's (the same sums as the torch path's per-expert calls, so the same bits), in
+ * units of NU weight rows over every held expert, handed to threads in guided runs (mxfp4.c
+ * says why). The results differ from the torch path only where expf differs from torch's in
+ * the last bit inside silu or sigmoid (rarely, and by one bf16 ulp). */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "mxfp4.h"
+
+#define NU 8 /* weight rows per work unit */
+
+static inline float with_bias(float acc, const uint16_t *bias, int j) {
+  float h = bf16_round(acc);
+  return bias ? bf16_round(h + bf16_value(bias[j])) : h;
+}
+
+/* One pair's activation, from its fp32 gate|up sums [2I] to a [I] (bf16 values). */
+static void activate(const float *gu, const uint16_t *bias, int I, int act, float limit,
+                     float alpha, uint16_t *a) {
+  for (int j = 0; j < I; j++) {
+    float g = with_bias(gu[j], bias, j), u = with_bias(gu[I + j], bias, I + j);
+    if (act == 0) {
+      float s = bf16_round(g / (1.0f + expf(-g)));
+      a[j] = to_bf16(s * u);
+    } else {
+      g = g > limit ? limit : g;
+      u = u > limit ? limit : (u < -limit ? -limit : u);
+      float ga = bf16_round(g * alpha);
+      float sig = bf16_round(1.0f / (1.0f + expf(-ga)));
+      float glu = bf16_round(g * sig);
+      a[j] = to_bf16(bf16_round(u + 1.0f) * glu);
+    }
+  }
+}
+
+/* x [T, H] bf16; ids [T, topk] int32 (global expert ids) and gate [T, topk] fp32 as routed;
+ * this shard holds experts first .. first + E - 1: b13[e], s13[e] the blocks and scales of
+ * w13 [2I, H] (gate rows, then up rows), b2[e], s2[e] those of w2 [H, I]; bias13[e] [2I] and
+ * bias2[e] [H] bf16, or NULL arrays for none. act and its limit and alpha as above; isa 1:
+ * AVX-512 BF16. out [T, H] bf16, accumulated into. Returns 0, -1 for H or I not a multiple of
+ * 32 or bad sizes, -2 when memory is short. */
+int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int topk, int first,
+                  const uint8_t *const *b13, const uint8_t *const *s13,
+                  const uint16_t *const *bias13, const uint8_t *const *b2,
+                  const uint8_t *const *s2, const uint16_t *const *bias2, uint16_t *out, int T,
+                  int E, int H, int I, int act, float limit, float alpha, int threads, int isa) {
+  if (H % 32 || I % 32 || E <= 0 || topk < 0 || T < 0) return -1;
+  int32_t *starts = (int32_t *)calloc((size_t)E + 1, sizeof(int32_t));
+  if (!starts) return -2;
+  int P = 0;
+  for (int p = 0; p < T * topk; p++) {
+    int e = ids[p] - first;
+    if (e >= 0 && e < E) starts[e + 1]++, P++;
+  }
+  if (P == 0) {
+    free(starts);
+    return 0;
+  }
+  for (int e = 0; e < E; e++) starts[e + 1] += starts[e];
+  const int wide = isa == 1, G13 = H / 32, G2 = I / 32;
+  const size_t nx = wide ? (size_t)(G13 / 2) * 64 : (size_t)H;  /* per row: x for w13 */
+  const size_t na = wide ? (size_t)(G2 / 2) * 64 : (size_t)I;   /* per row: a for w2 */
+  int64_t *tokens = malloc((size_t)P * sizeof(int64_t));
+  float *weights = malloc((size_t)P * sizeof(float));
+  int32_t *fill = malloc((size_t)E * sizeof(int32_t));
+  int32_t *expert = malloc((size_t)P * sizeof(int32_t)); /* each pair's (local) expert */
+  int *held = malloc((size_t)E * sizeof(int));
+  uint16_t *xs = malloc((size_t)P * H * sizeof(uint16_t));   /* x[tokens], by expert */
+  uint16_t *as = malloc((size_t)P * I * sizeof(uint16_t));   /* activations */
+  float *gu = malloc((size_t)P * 2 * I * sizeof(float));     /* w13 sums */
+  float *ya = malloc((size_t)P * H * sizeof(float));         /* w2 sums */
+  float *xp = wide ? NULL : malloc((size_t)P * nx * sizeof(float));
+  float *ap = wide ? NULL : malloc((size_t)P * na * sizeof(float));
+  uint16_t *xb = wide ? malloc((size_t)P * nx * sizeof(uint16_t) + 64) : NULL;
+  uint16_t *ab = wide ? malloc((size_t)P * na * sizeof(uint16_t) + 64) : NULL;
+  float *xt = wide ? malloc((size_t)P * 32 * sizeof(float) + 64) : NULL;
+  float *at = wide ? malloc((size_t)P * 32 * sizeof(float) + 64) : NULL;
+  float *acc = malloc((size_t)T * H * sizeof(float));
+  int ok = tokens && weights && fill && expert && held && xs && as && gu && ya && acc &&
+           (wide ? xb && ab && xt && at : xp && ap);
+  if (!ok) {
+    free(starts), free(tokens), free(weights), free(fill), free(expert), free(held), free(xs), free(as);
+    free(gu), free(ya), free(xp), free(ap), free(xb), free(ab), free(xt), free(at), free(acc);
+    return -2;
+  }
+  for (int e = 0; e < E; e++) fill[e] = starts[e];
+  for (int p = 0; p < T * topk; p++) {
+    int e = ids[p] - first;
+    if (e >= 0 && e < E) {
+      int q = fill[e]++;
+      tokens[q] = p / topk;
+      expert[q] = e;
+      weights[q] = bf16_round(gate[p]);
+    }
+  }
+  int nheld = 0;
+  for (int e = 0; e < E; e++)
+    if (starts[e + 1] > starts[e]) held[nheld++] = e;
+  for (int p = 0; p < P; p++) memcpy(xs + (size_t)p * H, x + tokens[p] * H, (size_t)H * 2);
+  int vmap[64];
+  afd_mxfp4_vmap(wide, vmap);
+  const int u13 = (2 * I + NU - 1) / NU, u2 = (H + NU - 1) / NU;
+  const int t = threads > 1 ? threads : 1;
+#pragma omp parallel num_threads(t) if (t > 1)
+  {
+#pragma omp for schedule(static)
+    for (int p = 0; p < P; p++) afd_mxfp4_prepare_row(xs, 0, wide, vmap, p, H, xp, xb, xt);
+#pragma omp for schedule(guided)
+    for (int u = 0; u < nheld * u13; u++) { /* gate|up sums of each expert's pairs */
+      int e = held[u / u13], p0 = starts[e], n = starts[e + 1] - p0;
+      int n0 = u % u13 * NU, n1 = n0 + NU < 2 * I ? n0 + NU : 2 * I;
+      afd_mxfp4_rows(xp ? xp + p0 * nx : NULL, xb ? xb + p0 * nx : NULL, xt ? xt + p0 * 32 : NULL,
+                     wide, b13[e], s13[e], gu + (size_t)p0 * 2 * I, n, 2 * I, G13, n0, n1);
+    }
+#pragma omp for schedule(static)
+    for (int p = 0; p < P; p++) {
+      activate(gu + (size_t)p * 2 * I, bias13 ? bias13[expert[p]] : NULL, I, act, limit, alpha,
+               as + (size_t)p * I);
+      afd_mxfp4_prepare_row(as, 0, wide, vmap, p, I, ap, ab, at);
+    }
+#pragma omp for schedule(guided)
+    for (int u = 0; u < nheld * u2; u++) { /* down sums */
+      int e = held[u / u2], p0 = starts[e], n = starts[e + 1] - p0;
+      int n0 = u % u2 * NU, n1 = n0 + NU < H ? n0 + NU : H;
+      afd_mxfp4_rows(ap ? ap + p0 * na : NULL, ab ? ab + p0 * na : NULL, at ? at + p0 * 32 : NULL,
+                     wide, b2[e], s2[e], ya + (size_t)p0 * H, n, H, G2, n0, n1);
+    }
+  }
+  /* ys = bf16(bf16(y [+ bias]) * weight), summed into out in pair order (index_add_) */
+  for (size_t i = 0; i < (size_t)T * H; i++) acc[i] = bf16_value(out[i]);
+  for (int p = 0; p < P; p++) {
+    float *o = acc + tokens[p] * H;
+    const float *y = ya + (size_t)p * H;
+    const uint16_t *bias = bias2 ? bias2[expert[p]] : NULL;
+    for (int k = 0; k < H; k++) o[k] += bf16_round(with_bias(y[k], bias, k) * weights[p]);
+  }
+  for (size_t i = 0; i < (size_t)T * H; i++) out[i] = to_bf16(acc[i]);
+  free(starts), free(tokens), free(weights), free(fill), free(expert), free(held), free(xs), free(as);
+  free(gu), free(ya), free(xp), free(ap), free(xb), free(ab), free(xt), free(at), free(acc);
+  return 0;
+}
