@@ -47,6 +47,9 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_moe.argtypes = [p, p, p, i, i, p, p, p, i, i, i, i, i, i, i]
     lib.afd_bf16_moe.restype = i
     f = ctypes.c_float
+    lib.afd_bf16_moe_ext.argtypes = [p, p, p, i, i, p, p, p] + [i] * 7 + [p, p, i, f, f]
+    lib.afd_bf16_moe_ext.restype = i
+    f = ctypes.c_float
     lib.afd_bf16_decode_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
     lib.afd_bf16_decode_attention.restype = i
     ext = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, p, i, i]
@@ -72,7 +75,6 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_mxfp4_to_bf16.restype = i
     lib.afd_mxfp4_linear.argtypes = [p, p, p, p, i, i, i, i, i, i]
     lib.afd_mxfp4_linear.restype = i
-    f = ctypes.c_float
     lib.afd_mxfp4_moe.argtypes = [p, p, p, i, i] + [p] * 7 + [i] * 5 + [f, f, i, i]
     lib.afd_mxfp4_moe.restype = i
     return lib

@@ -3,13 +3,14 @@
  * One call per layer for every routed expert a shard holds, instead of ~6 torch ops per expert:
  * the (token, expert) pairs this shard holds are sorted by expert, then for each expert e with
  * n tokens,
- *   gate|up = x[tokens] @ w13[e]^T      (bf16, as F.linear)
- *   a       = bf16(bf16(silu(gate)) * up) (as F.silu then *, each rounded to bf16)
- *   y       = a @ w2[e]^T                 (bf16)
+ *   gate|up = x[tokens] @ w13[e]^T      (bf16, as F.linear), + its bias (bf16) where it has one
+ *   a       = bf16(bf16(silu(gate)) * up) (as F.silu then *, each rounded to bf16), or gpt-oss's
+ *             clamped SwiGLU (experts.h)
+ *   y       = a @ w2[e]^T                 (bf16), + its bias (bf16) where it has one
  *   ys      = bf16(y * weight)            (the pair's routing weight, a bf16 value)
  * then out[token] += ys in pair order, summed in fp32 and rounded once, as index_add_ does: every
  * rounding step of the torch path in services/ffn/experts.py, so the two agree (bar a rare last-bit
- * difference of expf inside silu). Each matmul is cut into units of ROWS_PER_UNIT weight rows,
+ * difference of expf inside the activation). Each matmul is cut into units of ROWS_PER_UNIT weight rows,
  * every expert's units taken by whichever thread comes free (bf16.h); the sum is serial. */
 #include <math.h>
 #include <omp.h>
@@ -17,16 +18,21 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "experts.h"
 
 /* x [T, H]; ids [T, topk] (int32, global expert ids) and gate weights [T, topk] (fp32) as routed;
  * this shard holds experts first .. first + E - 1: w13 [E] -> [2I, H], w2 [E] -> [H, I];
  * out [T, H] accumulated into. All bf16 except as noted. reverse: visit the experts last to
  * first (the results do not change). isa: 0 for the AVX2 matmul on gemm.py's packed weights, 1
- * for the AVX-512 BF16 one on row-major weights (gemm512.c). Returns 0, or -1 when H or I is not
- * a multiple of 8 or memory is short. */
-int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int topk, int first,
-                 const uint16_t *const *w13, const uint16_t *const *w2, uint16_t *out, int T,
-                 int E, int H, int I, int threads, int reverse, int isa) {
+ * for the AVX-512 BF16 one on row-major weights (gemm512.c). b13 [E] -> [2I] and b2 [E] -> [H]:
+ * the experts' biases (gpt-oss), or NULL for none; act, limit, alpha: the activation
+ * (experts.h), SwiGLU above. Returns 0, or -1 when H or I is not a multiple of 8 or memory is
+ * short. */
+int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, int topk,
+                     int first, const uint16_t *const *w13, const uint16_t *const *w2,
+                     uint16_t *out, int T, int E, int H, int I, int threads, int reverse, int isa,
+                     const uint16_t *const *b13, const uint16_t *const *b2, int act_kind,
+                     float limit, float alpha) {
   if (H % 8 != 0 || I % 8 != 0 || E <= 0 || topk < 0) return -1;
   /* The (token, expert) pairs held here, sorted by expert, stable in t * topk + j order (the torch
    * path's argsort): a counting sort. Each pair's weight rounded to bf16 as the torch path. */
@@ -46,8 +52,9 @@ int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int t
   float *weights = (float *)malloc((size_t)P * sizeof(float));
   uint16_t *ys = (uint16_t *)malloc((size_t)P * H * sizeof(uint16_t));
   int32_t *fill = (int32_t *)malloc((size_t)E * sizeof(int32_t));
-  if (!tokens || !weights || !ys || !fill) {
-    free(starts), free(tokens), free(weights), free(ys), free(fill);
+  int32_t *expert = (int32_t *)malloc((size_t)P * sizeof(int32_t)); /* each pair's */
+  if (!tokens || !weights || !ys || !fill || !expert) {
+    free(starts), free(tokens), free(weights), free(ys), free(fill), free(expert);
     return -1;
   }
   for (int e = 0; e < E; e++) fill[e] = starts[e];
@@ -56,6 +63,7 @@ int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int t
     if (e >= 0 && e < E) {
       int q = fill[e]++;
       tokens[q] = p / topk;
+      expert[q] = e;
       weights[q] = bf16_round(gate[p]);
     }
   }
@@ -73,7 +81,7 @@ int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int t
   int *units = (int *)malloc((size_t)E * sizeof(int)); /* the held experts */
   if (!xs || !gu || !act || !wt || !units) {
     free(starts), free(tokens), free(weights), free(ys), free(xs), free(gu), free(act), free(wt);
-    free(units);
+    free(units), free(expert);
     return -1;
   }
   for (int p = 0; p < P; p++) {
@@ -106,16 +114,18 @@ int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int t
                  H, n0, n1, mine);
     }
 #pragma omp for schedule(static)
-    for (int p = 0; p < P; p++) /* a = bf16(bf16(silu(gate)) * up) */
+    for (int p = 0; p < P; p++) { /* a = act(gate [+ bias], up [+ bias]) */
+      const uint16_t *bias = b13 ? b13[expert[p]] : NULL;
       for (int j = 0; j < I; j++) {
-        float g = bf16_value(gu[(size_t)p * 2 * I + j]);
-        float v = bf16_value(gu[(size_t)p * 2 * I + I + j]);
-        float s = bf16_round(g / (1.0f + expf(-g)));
+        float g = afd_biased(bf16_value(gu[(size_t)p * 2 * I + j]), bias, j);
+        float v = afd_biased(bf16_value(gu[(size_t)p * 2 * I + I + j]), bias, I + j);
+        float a = afd_act(g, v, act_kind, limit, alpha);
         if (isa)
-          ((uint16_t *)act)[(size_t)p * I + j] = to_bf16(s * v);
+          ((uint16_t *)act)[(size_t)p * I + j] = to_bf16(a);
         else
-          ((float *)act)[(size_t)p * I + j] = bf16_round(s * v);
+          ((float *)act)[(size_t)p * I + j] = a;
       }
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int u = 0; u < held * n2; u++) { /* y = a @ w2[e]^T */
       int e = units[u / n2], p0 = starts[e], n = starts[e + 1] - p0;
@@ -128,14 +138,17 @@ int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int t
                  n1, mine);
     }
 #pragma omp for schedule(static)
-    for (int p = 0; p < P; p++) /* ys = bf16(y * weight) */
+    for (int p = 0; p < P; p++) { /* ys = bf16((y [+ bias]) * weight) */
+      const uint16_t *bias = b2 ? b2[expert[p]] : NULL;
       for (int k = 0; k < H; k++)
-        ys[(size_t)p * H + k] = to_bf16(bf16_value(ys[(size_t)p * H + k]) * weights[p]);
+        ys[(size_t)p * H + k] =
+            to_bf16(afd_biased(bf16_value(ys[(size_t)p * H + k]), bias, k) * weights[p]);
+    }
   }
   free(xs), free(gu), free(act), free(wt), free(units);
   float *acc = (float *)malloc((size_t)T * H * sizeof(float));
   if (!acc) {
-    free(starts), free(tokens), free(weights), free(ys);
+    free(starts), free(tokens), free(weights), free(ys), free(expert);
     return -1;
   }
   /* index_add_ on bf16 sums in fp32 and rounds once: the same, pair by pair in order. */
@@ -146,6 +159,14 @@ int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int t
     for (int k = 0; k < H; k++) o[k] += bf16_value(src[k]);
   }
   for (size_t i = 0; i < (size_t)T * H; i++) out[i] = to_bf16(acc[i]);
-  free(acc), free(starts), free(tokens), free(weights), free(ys);
+  free(acc), free(starts), free(tokens), free(weights), free(ys), free(expert);
   return 0;
+}
+
+/* The SwiGLU experts without biases (Qwen3-MoE, Mixtral, DeepSeek, Step-3): decode_stack.c's. */
+int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int topk, int first,
+                 const uint16_t *const *w13, const uint16_t *const *w2, uint16_t *out, int T,
+                 int E, int H, int I, int threads, int reverse, int isa) {
+  return afd_bf16_moe_ext(x, ids, gate, topk, first, w13, w2, out, T, E, H, I, threads, reverse,
+                          isa, NULL, NULL, ACT_SWIGLU, 0.0f, 0.0f);
 }

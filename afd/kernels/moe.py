@@ -10,11 +10,25 @@ import torch
 
 from afd.kernels import gemm
 
+# an activation as the fused calls take it: (kind, limit, alpha), services/ffn/kinds.py's
+# native_spec; ACTS: the kinds experts.h computes
+ActSpec = tuple[str, float, float]
+SWIGLU: ActSpec = ("swiglu", 0.0, 0.0)
+ACTS = {"swiglu": 0, "swiglu_clamped": 1}
+
 
 class NativeExperts:
     """The weight pointers of one layer's experts, kept beside the tensors that own them."""
 
-    def __init__(self, w13: list[torch.Tensor], w2: list[torch.Tensor], isa: str):
+    def __init__(
+        self,
+        w13: list[torch.Tensor],
+        w2: list[torch.Tensor],
+        isa: str,
+        b13: list[torch.Tensor] | None = None,  # E x [2I], the experts' biases (gpt-oss)
+        b2: list[torch.Tensor] | None = None,  # E x [H]
+        act: ActSpec = SWIGLU,
+    ):
         # w13: E x [2I, H], w2: E x [H, I], all bf16, contiguous (the tensors stay referenced),
         # laid out for isa's matmul (ops.Linear)
         self.w13, self.w2, self.isa = w13, w2, isa
@@ -23,6 +37,13 @@ class NativeExperts:
         ptrs = ctypes.c_void_p * self.count
         self._p13 = ptrs(*(w.data_ptr() for w in w13))
         self._p2 = ptrs(*(w.data_ptr() for w in w2))
+        self._b13 = [b.to(torch.bfloat16).contiguous() for b in b13] if b13 else None
+        self._b2 = [b.to(torch.bfloat16).contiguous() for b in b2] if b2 else None
+        self._pb13 = ptrs(*(b.data_ptr() for b in self._b13)) if self._b13 else None
+        self._pb2 = ptrs(*(b.data_ptr() for b in self._b2)) if self._b2 else None
+        self.act = act
+        # what decode_stack.c calls (afd_bf16_moe): no biases, the SwiGLU
+        self.plain = self._b13 is None and act == SWIGLU
         # Successive calls visit the experts in alternating order. A layer's calls come back
         # to back with S >= 2 micro-batches (and M attention servers), and its expert weights
         # (~90 MB on the reference model) overflow the cache: the second call then starts on
@@ -59,7 +80,7 @@ class NativeExperts:
         w = expert_weights
         if w.dtype != torch.float32 or not w.is_contiguous():
             w = w.float().contiguous()
-        rc = gemm._lib().afd_bf16_moe(
+        rc = gemm._lib().afd_bf16_moe_ext(
             x.data_ptr(),
             ids.data_ptr(),
             w.data_ptr(),
@@ -75,6 +96,11 @@ class NativeExperts:
             torch.get_num_threads(),
             self._reverse,
             gemm.ISAS[self.isa],
+            self._pb13,
+            self._pb2,
+            ACTS[self.act[0]],
+            self.act[1],
+            self.act[2],
         )
         self._reverse = not self._reverse
         if rc:

@@ -8,6 +8,7 @@ import ctypes
 import torch
 
 from afd.kernels import gemm, paths
+from afd.kernels.moe import ACTS, ActSpec
 
 
 def usable() -> bool:
@@ -52,21 +53,17 @@ class FusedExperts:
     """A layer's MXFP4 experts in one native call (afd_mxfp4_moe in mxfp4_moe.c): the torch
     path's pair sorting, matmuls, biases, activation and weighted sum, with its roundings."""
 
-    ACTS = {"swiglu": 0, "swiglu_clamped": 1}  # services/ffn/kinds.py's kinds it computes
-
     def __init__(
         self,
         w13: list,  # E x MXFP4 [2I, H] (gate rows, then up rows)
         w2: list,  # E x MXFP4 [H, I]
         b13: list[torch.Tensor] | None,  # E x [2I], or None
         b2: list[torch.Tensor] | None,  # E x [H], or None
-        act: str,
-        limit: float = 0.0,
-        alpha: float = 0.0,
+        act: ActSpec,
     ):
         self.count = len(w13)
         self.hidden, self.inter = w2[0].shape
-        self.act, self.limit, self.alpha = self.ACTS[act], limit, alpha
+        self.act, self.limit, self.alpha = ACTS[act[0]], act[1], act[2]
         # the tensors stay referenced: the pointer arrays point into them
         self._keep = [m.blocks for m in (*w13, *w2)] + [m.scales for m in (*w13, *w2)]
         self._b13 = [b.to(torch.bfloat16).contiguous() for b in b13] if b13 else None
@@ -80,9 +77,9 @@ class FusedExperts:
             *(ptrs([m.blocks for m in w2]), ptrs([m.scales for m in w2]), ptrs(self._b2)),
         ]
 
-    @classmethod
-    def usable(cls, w13: list, w2: list, act: str) -> bool:
-        if not (w13 and usable() and act in cls.ACTS):
+    @staticmethod
+    def usable(w13: list, w2: list) -> bool:
+        if not (w13 and usable()):
             return False
         hidden, inter = w2[0].shape
         return (

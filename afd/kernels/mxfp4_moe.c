@@ -6,47 +6,31 @@
  * each expert e with n tokens, with every step rounded to bf16 as the torch path rounds it:
  *   h      = bf16(x[tokens] @ w13[e]^T), then bf16(h + b13[e]) with a bias
  *   gate, up = h[:, :I], h[:, I:]
- *   a      = act(gate, up): 0, SwiGLU: bf16(bf16(silu(gate)) * up);
- *            1, gpt-oss's clamped SwiGLU: gate = min(gate, limit), up = clamp(up, +-limit),
- *            bf16(bf16(up + 1) * bf16(gate * bf16(sigmoid(bf16(gate * alpha)))))
+ *   a      = act(gate, up) (experts.h: the SwiGLU, or gpt-oss's clamped SwiGLU)
  *   y      = bf16(a @ w2[e]^T), then bf16(y + b2[e]) with a bias
  *   ys     = bf16(y * bf16(weight))
  * and out[token] += ys in pair order, summed in fp32 and rounded once (index_add_). The matmuls
  * are mxfp4.c's (the same sums as the torch path's per-expert calls, so the same bits), in
  * units of NU weight rows over every held expert, handed to threads in guided runs (mxfp4.c
- * says why). The results differ from the torch path only where expf differs from torch's in
- * the last bit inside silu or sigmoid (rarely, and by one bf16 ulp). */
+ * says why). */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "experts.h"
 #include "mxfp4.h"
 
 #define NU 8 /* weight rows per work unit */
 
-static inline float with_bias(float acc, const uint16_t *bias, int j) {
-  float h = bf16_round(acc);
-  return bias ? bf16_round(h + bf16_value(bias[j])) : h;
-}
-
-/* One pair's activation, from its fp32 gate|up sums [2I] to a [I] (bf16 values). */
+/* One pair's activations from its fp32 gate|up sums [2I] (its expert's bias, if any) */
 static void activate(const float *gu, const uint16_t *bias, int I, int act, float limit,
                      float alpha, uint16_t *a) {
   for (int j = 0; j < I; j++) {
-    float g = with_bias(gu[j], bias, j), u = with_bias(gu[I + j], bias, I + j);
-    if (act == 0) {
-      float s = bf16_round(g / (1.0f + expf(-g)));
-      a[j] = to_bf16(s * u);
-    } else {
-      g = g > limit ? limit : g;
-      u = u > limit ? limit : (u < -limit ? -limit : u);
-      float ga = bf16_round(g * alpha);
-      float sig = bf16_round(1.0f / (1.0f + expf(-ga)));
-      float glu = bf16_round(g * sig);
-      a[j] = to_bf16(bf16_round(u + 1.0f) * glu);
-    }
+    float g = afd_biased(bf16_round(gu[j]), bias, j);
+    float u = afd_biased(bf16_round(gu[I + j]), bias, I + j);
+    a[j] = to_bf16(afd_act(g, u, act, limit, alpha));
   }
 }
 
@@ -149,7 +133,7 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
     float *o = acc + tokens[p] * H;
     const float *y = ya + (size_t)p * H;
     const uint16_t *bias = bias2 ? bias2[expert[p]] : NULL;
-    for (int k = 0; k < H; k++) o[k] += bf16_round(with_bias(y[k], bias, k) * weights[p]);
+    for (int k = 0; k < H; k++) o[k] += bf16_round(afd_biased(bf16_round(y[k]), bias, k) * weights[p]);
   }
   for (size_t i = 0; i < (size_t)T * H; i++) out[i] = to_bf16(acc[i]);
   free(starts), free(tokens), free(weights), free(fill), free(expert), free(held), free(xs), free(as);

@@ -23,7 +23,7 @@ from afd.quant import dequantize_fp8
 from afd.runtime import release_load_memory, tune_allocator
 from afd.sharding import ExpertShard
 from services.ffn.experts import ExpertGroup, MLPWeights, routed_experts
-from services.ffn.kinds import activation, native_spec
+from services.ffn.kinds import activation
 from services.ffn.workspace import ExpertWorkspace
 
 log = logging.getLogger("afd.ffn")
@@ -78,7 +78,6 @@ class FFNEngine:
                     act=act,
                     workspace=self.workspace,
                     layer=i,
-                    act_spec=native_spec(cfg),
                 )
                 if cfg.shared_expert_intermediate_size and shard.owns_dense:
                     self.shared[i] = _mlp(w, f"layers.{i}.shared", act)
@@ -104,7 +103,7 @@ class FFNEngine:
         message with that call alone: no shared expert or dense MLP here, no injected delay,
         bf16 on the CPU. None where anything else would run."""
         g = self.experts.get(layer)
-        plain = g is not None and g.native is not None and g.workspace is None
+        plain = g is not None and g.native is not None and g.native.plain and g.workspace is None
         if not plain or self.inject_delay_s or layer in self.shared or layer in self.dense:
             return None
         if self.dtype != torch.bfloat16 or self.device.type != "cpu":

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from afd.kernels import mxfp4 as native_mxfp4
-from afd.kernels.moe import NativeExperts
+from afd.kernels.moe import ActSpec, NativeExperts
 from afd.ops import Linear
-from services.ffn.kinds import Activation, mlp, swiglu
+from services.ffn.kinds import Activation, mlp, native_spec, swiglu
 from services.ffn.workspace import ExpertWorkspace
 
 
@@ -81,21 +81,23 @@ class ExpertGroup:
         act: Activation = swiglu,
         workspace: ExpertWorkspace | None = None,
         layer: int = -1,
-        act_spec: tuple[str, float, float] = ("swiglu", 0.0, 0.0),  # kinds.native_spec
     ) -> ExpertGroup:
         weights13, weights2 = [lin.w for lin in w13], [lin.w for lin in w2]
-        plain = act is swiglu and all(lin.bias is None for lin in (*w13, *w2))
+        spec, biases = native_spec(act), _biases(w13, w2)
         native = (
-            plain
+            spec is not None
+            and biases is not None
             and all(lin.native for lin in (*w13, *w2))
             and NativeExperts.usable(weights13, weights2)
         )
-        fused = NativeExperts(weights13, weights2, w13[0].isa) if native else None
+        fused = (
+            NativeExperts(weights13, weights2, w13[0].isa, *biases, act=spec) if native else None
+        )
         stacked = Stacked.of(w13, w2) if workspace is None else None
         if stacked is not None:  # each Linear multiplies its slice of the stack: one copy
             w13 = [Linear(stacked.w13[e], lin.bias) for e, lin in enumerate(w13)]
             w2 = [Linear(stacked.w2[e], lin.bias) for e, lin in enumerate(w2)]
-        fused_mx = _fused_mxfp4(w13, w2, act_spec) if workspace is None else None
+        fused_mx = _fused_mxfp4(w13, w2, spec, biases) if workspace is None else None
         return ExpertGroup(first, w13, w2, act, fused, workspace, layer, stacked, fused_mx)
 
     @property
@@ -111,22 +113,29 @@ class ExpertGroup:
         )
 
 
+def _biases(
+    w13: list[Linear], w2: list[Linear]
+) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None] | None:
+    """The experts' biases as the fused calls take them: (None, None) where none has one, None
+    where only some have."""
+    biased = [lin.bias is not None for lin in (*w13, *w2)]
+    if not any(biased):
+        return None, None
+    if not all(biased):
+        return None
+    return [lin.bias for lin in w13], [lin.bias for lin in w2]
+
+
 def _fused_mxfp4(
-    w13: list[Linear], w2: list[Linear], act_spec: tuple[str, float, float]
+    w13: list[Linear], w2: list[Linear], spec: ActSpec | None, biases
 ) -> native_mxfp4.FusedExperts | None:
     """The fused native call for MXFP4 experts multiplied as stored, where it computes them."""
-    lins = (*w13, *w2)
-    if not all(lin.mx is not None for lin in lins):
-        return None
-    biased = [lin.bias is not None for lin in lins]
-    if any(biased) and not all(biased):
+    if spec is None or biases is None or not all(lin.mx is not None for lin in (*w13, *w2)):
         return None
     m13, m2 = [lin.mx for lin in w13], [lin.mx for lin in w2]
-    if not native_mxfp4.FusedExperts.usable(m13, m2, act_spec[0]):
+    if not native_mxfp4.FusedExperts.usable(m13, m2):
         return None
-    b13 = [lin.bias for lin in w13] if biased[0] else None
-    b2 = [lin.bias for lin in w2] if biased[0] else None
-    return native_mxfp4.FusedExperts(m13, m2, b13, b2, *act_spec)
+    return native_mxfp4.FusedExperts(m13, m2, *biases, spec)
 
 
 def _expand(lin: Linear, dtype: torch.dtype) -> Linear:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from afd.config import ModelConfig
+from afd.kernels.moe import SWIGLU, ActSpec
 from afd.ops import Linear
 
 # (gate [T, I], up [T, I]) -> [T, I]
@@ -42,9 +43,14 @@ def activation(cfg: ModelConfig) -> Activation:
     return FFN_KINDS[cfg.ffn](cfg)
 
 
-def native_spec(cfg: ModelConfig) -> tuple[str, float, float]:
-    """The kind with its parameters (limit, alpha), as the fused native experts take it."""
-    return cfg.ffn, cfg.swiglu_limit, cfg.swiglu_alpha
+def native_spec(act: Activation) -> ActSpec | None:
+    """The activation as the fused native experts compute it (afd/kernels/experts.h), or None
+    where they do not."""
+    if act is swiglu:
+        return SWIGLU
+    if isinstance(act, partial) and act.func is swiglu_clamped and not act.args:
+        return ("swiglu_clamped", float(act.keywords["limit"]), float(act.keywords["alpha"]))
+    return None
 
 
 def mlp(x: torch.Tensor, w13: Linear, w2: Linear, act: Activation = swiglu) -> torch.Tensor:

@@ -1,0 +1,103 @@
+"""The fused experts calls (moe.c on bf16 weights, mxfp4_moe.c on MXFP4 ones) against the torch
+path they replace (services/ffn/experts.py's loop over experts, each matmul on afd's kernel for
+that weight): the same bits, with and without biases, for both activations they compute, on
+every native kernel path."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+import pytest
+import torch
+
+from afd.mxfp4 import MXFP4, quantize
+from afd.ops import Linear
+from services.ffn.experts import ExpertGroup, routed_experts
+from services.ffn.kinds import swiglu, swiglu_clamped
+from tests.helpers.kernels import NATIVE, NO_NATIVE
+
+H, INTER, E, K = 64, 96, 6, 3  # INTER: 3 blocks of 32, an odd last block on the w2 side
+
+ACTS = {
+    "swiglu": swiglu,
+    "swiglu_clamped": partial(swiglu_clamped, limit=7.0, alpha=1.702),
+}
+PATHS = NATIVE or [pytest.param("none", marks=NO_NATIVE)]
+
+
+def _experts(fmt: str, seed: int, biased: bool, act: str, first: int = 2) -> ExpertGroup:
+    g = torch.Generator().manual_seed(seed)
+
+    def lin(n: int, k: int) -> Linear:
+        w = torch.randn(n, k, generator=g) * 0.3
+        b = torch.randn(n, generator=g).bfloat16() if biased else None
+        return Linear(MXFP4(*quantize(w)) if fmt == "mxfp4" else w.bfloat16(), b)
+
+    w13 = [lin(2 * INTER, H) for _ in range(E)]
+    w2 = [lin(H, INTER) for _ in range(E)]
+    return ExpertGroup.build(first, w13, w2, ACTS[act])
+
+
+def _unfused(group: ExpertGroup) -> ExpertGroup:
+    return replace(group, native=None, fused_mx=None)
+
+
+def _routing(seed: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, H, generator=g) * 2).bfloat16()
+    # global ids 0..E+3: some below and above this shard's 2..E+1
+    ids = torch.stack([torch.randperm(E + 4, generator=g)[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
+    return x, ids, w
+
+
+@pytest.mark.parametrize("kernel_path", PATHS)
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("biased", [True, False])
+def test_fused_experts_give_the_torch_paths_bits(kernel_path, fmt, act, biased):
+    from afd.kernels import paths
+
+    with paths.use(kernel_path):
+        group = _experts(fmt, 1, biased, act)
+        assert (group.fused_mx if fmt == "mxfp4" else group.native) is not None
+        loop = _unfused(group)
+        for T in (1, 5, 33):
+            x, ids, w = _routing(T, T)
+            base = (torch.randn(T, H) * 0.1).bfloat16()
+            fused = routed_experts(x, ids, w, group, base.clone())
+            want = routed_experts(x, ids, w, loop, base.clone())
+            assert not torch.equal(want, base)
+            assert torch.equal(fused, want), (T, (fused != want).sum().item())
+
+
+@pytest.mark.parametrize("kernel_path", PATHS)
+def test_planted_bias_dropped_is_caught(kernel_path, monkeypatch):
+    """The comparison above can fail: either fused call without its gate|up biases differs."""
+    from afd.kernels import paths
+
+    with paths.use(kernel_path):
+        for fmt in ("bf16", "mxfp4"):
+            group = _experts(fmt, 1, True, "swiglu_clamped")
+            if fmt == "mxfp4":
+                p = group.fused_mx._p
+                monkeypatch.setattr(group.fused_mx, "_p", [*p[:2], None, *p[3:]])
+            else:
+                monkeypatch.setattr(group.native, "_pb13", None)
+            x, ids, w = _routing(5, 5)
+            base = torch.zeros(5, H, dtype=torch.bfloat16)
+            fused = routed_experts(x, ids, w, group, base.clone())
+            want = routed_experts(x, ids, w, _unfused(group), base.clone())
+            assert not torch.equal(fused, want), fmt
+
+
+def test_the_decode_stack_never_takes_biased_experts():
+    """decode_stack.c calls the plain SwiGLU experts: gpt-oss's stay out of it."""
+    from services.ffn.engine import FFNEngine
+
+    group = _experts("bf16", 1, True, "swiglu_clamped")
+    engine = FFNEngine.__new__(FFNEngine)
+    engine.experts, engine.shared, engine.dense = {0: group}, {}, {}
+    engine.inject_delay_s, engine.dtype, engine.device = 0.0, torch.bfloat16, torch.device("cpu")
+    assert engine.inline_experts(0) is None
