@@ -49,7 +49,6 @@ def _lib() -> ctypes.CDLL | None:
     f = ctypes.c_float
     lib.afd_bf16_moe_ext.argtypes = [p, p, p, i, i, p, p, p] + [i] * 7 + [p, p, i, f, f]
     lib.afd_bf16_moe_ext.restype = i
-    f = ctypes.c_float
     lib.afd_bf16_decode_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
     lib.afd_bf16_decode_attention.restype = i
     ext = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, p, i, i]
