@@ -3,6 +3,7 @@ all the experts a shard holds, where the torch path issues ~6 ops per expert."""
 
 from __future__ import annotations
 
+import copy
 import ctypes
 from dataclasses import dataclass
 
@@ -49,6 +50,16 @@ class NativeExperts:
         # (~90 MB on the reference model) overflow the cache: the second call then starts on
         # the experts the first one ended with, still in L3, instead of reading them from DRAM.
         self._reverse = False
+
+    def rebind(self, w13: list[torch.Tensor], w2: list[torch.Tensor]) -> NativeExperts:
+        """The same call (biases, activation, layout) on other weights of the same shapes: the
+        expert workspace's converted experts, which change from call to call."""
+        other = copy.copy(self)
+        ptrs = ctypes.c_void_p * self.count
+        other.w13, other.w2 = w13, w2
+        other._p13 = ptrs(*(w.data_ptr() for w in w13))
+        other._p2 = ptrs(*(w.data_ptr() for w in w2))
+        return other
 
     @staticmethod
     def usable(w13: list[torch.Tensor], w2: list[torch.Tensor]) -> bool:

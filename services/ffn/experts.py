@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,6 +72,10 @@ class ExpertGroup:
     layer: int = -1
     stacked: Stacked | None = None  # the torch path's experts as stacks (grouped matmuls)
     fused_mx: native_mxfp4.FusedExperts | None = None  # MXFP4 experts in one native call
+    # with a workspace: the activation and biases for a fused call over its converted
+    # experts, and that call once made (rebound to each call's weights)
+    ws_fused: tuple | None = None
+    ws_call: list = field(default_factory=list)
 
     @staticmethod
     def build(
@@ -98,7 +102,11 @@ class ExpertGroup:
             w13 = [Linear(stacked.w13[e], lin.bias) for e, lin in enumerate(w13)]
             w2 = [Linear(stacked.w2[e], lin.bias) for e, lin in enumerate(w2)]
         fused_mx = _fused_mxfp4(w13, w2, spec, biases) if workspace is None else None
-        return ExpertGroup(first, w13, w2, act, fused, workspace, layer, stacked, fused_mx)
+        usable = workspace is not None and spec is not None and biases is not None
+        ws_fused = (spec, biases) if usable else None
+        return ExpertGroup(
+            first, w13, w2, act, fused, workspace, layer, stacked, fused_mx, ws_fused
+        )
 
     @property
     def count(self) -> int:
@@ -161,6 +169,13 @@ def routed_experts(
     if fused_mx and out.is_contiguous() and x.dtype == out.dtype == torch.bfloat16:
         group.fused_mx(x, expert_ids, expert_weights, group.first, out)  # the loop below, fused
         return out
+    ws_bf16 = group.ws_fused is not None and x.dtype == out.dtype == torch.bfloat16
+    if (
+        ws_bf16
+        and out.is_contiguous()
+        and _workspace_fused(x, expert_ids, expert_weights, group, out)
+    ):
+        return out
     # from as many rows per expert as oneDNN's matmul is faster from, the Linears take over
     native = group.native is not None and group.w13[0].ours(T * k // group.count)
     if native and out.is_contiguous() and x.dtype == out.dtype == torch.bfloat16:
@@ -190,6 +205,39 @@ def routed_experts(
     w = expert_weights.reshape(-1)[pair].to(ys.dtype).unsqueeze(1)  # [P, 1]
     out.index_add_(0, tokens, ys * w)
     return out
+
+
+def _workspace_fused(
+    x: torch.Tensor,  # [T, H] bf16
+    expert_ids: torch.Tensor,  # [T, k] int, global ids
+    expert_weights: torch.Tensor,  # [T, k]
+    group: ExpertGroup,
+    out: torch.Tensor,  # [T, H] bf16, accumulated into
+) -> bool:
+    """The workspace's experts in one fused call (moe.c): every expert the call needs is
+    fetched first (converted on a miss; one evicted meanwhile stays alive until the call
+    ends), the experts it does not need point at one it does (no pair reads them). False,
+    with nothing done, where the converted weights are not on afd's kernels at this size."""
+    T, k = expert_ids.shape
+    local = expert_ids.reshape(-1).long() - group.first
+    used = torch.unique(local[(local >= 0) & (local < group.count)]).tolist()
+    if not used:
+        return True
+    got = {e: group.expert(e, x.dtype) for e in used}
+    w13 = [got.get(e, got[used[0]])[0].w for e in range(group.count)]
+    w2 = [got.get(e, got[used[0]])[1].w for e in range(group.count)]
+    lins = [lin for pair in got.values() for lin in pair]
+    if not (all(lin.native for lin in lins) and lins[0].ours(T * k // group.count)):
+        return False
+    if not NativeExperts.usable(w13, w2):
+        return False
+    if not group.ws_call:
+        spec, (b13, b2) = group.ws_fused
+        call = NativeExperts(w13, w2, lins[0].isa, b13, b2, act=spec)
+        call.w13 = call.w2 = []  # the template holds no converted expert past the pool
+        group.ws_call.append(call)
+    group.ws_call[0].rebind(w13, w2)(x, expert_ids, expert_weights, group.first, out)
+    return True
 
 
 def _grouped(

@@ -101,3 +101,28 @@ def test_the_decode_stack_never_takes_biased_experts():
     engine.experts, engine.shared, engine.dense = {0: group}, {}, {}
     engine.inject_delay_s, engine.dtype, engine.device = 0.0, torch.bfloat16, torch.device("cpu")
     assert engine.inline_experts(0) is None
+
+
+@pytest.mark.parametrize("kernel_path", PATHS)
+@pytest.mark.parametrize("pool_experts", [2, 100])
+def test_workspace_experts_fused_give_the_loops_bits(kernel_path, pool_experts):
+    """MXFP4 experts converted into the workspace, then one fused call over them: the same bits
+    as the loop over the same converted experts, with a pool of two experts (smaller than one
+    call's) and one that holds them all."""
+    from afd.kernels import paths
+    from services.ffn.workspace import ExpertWorkspace
+
+    with paths.use(kernel_path):
+        dense = _experts("mxfp4", 1, True, "swiglu_clamped")
+        expert_bytes = 3 * H * INTER * 2
+        pool = ExpertWorkspace(pool_experts * expert_bytes + 1024)
+        group = ExpertGroup.build(2, dense.w13, dense.w2, dense.act, workspace=pool, layer=0)
+        assert group.ws_fused is not None and group.fused_mx is None
+        loop = replace(group, ws_fused=None)
+        for T in (1, 5, 33):
+            x, ids, w = _routing(T, T)
+            base = (torch.randn(T, H) * 0.1).bfloat16()
+            fused = routed_experts(x, ids, w, group, base.clone())
+            assert group.ws_call, "the fused call did not run"
+            want = routed_experts(x, ids, w, loop, base.clone())
+            assert torch.equal(fused, want), (T, (fused != want).sum().item())
