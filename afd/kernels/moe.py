@@ -51,12 +51,12 @@ class NativeExperts:
         # the experts the first one ended with, still in L3, instead of reading them from DRAM.
         self._reverse = False
 
-    def rebind(self, w13: list[torch.Tensor], w2: list[torch.Tensor]) -> NativeExperts:
-        """The same call (biases, activation, layout) on other weights of the same shapes: the
-        expert workspace's converted experts, which change from call to call."""
+    def rebind(self, w13: list[torch.Tensor], w2: list[torch.Tensor], isa: str) -> NativeExperts:
+        """The same call (biases, activation) on other weights of the same shapes, laid out for
+        isa: the expert workspace's converted experts, which change from call to call."""
         other = copy.copy(self)
         ptrs = ctypes.c_void_p * self.count
-        other.w13, other.w2 = w13, w2
+        other.w13, other.w2, other.isa = w13, w2, isa
         other._p13 = ptrs(*(w.data_ptr() for w in w13))
         other._p2 = ptrs(*(w.data_ptr() for w in w2))
         return other

@@ -217,7 +217,7 @@ def _workspace_fused(
     """The workspace's experts in one fused call (moe.c): every expert the call needs is
     fetched first (converted on a miss; one evicted meanwhile stays alive until the call
     ends), the experts it does not need point at one it does (no pair reads them). False,
-    with nothing done, where the converted weights are not on afd's kernels at this size."""
+    out untouched, where the converted weights are not on afd's kernels at this size."""
     T, k = expert_ids.shape
     local = expert_ids.reshape(-1).long() - group.first
     used = torch.unique(local[(local >= 0) & (local < group.count)]).tolist()
@@ -236,7 +236,7 @@ def _workspace_fused(
         call = NativeExperts(w13, w2, lins[0].isa, b13, b2, act=spec)
         call.w13 = call.w2 = []  # the template holds no converted expert past the pool
         group.ws_call.append(call)
-    group.ws_call[0].rebind(w13, w2)(x, expert_ids, expert_weights, group.first, out)
+    group.ws_call[0].rebind(w13, w2, lins[0].isa)(x, expert_ids, expert_weights, group.first, out)
     return True
 
 
