@@ -61,9 +61,10 @@ def _kernels() -> list[Extension]:
                     "indexer",
                     "mxfp4",
                     "mxfp4_moe",
+                    "experts",
                 )
             ],
-            depends=["afd/kernels/bf16.h", "afd/kernels/mxfp4.h"],
+            depends=["afd/kernels/bf16.h", "afd/kernels/experts.h", "afd/kernels/mxfp4.h"],
             # -mavx2/-mfma: gemm.py loads the library only where ATen dispatches AVX2 or above.
             # fp-contract=off: a*b + c in scalar code stays two roundings, as torch computes it.
             extra_compile_args=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],

@@ -34,40 +34,21 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
                      const uint16_t *const *b13, const uint16_t *const *b2, int act_kind,
                      float limit, float alpha) {
   if (H % 8 != 0 || I % 8 != 0 || E <= 0 || topk < 0) return -1;
-  /* The (token, expert) pairs held here, sorted by expert, stable in t * topk + j order (the torch
-   * path's argsort): a counting sort. Each pair's weight rounded to bf16 as the torch path. */
-  int32_t *starts = (int32_t *)calloc((size_t)E + 1, sizeof(int32_t));
-  int P = 0;
-  if (!starts) return -1;
-  for (int p = 0; p < T * topk; p++) {
-    int e = ids[p] - first;
-    if (e >= 0 && e < E) starts[e + 1]++, P++;
-  }
+  afd_pairs pairs; /* sorted by expert as the torch path's argsort (experts.h) */
+  if (afd_pairs_sort(ids, gate, T, topk, first, E, &pairs)) return -1;
+  const int P = pairs.P;
+  const int32_t *starts = pairs.starts, *expert = pairs.expert;
+  const int64_t *tokens = pairs.tokens;
+  const float *weights = pairs.weights;
   if (P == 0) {
-    free(starts);
+    afd_pairs_free(&pairs);
     return 0;
   }
-  for (int e = 0; e < E; e++) starts[e + 1] += starts[e];
-  int64_t *tokens = (int64_t *)malloc((size_t)P * sizeof(int64_t));
-  float *weights = (float *)malloc((size_t)P * sizeof(float));
   uint16_t *ys = (uint16_t *)malloc((size_t)P * H * sizeof(uint16_t));
-  int32_t *fill = (int32_t *)malloc((size_t)E * sizeof(int32_t));
-  int32_t *expert = (int32_t *)malloc((size_t)P * sizeof(int32_t)); /* each pair's */
-  if (!tokens || !weights || !ys || !fill || !expert) {
-    free(starts), free(tokens), free(weights), free(ys), free(fill), free(expert);
+  if (!ys) {
+    afd_pairs_free(&pairs);
     return -1;
   }
-  for (int e = 0; e < E; e++) fill[e] = starts[e];
-  for (int p = 0; p < T * topk; p++) {
-    int e = ids[p] - first;
-    if (e >= 0 && e < E) {
-      int q = fill[e]++;
-      tokens[q] = p / topk;
-      expert[q] = e;
-      weights[q] = bf16_round(gate[p]);
-    }
-  }
-  free(fill);
   /* Every held pair's row of x, its gate|up and its activation, all experts at once (P rows
    * each, by expert): fp32 for the AVX2 matmul, bf16 for AVX-512. */
   const size_t xsz = isa ? sizeof(uint16_t) : sizeof(float);
@@ -80,8 +61,8 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
   float *wt = (float *)malloc((size_t)t * 4 * K * sizeof(float)); /* afd_rows' scratch */
   int *units = (int *)malloc((size_t)E * sizeof(int)); /* the held experts */
   if (!xs || !gu || !act || !wt || !units) {
-    free(starts), free(tokens), free(weights), free(ys), free(xs), free(gu), free(act), free(wt);
-    free(units), free(expert);
+    free(ys), free(xs), free(gu), free(act), free(wt), free(units);
+    afd_pairs_free(&pairs);
     return -1;
   }
   for (int p = 0; p < P; p++) {
@@ -148,7 +129,8 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
   free(xs), free(gu), free(act), free(wt), free(units);
   float *acc = (float *)malloc((size_t)T * H * sizeof(float));
   if (!acc) {
-    free(starts), free(tokens), free(weights), free(ys), free(expert);
+    free(ys);
+    afd_pairs_free(&pairs);
     return -1;
   }
   /* index_add_ on bf16 sums in fp32 and rounds once: the same, pair by pair in order. */
@@ -159,7 +141,8 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     for (int k = 0; k < H; k++) o[k] += bf16_value(src[k]);
   }
   for (size_t i = 0; i < (size_t)T * H; i++) out[i] = to_bf16(acc[i]);
-  free(acc), free(starts), free(tokens), free(weights), free(ys), free(expert);
+  free(acc), free(ys);
+  afd_pairs_free(&pairs);
   return 0;
 }
 

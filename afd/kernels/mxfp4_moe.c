@@ -46,25 +46,19 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
                   const uint8_t *const *s2, const uint16_t *const *bias2, uint16_t *out, int T,
                   int E, int H, int I, int act, float limit, float alpha, int threads, int isa) {
   if (H % 32 || I % 32 || E <= 0 || topk < 0 || T < 0) return -1;
-  int32_t *starts = (int32_t *)calloc((size_t)E + 1, sizeof(int32_t));
-  if (!starts) return -2;
-  int P = 0;
-  for (int p = 0; p < T * topk; p++) {
-    int e = ids[p] - first;
-    if (e >= 0 && e < E) starts[e + 1]++, P++;
-  }
+  afd_pairs pairs; /* sorted by expert as the torch path's argsort (experts.h) */
+  if (afd_pairs_sort(ids, gate, T, topk, first, E, &pairs)) return -2;
+  const int P = pairs.P;
+  const int32_t *starts = pairs.starts, *expert = pairs.expert;
+  const int64_t *tokens = pairs.tokens;
+  const float *weights = pairs.weights;
   if (P == 0) {
-    free(starts);
+    afd_pairs_free(&pairs);
     return 0;
   }
-  for (int e = 0; e < E; e++) starts[e + 1] += starts[e];
   const int wide = isa == 1, G13 = H / 32, G2 = I / 32;
   const size_t nx = wide ? (size_t)(G13 / 2) * 64 : (size_t)H;  /* per row: x for w13 */
   const size_t na = wide ? (size_t)(G2 / 2) * 64 : (size_t)I;   /* per row: a for w2 */
-  int64_t *tokens = malloc((size_t)P * sizeof(int64_t));
-  float *weights = malloc((size_t)P * sizeof(float));
-  int32_t *fill = malloc((size_t)E * sizeof(int32_t));
-  int32_t *expert = malloc((size_t)P * sizeof(int32_t)); /* each pair's (local) expert */
   int *held = malloc((size_t)E * sizeof(int));
   uint16_t *xs = malloc((size_t)P * H * sizeof(uint16_t));   /* x[tokens], by expert */
   uint16_t *as = malloc((size_t)P * I * sizeof(uint16_t));   /* activations */
@@ -77,22 +71,13 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
   float *xt = wide ? malloc((size_t)P * 32 * sizeof(float) + 64) : NULL;
   float *at = wide ? malloc((size_t)P * 32 * sizeof(float) + 64) : NULL;
   float *acc = malloc((size_t)T * H * sizeof(float));
-  int ok = tokens && weights && fill && expert && held && xs && as && gu && ya && acc &&
+  int ok = held && xs && as && gu && ya && acc &&
            (wide ? xb && ab && xt && at : xp && ap);
   if (!ok) {
-    free(starts), free(tokens), free(weights), free(fill), free(expert), free(held), free(xs), free(as);
-    free(gu), free(ya), free(xp), free(ap), free(xb), free(ab), free(xt), free(at), free(acc);
+    free(held), free(xs), free(as), free(gu), free(ya), free(xp), free(ap), free(xb), free(ab);
+    free(xt), free(at), free(acc);
+    afd_pairs_free(&pairs);
     return -2;
-  }
-  for (int e = 0; e < E; e++) fill[e] = starts[e];
-  for (int p = 0; p < T * topk; p++) {
-    int e = ids[p] - first;
-    if (e >= 0 && e < E) {
-      int q = fill[e]++;
-      tokens[q] = p / topk;
-      expert[q] = e;
-      weights[q] = bf16_round(gate[p]);
-    }
   }
   int nheld = 0;
   for (int e = 0; e < E; e++)
@@ -136,7 +121,8 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
     for (int k = 0; k < H; k++) o[k] += bf16_round(afd_biased(bf16_round(y[k]), bias, k) * weights[p]);
   }
   for (size_t i = 0; i < (size_t)T * H; i++) out[i] = to_bf16(acc[i]);
-  free(starts), free(tokens), free(weights), free(fill), free(expert), free(held), free(xs), free(as);
-  free(gu), free(ya), free(xp), free(ap), free(xb), free(ab), free(xt), free(at), free(acc);
+  free(held), free(xs), free(as), free(gu), free(ya), free(xp), free(ap), free(xb), free(ab);
+  free(xt), free(at), free(acc);
+  afd_pairs_free(&pairs);
   return 0;
 }
