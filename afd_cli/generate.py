@@ -17,7 +17,6 @@ from afd.control import SamplingParams
 from afd.errors import ConfigError
 from afd.flags import build, option
 from afd.tokenizer import ModelTokenizer
-from afd_cli.local import local_engine
 from services.attention.flags import add_compute_flags, add_engine_flags, engine_config
 
 log = logging.getLogger("afd.generate")
@@ -108,6 +107,8 @@ def run(job: GenerateJob) -> int:
         for p in job.prompts
     ]
     prompts = [tok.encode(t) for t in texts]
+    from afd_cli.local import local_engine  # torch: only once a generation runs
+
     with local_engine(job.engine, job.num_ffn) as eng:
         t0 = time.perf_counter()
         reqs = eng.generate(prompts, job.sampling)

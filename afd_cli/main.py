@@ -109,35 +109,88 @@ def _bench_parser(sub) -> None:
     p.set_defaults(func=_run_bench)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from afd.plan import cli as plan_cli
-    from afd_cli import generate, quantize, serve
-    from services.attention import flags as attention_flags
+def _add_generate(sub) -> None:
+    from afd_cli import generate
+
+    generate.add_parser(sub).set_defaults(func=_run_generate)
+
+
+def _add_ffn(sub) -> None:
     from services.ffn import flags as ffn_flags
+
+    ffn_flags.add_parser(sub).set_defaults(func=_run_ffn)
+
+
+def _add_attention(sub) -> None:
+    from services.attention import flags as attention_flags
+
+    attention_flags.add_parser(sub).set_defaults(func=_run_attention)
+
+
+def _add_keys(sub) -> None:
+    keys = sub.add_parser("keys", help="create a ZeroMQ CURVE key directory for --curve-dir")
+    keys.add_argument("--out", required=True, help="directory to create")
+    keys.set_defaults(func=_run_keys)
+
+
+def _add_gateway(sub) -> None:
     from services.gateway import flags as gateway_flags
 
+    gateway_flags.add_parser(sub).set_defaults(func=_run_gateway)
+
+
+def _add_serve(sub) -> None:
+    from afd_cli import serve
+
+    serve.add_parser(sub).set_defaults(func=serve.run)
+
+
+def _add_quantize(sub) -> None:
+    from afd_cli import quantize
+
+    quantize.add_parser(sub)
+
+
+def _add_plan(sub) -> None:
+    from afd.plan import cli as plan_cli
+
+    plan_cli.add_parser(sub).set_defaults(func=plan_cli.run)
+
+
+# Subcommand -> what adds its parser. Each imports its own flags, and some of those import the
+# services (torch among them); a process that runs one command builds only that command's
+# parser, so `afd gateway` (which `afd serve` restarts when it dies) starts without torch.
+COMMANDS = {
+    "generate": _add_generate,
+    "ffn": _add_ffn,
+    "attention": _add_attention,
+    "keys": _add_keys,
+    "gateway": _add_gateway,
+    "serve": _add_serve,
+    "quantize": _add_quantize,
+    "bench": _bench_parser,
+    "plan": _add_plan,
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or, given a command, the parser with that command only."""
     parser = argparse.ArgumentParser(
         prog="afd", description="Attention-FFN disaggregated MoE inference server"
     )
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
-    generate.add_parser(sub).set_defaults(func=_run_generate)
-    ffn_flags.add_parser(sub).set_defaults(func=_run_ffn)
-    attention_flags.add_parser(sub).set_defaults(func=_run_attention)
-    keys = sub.add_parser("keys", help="create a ZeroMQ CURVE key directory for --curve-dir")
-    keys.add_argument("--out", required=True, help="directory to create")
-    keys.set_defaults(func=_run_keys)
-    gateway_flags.add_parser(sub).set_defaults(func=_run_gateway)
-    serve.add_parser(sub).set_defaults(func=serve.run)
-    quantize.add_parser(sub)
-    _bench_parser(sub)
-    plan_cli.add_parser(sub).set_defaults(func=plan_cli.run)
+    for name, add in COMMANDS.items():
+        if command is None or name == command:
+            add(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
+    # the command is the first word that names one (--log-level's value never does)
+    command = next((a for a in argv if a in COMMANDS), None)
+    parser = build_parser(command)
     args, extra = parser.parse_known_args(argv)
     if args.command == "bench":  # everything after it is the bench parser's, --help included
         args.rest = argv[argv.index("bench") + 1 :]

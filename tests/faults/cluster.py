@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 import signal
+import ssl
 import time
 import urllib.request
 from dataclasses import dataclass, field, fields
@@ -26,6 +27,10 @@ GRACE_S = next(f.default for f in fields(EngineConfig) if f.name == "ffn_grace_s
 # A request in flight when a peer fails ends within this: the FFN deadline, plus a readiness
 # ping that may hold the engine as long, plus the time the tiny model needs on a busy 2-core box.
 HANG_BOUND_S = 3 * FFN_TIMEOUT_S + 6
+# One TLS context for every client below (they speak plain HTTP, but httpx builds a context per
+# call unless given one: ~40 ms of CPU each, which at 16 clients retrying a refused port starved
+# the very gateway restart the soak waits for).
+_TLS = ssl.create_default_context()
 
 
 def tiny_model(root: Path) -> Path:
@@ -139,7 +144,7 @@ class Cluster:
 
     def ready(self) -> tuple[int, dict]:
         try:
-            r = httpx.get(f"{self.url}/ready", timeout=5)
+            r = httpx.get(f"{self.url}/ready", timeout=5, verify=_TLS)
             return r.status_code, r.json()
         except httpx.HTTPError as e:
             return 0, {"error": str(e)}
@@ -226,7 +231,9 @@ def stream(url: str, max_tokens: int, timeout: float = 60.0, prompt: str = "x") 
     t0 = last = time.monotonic()
     tokens, finish, stall, answered = 0, None, 0.0, False
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=body, timeout=timeout, verify=_TLS
+        ) as r:
             answered = True
             if r.status_code != 200:
                 r.read()
@@ -267,7 +274,7 @@ def hang_up(url: str) -> str:
     """A client that leaves after the first event."""
     body = {"prompt": "x", "max_tokens": 200, "stream": True, "ignore_eos": True}
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30, verify=_TLS) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     return "hung up"

@@ -175,6 +175,7 @@ def test_soak_on_afd_serve_with_every_kind_of_restart(tmp_path, seconds, clients
         print(
             f"\nserve soak: {ran:.0f} s, {clients} clients, {total} requests: {dict(outcomes)}; "
             f"{ok_after[0]} full answers after the last fault; longest stall {stalls[0]:.1f} s; "
+            f"gateway restart {window[0] - t0:.1f} .. {window[1] - t0:.1f} s; "
             f"typed errors {Counter(e[:60] for e in errors).most_common(4)}; fds/RSS MB "
             f"warmed up {before}, at the end {after}; RSS MB over time {samples}"
         )

@@ -38,3 +38,27 @@ def test_building_the_command_line_loads_no_benchmark():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "argv", [["gateway", "--help"], ["--log-level", "DEBUG", "keys", "--help"]]
+)
+def test_a_command_that_needs_no_torch_starts_without_it(argv):
+    """`afd serve` restarts a dead gateway with `afd gateway ...`: building every command's
+    parser would import the services and torch first (seconds on a busy box)."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from afd_cli.main import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit as e:\n    sys.exit(e.code)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "usage: afd" in out.stdout
+
+
+def test_the_full_command_line_still_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert all(c in out for c in ("generate", "ffn", "attention", "gateway", "serve", "bench"))
