@@ -95,7 +95,7 @@ static inline __m256 exp8(__m256 x) {
  * each weight vector converted once per chunk of rows, beats 2- and 4-row loops, and by WIDE_M
  * converting 4 weight rows once into fp32 has caught up with it. */
 #define PAIR_M 3  /* from 3 rows of x: pair_rows, weights converted once per chunk of rows */
-#define WIDE_M 13 /* from 13: 4 weight rows converted once into wt, 3 rows of x at a time */
+#define WIDE_M 13 /* from 13: 4 weight rows converted once into wt, 2 rows of x at a time */
 void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,
               int n1, float *wt);
 

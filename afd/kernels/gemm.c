@@ -8,7 +8,7 @@
  * a 16-bit shift) and used against every row of x. From PAIR_M rows (most experts' token
  * counts) 2 weight rows are converted at a time and used against chunks of up to 6 rows of x.
  * From WIDE_M rows on it is compute-bound: 4 weight rows are converted once into fp32 and used
- * against 3 rows of x at a time. Rows of W are split between threads. Products of two bf16
+ * against 2 rows of x at a time. Rows of W are split between threads. Products of two bf16
  * values are exact in fp32, so the result differs from other fp32-accumulating kernels only by
  * summation order (< 1 bf16 ulp, rarely).
  *
@@ -21,17 +21,18 @@
 
 #include "bf16.h"
 
-/* Rows m0.. of x (fp32) against 4 weight rows already in fp32 (wt [4, K]), 3 rows of x at a
- * time: 12 accumulators + 4 weights in the 16 ymm registers, x read as FMA memory operands.
- * Returns the first row it did not do (fewer than 3 were left). */
+/* Rows m0.. of x (fp32) against 4 weight rows already in fp32 (wt [4, K]), 2 rows of x at a
+ * time: 8 accumulators, 4 weights and x in 13 of the 16 ymm registers. (3 rows of x needed a
+ * 17th register: the compiler kept one accumulator on the stack, and its store-to-load round
+ * trip every iteration held the loop to a third of the FMA rate.) Returns the first row it did
+ * not do (the last one when M is odd). */
 static int wide(const float *xf, const float *wt, uint16_t *y, int M, int N, int K, int n) {
   const float *w0 = wt, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
   int m = 0;
-  for (; m + 3 <= M; m += 3) {
-    const float *x0 = xf + (size_t)m * K, *x1 = x0 + K, *x2 = x1 + K;
+  for (; m + 2 <= M; m += 2) {
+    const float *x0 = xf + (size_t)m * K, *x1 = x0 + K;
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
     __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
     for (int k = 0; k < K; k += 8) {
       __m256 b0 = _mm256_loadu_ps(w0 + k), b1 = _mm256_loadu_ps(w1 + k);
       __m256 b2 = _mm256_loadu_ps(w2 + k), b3 = _mm256_loadu_ps(w3 + k);
@@ -41,17 +42,12 @@ static int wide(const float *xf, const float *wt, uint16_t *y, int M, int N, int
       c = _mm256_loadu_ps(x1 + k);
       a10 = _mm256_fmadd_ps(c, b0, a10), a11 = _mm256_fmadd_ps(c, b1, a11);
       a12 = _mm256_fmadd_ps(c, b2, a12), a13 = _mm256_fmadd_ps(c, b3, a13);
-      c = _mm256_loadu_ps(x2 + k);
-      a20 = _mm256_fmadd_ps(c, b0, a20), a21 = _mm256_fmadd_ps(c, b1, a21);
-      a22 = _mm256_fmadd_ps(c, b2, a22), a23 = _mm256_fmadd_ps(c, b3, a23);
     }
-    uint16_t *y0 = y + (size_t)m * N + n, *y1 = y0 + N, *y2 = y1 + N;
+    uint16_t *y0 = y + (size_t)m * N + n, *y1 = y0 + N;
     y0[0] = to_bf16(hsum(a00)), y0[1] = to_bf16(hsum(a01));
     y0[2] = to_bf16(hsum(a02)), y0[3] = to_bf16(hsum(a03));
     y1[0] = to_bf16(hsum(a10)), y1[1] = to_bf16(hsum(a11));
     y1[2] = to_bf16(hsum(a12)), y1[3] = to_bf16(hsum(a13));
-    y2[0] = to_bf16(hsum(a20)), y2[1] = to_bf16(hsum(a21));
-    y2[2] = to_bf16(hsum(a22)), y2[3] = to_bf16(hsum(a23));
   }
   return m;
 }

@@ -1,7 +1,7 @@
 """afd's bf16 matmuls (afd/kernels/gemm.c for AVX2, gemm512.c for AVX-512 BF16), each on every
 machine that runs it, against an fp32 matmul of the same bf16 values: every path of the kernels
 (1 and 2 rows of x, chunks of up to 6 rows, the AVX2 fp32-tile path from 13 rows with its
-3-row blocks and remainders, weight rows not a multiple of 4, K not a multiple of 32, one and
+2-row blocks and the odd last row, weight rows not a multiple of 4, K not a multiple of 32, one and
 two threads); and ops.Linear on every kernel path (AFD_KERNELS)."""
 
 from __future__ import annotations
