@@ -1,0 +1,128 @@
+"""Two revisions of afd, the same in-process decode benchmark, alternating: for a change whose
+effect is smaller than this box's spread between commands (a kernel, a step's Python).
+
+    python scripts/ab_engine.py BEFORE AFTER [--batch 32] [--new-tokens 64] [--rounds 3]
+
+Each revision is checked out into a git worktree and its native library built there; every
+round runs BEFORE then AFTER in a fresh process each (`afd bench engine`'s engine: the
+reference checkpoint, bf16, 2 threads, the default kernel path), decode tok/s as that command
+computes it. Prints JSON: the runs, the medians and AFTER / BEFORE. Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Run inside each worktree (its own afd on sys.path): the engine as `afd bench engine` builds it.
+_TIMING = r"""
+import json, sys, time
+from pathlib import Path
+import torch
+from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from afd.control import SamplingParams
+from afd_cli.bench.engine import _prompts, build_checkpoint
+from afd_cli.local import local_engine
+
+batch, new, threads, cache = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+torch.set_num_threads(threads)
+path = build_checkpoint(Path(cache) / "bench-qwen3moe-ref")
+cfg = EngineConfig(model=ModelConfig.from_hf(path), dtype="bfloat16", threads=threads,
+                   cache=CacheConfig(block_size=16, kv_cache_memory_gb=1.0),
+                   scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096))
+with local_engine(cfg, 1, progress=False) as eng:
+    prompts = _prompts(batch, 16, cfg.model.vocab_size, batch)
+    def timed(n):
+        t0 = time.perf_counter()
+        eng.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        return time.perf_counter() - t0
+    timed(2)
+    t1 = min(timed(1), timed(1))
+    tn = timed(new)
+    print(json.dumps({"tok_s": batch * (new - 1) / max(tn - t1, 1e-9)}))
+"""
+
+
+def _cpu() -> dict:
+    name, flags = "unknown", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    return {"model": name, "flags": [f for f in ("avx2", "avx512f", "avx512_bf16") if f in flags]}
+
+
+def _git(*args: str, cwd: Path = REPO) -> str:
+    done = subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True)
+    return done.stdout
+
+
+def _prepare(rev: str, root: Path) -> Path:
+    tree = root / rev.replace("/", "_")
+    _git("worktree", "add", "--detach", str(tree), rev)
+    build = [sys.executable, "setup.py", "-q", "build_ext", "--inplace"]
+    subprocess.run(build, cwd=tree, check=True, capture_output=True)
+    return tree
+
+
+def _run(tree: Path, args: argparse.Namespace) -> float:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    argv = [str(args.batch), str(args.new_tokens), str(args.threads), args.cache_dir]
+    out = subprocess.run(
+        [sys.executable, "-c", _TIMING, *argv],
+        cwd=tree, env=env, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return round(json.loads(out.stdout.strip().splitlines()[-1])["tok_s"], 1)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("before")
+    p.add_argument("after")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
+    args = p.parse_args()
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2 (decode speed is measured past the first token)")
+    revs = {"before": args.before, "after": args.after}
+    shas = {k: _git("rev-parse", "--short", v).strip() for k, v in revs.items()}
+    runs: dict[str, list[float]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory(prefix="afd-ab-") as root:
+        trees = {k: _prepare(v, Path(root)) for k, v in revs.items()}
+        try:
+            for _ in range(args.rounds):
+                for side in ("before", "after"):
+                    runs[side].append(_run(trees[side], args))
+                    print(f"{side} {shas[side]}: {runs[side][-1]} tok/s", file=sys.stderr)
+        finally:
+            for tree in trees.values():
+                _git("worktree", "remove", "--force", str(tree))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(json.dumps({
+        "benchmark": "ab_engine",
+        "cpu": _cpu(),
+        "revisions": shas,
+        "batch": args.batch,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "runs_tok_s": runs,
+        "median_tok_s": med,
+        "after_over_before": round(med["after"] / med["before"], 3),
+    }, indent=2))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
