@@ -35,7 +35,8 @@ from afd_cli.local import local_engine
 batch, new, threads, cache = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.set_num_threads(threads)
 path = build_checkpoint(Path(cache) / "bench-qwen3moe-ref")
-cfg = EngineConfig(model=ModelConfig.from_hf(path), dtype="bfloat16", threads=threads,
+cfg = EngineConfig(model=ModelConfig.from_hf(path), dtype="bfloat16", a2f_dtype="bf16",
+                   micro_batches=1, decode_stack=True, threads=threads,
                    cache=CacheConfig(block_size=16, kv_cache_memory_gb=1.0),
                    scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096))
 with local_engine(cfg, 1, progress=False) as eng:

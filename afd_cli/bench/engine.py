@@ -256,11 +256,23 @@ def _afd_fn(engine, kernels: str):
     return timed
 
 
+def _decode_tokens(text: str) -> int:
+    n = int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (decode is timed after token 1): {n}")
+    return n
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("engine", help="afd vs transformers greedy decode throughput")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--new-tokens",
+        type=_decode_tokens,
+        default=64,
+        help="tokens to generate (>= 2: decode speed is measured past the first)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument(

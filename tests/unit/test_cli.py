@@ -62,3 +62,9 @@ def test_the_full_command_line_still_lists_every_command(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0
     assert all(c in out for c in ("generate", "ffn", "attention", "gateway", "serve", "bench"))
+
+
+def test_bench_engine_refuses_a_run_with_no_decode_to_time(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "engine", "--new-tokens", "1"])
+    assert e.value.code == 2 and "--new-tokens: must be >= 2" in capsys.readouterr().err
