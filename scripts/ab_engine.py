@@ -63,15 +63,19 @@ def _cpu() -> dict:
 
 
 def _git(*args: str, cwd: Path = REPO) -> str:
-    done = subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True)
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"git {' '.join(args)}: {done.stderr.strip()}")
     return done.stdout
 
 
-def _prepare(rev: str, root: Path) -> Path:
-    tree = root / rev.replace("/", "_")
+def _prepare(rev: str, tree: Path) -> Path:
     _git("worktree", "add", "--detach", str(tree), rev)
     build = [sys.executable, "setup.py", "-q", "build_ext", "--inplace"]
-    subprocess.run(build, cwd=tree, check=True, capture_output=True)
+    done = subprocess.run(build, cwd=tree, capture_output=True, text=True)
+    if done.returncode:
+        _git("worktree", "remove", "--force", str(tree))
+        raise SystemExit(f"building {rev}'s native library failed:\n{done.stderr[-2000:]}")
     return tree
 
 
@@ -80,8 +84,10 @@ def _run(tree: Path, args: argparse.Namespace) -> float:
     argv = [str(args.batch), str(args.new_tokens), str(args.threads), args.cache_dir]
     out = subprocess.run(
         [sys.executable, "-c", _TIMING, *argv],
-        cwd=tree, env=env, check=True, capture_output=True, text=True,
+        cwd=tree, env=env, capture_output=True, text=True,
     )  # fmt: skip
+    if out.returncode:
+        raise SystemExit(f"the engine run in {tree.name} failed:\n{out.stderr[-2000:]}")
     return round(json.loads(out.stdout.strip().splitlines()[-1])["tok_s"], 1)
 
 
@@ -101,8 +107,10 @@ def main() -> int:
     shas = {k: _git("rev-parse", "--short", v).strip() for k, v in revs.items()}
     runs: dict[str, list[float]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="afd-ab-") as root:
-        trees = {k: _prepare(v, Path(root)) for k, v in revs.items()}
+        trees: dict[str, Path] = {}
         try:
+            for side, rev in revs.items():  # inside the try: a failed build removes the others
+                trees[side] = _prepare(rev, Path(root) / side)
             for _ in range(args.rounds):
                 for side in ("before", "after"):
                     runs[side].append(_run(trees[side], args))
