@@ -6,7 +6,9 @@ effect is smaller than this box's spread between commands (a kernel, a step's Py
 Each revision is checked out into a git worktree and its native library built there; every
 round runs BEFORE then AFTER in a fresh process each (`afd bench engine`'s engine: the
 reference checkpoint, bf16, 2 threads, the default kernel path), decode tok/s as that command
-computes it. Prints JSON: the runs, the medians and AFTER / BEFORE. Not part of CI.
+computes it. With `--serve STREAMS`: each side's `afd serve` instead, started fresh for every
+run and driven through the API by `afd bench serve` (both revisions need afd_cli.bench.peer).
+Prints JSON: the runs, the medians and AFTER / BEFORE. Not part of CI.
 """
 
 from __future__ import annotations
@@ -52,6 +54,29 @@ with local_engine(cfg, 1, progress=False) as eng:
 """
 
 
+# Run inside each worktree: `afd serve` of that tree on the reference checkpoint, driven by
+# `afd bench serve` (its output tok/s), then stopped.
+_SERVING = r"""
+import json, subprocess, sys
+from pathlib import Path
+from afd_cli.bench.engine import build_checkpoint
+from afd_cli.bench.peer import _stop, start_afd_serve
+
+streams, new, cache = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+path = build_checkpoint(Path(cache) / "bench-qwen3moe-ref")
+proc, url = start_afd_serve(path, [], 600)
+try:
+    cmd = [sys.executable, "-m", "afd_cli", "bench", "serve", "--json", "--ignore-eos",
+           "--base-url", f"{url}/v1", "--concurrency", str(streams),
+           "--num-requests", str(max(6 * streams, 6)), "--input-len", "16",
+           "--output-len", str(new), "--seed", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    print(json.dumps({"tok_s": json.loads(done.stdout)["output_throughput"]}))
+finally:
+    _stop(proc)
+"""
+
+
 def _cpu() -> dict:
     name, flags = "unknown", set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -81,9 +106,13 @@ def _prepare(rev: str, tree: Path) -> Path:
 
 def _run(tree: Path, args: argparse.Namespace) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    argv = [str(args.batch), str(args.new_tokens), str(args.threads), args.cache_dir]
+    if args.serve:
+        code, argv = _SERVING, [str(args.serve), str(args.new_tokens), args.cache_dir]
+    else:
+        code = _TIMING
+        argv = [str(args.batch), str(args.new_tokens), str(args.threads), args.cache_dir]
     out = subprocess.run(
-        [sys.executable, "-c", _TIMING, *argv],
+        [sys.executable, "-c", code, *argv],
         cwd=tree, env=env, capture_output=True, text=True,
     )  # fmt: skip
     if out.returncode:
@@ -98,6 +127,13 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--serve",
+        type=int,
+        metavar="STREAMS",
+        help="instead of the engine: each side's `afd serve` (default flags), driven by "
+        "`afd bench serve` at this many streams (6 requests each)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
     args = p.parse_args()
@@ -123,7 +159,8 @@ def main() -> int:
         "benchmark": "ab_engine",
         "cpu": _cpu(),
         "revisions": shas,
-        "batch": args.batch,
+        "measured": "afd serve" if args.serve else "engine",
+        **({"streams": args.serve} if args.serve else {"batch": args.batch}),
         "new_tokens": args.new_tokens,
         "threads": args.threads,
         "runs_tok_s": runs,
