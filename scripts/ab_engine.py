@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from afd_cli.bench.engine import _cpu, _decode_tokens  # this checkout's, as `afd bench engine`
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Run inside each worktree (its own afd on sys.path): the engine as `afd bench engine` builds it.
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from afd.control import SamplingParams
-from afd_cli.bench.engine import _prompts, build_checkpoint
+from afd_cli.bench.engine import _decode_tps, _prompts, build_checkpoint
 from afd_cli.local import local_engine
 
 batch, new, threads, cache = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -43,14 +45,12 @@ cfg = EngineConfig(model=ModelConfig.from_hf(path), dtype="bfloat16", a2f_dtype=
                    scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096))
 with local_engine(cfg, 1, progress=False) as eng:
     prompts = _prompts(batch, 16, cfg.model.vocab_size, batch)
-    def timed(n):
+    def timed(p, n):
         t0 = time.perf_counter()
-        eng.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        eng.generate(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         return time.perf_counter() - t0
-    timed(2)
-    t1 = min(timed(1), timed(1))
-    tn = timed(new)
-    print(json.dumps({"tok_s": batch * (new - 1) / max(tn - t1, 1e-9)}))
+    timed(prompts, 2)
+    print(json.dumps({"tok_s": _decode_tps(timed, prompts, new)}))
 """
 
 
@@ -75,16 +75,6 @@ try:
 finally:
     _stop(proc)
 """
-
-
-def _cpu() -> dict:
-    name, flags = "unknown", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            name = line.split(":", 1)[1].strip()
-        elif line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    return {"model": name, "flags": [f for f in ("avx2", "avx512f", "avx512_bf16") if f in flags]}
 
 
 def _git(*args: str, cwd: Path = REPO) -> str:
@@ -125,7 +115,7 @@ def main() -> int:
     p.add_argument("before")
     p.add_argument("after")
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=_decode_tokens, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--serve",
@@ -137,8 +127,6 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
     args = p.parse_args()
-    if args.new_tokens < 2:
-        p.error("--new-tokens must be >= 2 (decode speed is measured past the first token)")
     revs = {"before": args.before, "after": args.after}
     shas = {k: _git("rev-parse", "--short", v).strip() for k, v in revs.items()}
     runs: dict[str, list[float]] = {"before": [], "after": []}
