@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY
 from afd import metrics, sidecar
 from afd.config import EngineConfig, check
 from afd.control import (
+    GenerateRequest,
     Health,
     TokenEvent,
     event_to_pb,
@@ -39,10 +40,21 @@ from afd.security import add_port
 from afd.sidecar import SidePortConfig
 from services.attention.engine import Engine
 from services.attention.loop import EngineLoop
+from services.attention.session import Outbox, SessionStream
 from services.attention.stragglers import StragglerConfig
 from services.attention.telemetry import EngineTelemetry
 
 log = logging.getLogger("afd.attention")
+
+
+_SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    # A gateway's Session stays open while idle and its channel pings every 10 s to find a
+    # dead server; gRPC's default answers pings more often than every 5 minutes without data
+    # with a GOAWAY ("too_many_pings"), which would break the Session of every idle gateway.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
 @dataclass(frozen=True)
@@ -71,9 +83,9 @@ class _Mailbox:
     def __init__(self, aio: asyncio.AbstractEventLoop):
         self._aio = aio
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue, TokenEvent]] = []
+        self._items: list[tuple[asyncio.Queue | Outbox, TokenEvent]] = []
 
-    def post(self, queue: asyncio.Queue, ev: TokenEvent) -> None:  # any thread
+    def post(self, queue: asyncio.Queue | Outbox, ev: TokenEvent) -> None:  # any thread
         with self._lock:
             wake = not self._items
             self._items.append((queue, ev))
@@ -94,36 +106,64 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
         self._ready: tuple[float, bool, str] = (0.0, False, "not probed yet")
         self._probing = None  # the readiness probe queued on the engine thread, if any
         self.draining = False
-        self.active = 0  # Generate calls in progress
-        self._mailbox: _Mailbox | None = None  # made on the loop, by the first Generate
+        self.active = 0  # requests in progress (Generate calls and Sessions' requests)
+        self._mailbox: _Mailbox | None = None  # made on the loop, by the first request
+        self._sessions: set[SessionStream] = set()  # the gateways' open Session calls
 
     async def Generate(self, request, context):
-        rid = request.request_id
-        if self.draining:
-            why = f"attention server {self.cfg.listen} is draining (shutting down); retry"
-            yield event_to_pb(TokenEvent.failure(rid, ErrorCode.UNAVAILABLE, why))
-            return
-        try:
-            req = request_from_pb(request)
-        except RequestError as e:
-            yield event_to_pb(TokenEvent.failure(rid, e.code, str(e)))
+        admitted = self.admit(request)
+        if isinstance(admitted, TokenEvent):
+            yield event_to_pb(admitted)
             return
         self.active += 1
         try:
-            async for ev in self._generate(req):
+            async for ev in self._generate(admitted):
                 yield ev
         finally:
             self.active -= 1
 
-    async def _generate(self, request):
+    async def Session(self, request_iterator, context):
+        session = SessionStream(self, request_iterator)
+        self._sessions.add(session)
+        try:
+            async for msg in session.events():
+                yield msg
+        finally:
+            self._sessions.discard(session)
+
+    # ---- what both Generate and Session do with a request (session.Admission) ----
+
+    def admit(self, request) -> GenerateRequest | TokenEvent:
+        """The request to run, or the failure event that refuses it."""
+        rid = request.request_id
+        if self.draining:
+            why = f"attention server {self.cfg.listen} is draining (shutting down); retry"
+            return TokenEvent.failure(rid, ErrorCode.UNAVAILABLE, why)
+        try:
+            return request_from_pb(request)
+        except RequestError as e:
+            return TokenEvent.failure(rid, e.code, str(e))
+
+    def start(self, request: GenerateRequest, events: asyncio.Queue | Outbox) -> None:
+        """Submit to the engine; its events are put on `events` (an asyncio.Queue or a
+        Session's outbox) on this loop, a step's events in one wake-up."""
         if self._mailbox is None:
             self._mailbox = _Mailbox(asyncio.get_running_loop())
         mailbox = self._mailbox
+        self.loop.submit(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling,
+            lambda ev: mailbox.post(events, ev),
+        )
+
+    def abort(self, request_id: str) -> None:
+        self.loop.abort(request_id)
+
+    async def _generate(self, request: GenerateRequest):
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         rid = request.request_id
-        self.loop.submit(
-            rid, request.prompt_token_ids, request.sampling, lambda ev: mailbox.post(events, ev)
-        )
+        self.start(request, events)
         finished = False
         try:
             while not finished:
@@ -158,6 +198,8 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
             await asyncio.sleep(0.05)
         if self.active:
             log.warning("drain timeout: %d requests still running are cut off", self.active)
+        for session in self._sessions:
+            session.finish()  # ends each (cleanly) once its requests have, so the stop is quick
         return self.active
 
     async def _readiness(self) -> tuple[bool, str]:
@@ -205,7 +247,7 @@ async def _serve(cfg: AttentionServerConfig) -> None:
     moe = [i for i in range(cfg.engine.model.num_layers) if cfg.engine.model.is_moe(i)]
     REGISTRY.register(ExpertLoadCollector(lambda: engine.expert_load, moe))
     loop = EngineLoop(engine, EngineTelemetry(engine.ffn_addresses, cfg.stragglers))
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=_SERVER_OPTIONS)
     servicer = ControlServicer(loop, cfg)
     pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
     # The control plane uses the same TLS settings as the data plane (one cert per server).

@@ -1,13 +1,16 @@
-"""Async gRPC client to one attention server's control plane (Generate, Abort, Health, Stats).
+"""Async gRPC client to one attention server's control plane (Session, Generate, Abort, Health,
+Stats).
 
-Every call carries a deadline. Errors come back as `APIError`s with the HTTP status the
-gateway answers with, so callers never see a grpc exception. The request, event, health and
+Every call carries a deadline (on a Session, each request its own). Errors come back as
+`APIError`s with the HTTP status the gateway answers with, so callers never see a grpc
+exception. The request, event, health and
 load types and their protobuf conversions are the control plane's contract (`afd.control`),
 shared with the attention server; it imports no torch, so neither does the gateway.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -26,7 +29,8 @@ from afd.control import (
     stats_from_pb,
 )
 from afd.security import Security, aio_channel
-from services.gateway.errors import APIError, PeerUnavailable, from_attention, unavailable
+from services.gateway.errors import APIError, from_attention, rpc_error, unavailable
+from services.gateway.session import UNSUPPORTED, Session
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -37,17 +41,7 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-def rpc_error(e: grpc.aio.AioRpcError, address: str) -> APIError:
-    """A failed call as the error the HTTP client sees."""
-    code = e.code()
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return APIError(504, f"attention server {address} did not answer in time", "timeout")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return APIError(429, f"attention server {address} is overloaded", "rate_limit_error")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        # Not reachable, or its process went away mid-call (server-side cancel at shutdown).
-        return PeerUnavailable(f"attention server {address} is unavailable ({code.name})")
-    return unavailable(f"attention server {address} is unavailable ({code.name})")
+_TIMED_OUT = object()  # a request's deadline passed
 
 
 class AttentionClient:
@@ -66,6 +60,8 @@ class AttentionClient:
         self.security = security  # TLS (mTLS with a client certificate) when configured
         self._channel: grpc.aio.Channel | None = None
         self._stub_: pb_grpc.AttentionServiceStub | None = None
+        self._session_: Session | None = None
+        self._unary_only = False  # the server predates Session
 
     @property
     def _stub(self) -> pb_grpc.AttentionServiceStub:
@@ -80,8 +76,57 @@ class AttentionClient:
         self, request_id: str, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens; the last chunk has finish_reason set. Closing the
-        iterator early cancels the call, which aborts the request on the server."""
+        iterator early aborts the request on the server. The request goes over this client's
+        Session (opened on first use, reopened after it breaks), or a Generate call of its own
+        where the server has no Session."""
         req = request_to_pb(GenerateRequest(request_id, prompt, params))
+        if self._unary_only:
+            async for ev in self._generate_unary(req):
+                yield ev
+            return
+        session = self._session()
+        queue = session.start(req)
+        aio = asyncio.get_running_loop()
+        # The request's deadline, as the Generate call's gRPC deadline was.
+        timer = aio.call_later(self.generate_timeout_s, queue.put_nowait, _TIMED_OUT)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if item is UNSUPPORTED:  # nothing was sent for it: go the old way
+                    self._unary_only = True
+                    finished = True
+                    break
+                if isinstance(item, APIError):
+                    finished = True  # the Session is gone, and the request with it
+                    raise item
+                if item is _TIMED_OUT:
+                    raise APIError(
+                        504, f"attention server {self.address} did not answer in time", "timeout"
+                    )
+                ev = event_from_pb(item)
+                if ev.failed:
+                    finished = True
+                    raise from_attention(ev.error_code, ev.error)
+                finished = bool(ev.finish_reason)
+                yield ev
+                if finished:
+                    return
+        finally:
+            timer.cancel()
+            if finished:
+                session.finished(request_id)
+            else:
+                session.abort(request_id)
+        async for ev in self._generate_unary(req):
+            yield ev
+
+    def _session(self) -> Session:
+        if self._session_ is None or not self._session_.open:
+            self._session_ = Session(self._stub, self.address)
+        return self._session_
+
+    async def _generate_unary(self, req: pb.GenerateRequest) -> AsyncIterator[TokenEvent]:
         call = self._stub.Generate(req, timeout=self.generate_timeout_s)
         finished = False
         try:
@@ -124,6 +169,9 @@ class AttentionClient:
         return stats_from_pb(r)
 
     async def close(self) -> None:
+        if self._session_ is not None:
+            await self._session_.close()
+            self._session_ = None
         if self._channel is not None:
             await self._channel.close(grace=None)
             self._channel, self._stub_ = None, None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
+
 from afd.errors import ErrorCode
 
 
@@ -71,6 +73,19 @@ def overloaded(message: str) -> APIError:
 
 def internal(message: str) -> APIError:
     return APIError(500, message, "internal_error", None, "internal_error")
+
+
+def rpc_error(e: grpc.aio.AioRpcError, address: str) -> APIError:
+    """A failed call as the error the HTTP client sees."""
+    code = e.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return APIError(504, f"attention server {address} did not answer in time", "timeout")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return APIError(429, f"attention server {address} is overloaded", "rate_limit_error")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        # Not reachable, or its process went away mid-call (server-side cancel at shutdown).
+        return PeerUnavailable(f"attention server {address} is unavailable ({code.name})")
+    return unavailable(f"attention server {address} is unavailable ({code.name})")
 
 
 def from_attention(code: ErrorCode, message: str) -> APIError:
