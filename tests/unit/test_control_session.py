@@ -1,0 +1,356 @@
+"""The control plane's Session: the gateway's client and the attention server's servicer over a
+real gRPC server, with a stand-in for the engine loop that steps every live request at once
+(as the engine thread does: all of a step's events back to back)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import aclosing
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from afd.control import SamplingParams, TokenEvent, pb, pb_grpc
+from services.attention.server import ControlServicer
+from services.gateway.client import AttentionClient
+from services.gateway.errors import APIError, PeerUnavailable
+
+
+class SteppingLoop:
+    """Stands in for `EngineLoop`: once `start_when` requests are live, every `step_s` each
+    live request gets one token (its position), and the last one finishes it ("length")."""
+
+    def __init__(self, start_when: int = 1, step_s: float = 0.01):
+        self.start_when = start_when
+        self.step_s = step_s
+        self.aborted: list[str] = []
+        self._live: dict[str, list] = {}  # rid -> [sink, tokens so far, max_tokens]
+        self._lock = threading.Lock()
+        self._started = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def submit(self, rid: str, prompt: list[int], sampling: SamplingParams, sink) -> None:
+        with self._lock:
+            self._live[rid] = [sink, 0, sampling.max_tokens]
+
+    def abort(self, rid: str) -> Future:
+        with self._lock:
+            item = self._live.pop(rid, None)
+        if item is not None:
+            self.aborted.append(rid)
+            item[0](TokenEvent(rid, [], finish_reason="abort"))
+        fut: Future = Future()
+        fut.set_result(item is not None)
+        return fut
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.step_s):
+            with self._lock:
+                self._started = self._started or len(self._live) >= self.start_when
+                if not self._started:
+                    continue
+                for rid, item in list(self._live.items()):
+                    sink, n, most = item
+                    item[1] = n + 1
+                    done = n + 1 >= most
+                    if done:
+                        del self._live[rid]
+                    sink(TokenEvent(rid, [n], finish_reason="length" if done else ""))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class CountingServicer(ControlServicer):
+    """Records how many events each Session message carried."""
+
+    def __init__(self, loop, cfg):
+        super().__init__(loop, cfg)
+        self.messages: list[int] = []
+
+    async def Session(self, request_iterator, context):  # noqa: N802 - gRPC's method name
+        async for msg in super().Session(request_iterator, context):
+            self.messages.append(len(msg.events))
+            yield msg
+
+
+class GenerateOnlyServicer(ControlServicer):
+    """A server from before Session: the generated base class answers UNIMPLEMENTED."""
+
+    Session = pb_grpc.AttentionServiceServicer.Session
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _server(servicer: ControlServicer, addr: str) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
+    server.add_insecure_port(addr)
+    await server.start()
+    return server
+
+
+def _servicer(loop: SteppingLoop, addr: str, kind=CountingServicer) -> ControlServicer:
+    return kind(loop, SimpleNamespace(listen=addr, ready_cache_s=1.0, model_name="m"))
+
+
+async def _tokens(client: AttentionClient, rid: str, n: int) -> tuple[list[int], str]:
+    ids, finish = [], ""
+    async for ev in client.generate(rid, [1, 2, 3], SamplingParams(max_tokens=n)):
+        ids += ev.token_ids
+        finish = ev.finish_reason
+    return ids, finish
+
+
+def _run(coro, timeout: float = 20.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def test_a_step_of_many_requests_is_one_message_and_each_request_gets_its_own_tokens():
+    n, tokens = 16, 5
+    loop = SteppingLoop(start_when=n, step_s=0.02)
+    addr = f"127.0.0.1:{_port()}"
+    servicer = _servicer(loop, addr)
+
+    async def go():
+        server = await _server(servicer, addr)
+        client = AttentionClient(addr)
+        try:
+            return await asyncio.gather(*(_tokens(client, f"r{i}", tokens) for i in range(n)))
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    try:
+        results = _run(go())
+    finally:
+        loop.close()
+    assert results == [(list(range(tokens)), "length")] * n
+    assert sum(servicer.messages) == n * tokens
+    # One message per step, give or take a step split by the loop waking mid-burst; a message
+    # per request would be n * tokens of them.
+    assert len(servicer.messages) <= 2 * tokens, servicer.messages
+    assert servicer.active == 0
+
+
+async def _aborted(loop: SteppingLoop, rid: str) -> bool:
+    for _ in range(100):  # the abort travels on the Session
+        if rid in loop.aborted:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+def test_closing_a_stream_early_aborts_that_request_only_and_a_gateway_gone_aborts_the_rest():
+    loop = SteppingLoop(start_when=2)
+    addr = f"127.0.0.1:{_port()}"
+    servicer = _servicer(loop, addr)
+
+    async def go():
+        server = await _server(servicer, addr)
+        client = AttentionClient(addr)
+        try:
+            other = asyncio.create_task(_tokens(client, "b", 20))
+            got = []
+            stream = client.generate("a", [1], SamplingParams(max_tokens=1000))
+            async with aclosing(stream) as events:
+                async for ev in events:
+                    got += ev.token_ids
+                    if len(got) == 2:
+                        break
+            result = await other
+            aborted_a = await _aborted(loop, "a")
+            aborted_early = list(loop.aborted)
+            # The gateway goes away with a request running: the server aborts it.
+            stream = client.generate("c", [1], SamplingParams(max_tokens=1000))
+            await stream.__anext__()
+            await client.close()
+            aborted_c = await _aborted(loop, "c")
+            await stream.aclose()
+            return got, result, aborted_a, aborted_early, aborted_c
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    try:
+        got, other, aborted_a, aborted_early, aborted_c = _run(go())
+    finally:
+        loop.close()
+    assert got == [0, 1]
+    assert other == (list(range(20)), "length")
+    assert aborted_a and aborted_early == ["a"]
+    assert aborted_c, "the request of a gateway gone was left running"
+    assert servicer.active == 0
+
+
+def test_a_server_without_session_is_served_by_a_generate_call_per_request():
+    loop = SteppingLoop()
+    addr = f"127.0.0.1:{_port()}"
+    servicer = _servicer(loop, addr, GenerateOnlyServicer)
+
+    async def go():
+        server = await _server(servicer, addr)
+        client = AttentionClient(addr)
+        try:
+            first = await _tokens(client, "a", 3)
+            second = await _tokens(client, "b", 4)
+            return first, second
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    try:
+        first, second = _run(go())
+    finally:
+        loop.close()
+    assert first == ([0, 1, 2], "length")
+    assert second == ([0, 1, 2, 3], "length")
+
+
+def test_a_broken_session_fails_its_requests_and_the_next_request_opens_a_new_one():
+    loop = SteppingLoop()
+    addr = f"127.0.0.1:{_port()}"
+
+    async def go():
+        server = await _server(_servicer(loop, addr), addr)
+        client = AttentionClient(addr)
+        errors = []
+        try:
+
+            async def long(rid: str) -> None:
+                try:
+                    async for _ in client.generate(rid, [1], SamplingParams(max_tokens=10_000)):
+                        pass
+                except APIError as e:
+                    errors.append(e)
+
+            tasks = [asyncio.create_task(long(f"r{i}")) for i in range(3)]
+            await asyncio.sleep(0.2)
+            await server.stop(None)  # the process going away, as the gateway sees it
+            await asyncio.gather(*tasks)
+            server = await _server(_servicer(loop, addr), addr)
+            return errors, await _tokens(client, "after", 3)
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    try:
+        errors, after = _run(go())
+    finally:
+        loop.close()
+    assert len(errors) == 3
+    assert all(isinstance(e, PeerUnavailable) and e.status == 503 for e in errors)
+    assert after == ([0, 1, 2], "length")
+
+
+def test_a_request_past_its_deadline_is_a_504_and_is_aborted_on_the_server():
+    loop = SteppingLoop(start_when=2)  # one request never starts: no event comes
+    addr = f"127.0.0.1:{_port()}"
+
+    async def go():
+        server = await _server(_servicer(loop, addr), addr)
+        client = AttentionClient(addr, generate_timeout_s=0.3)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(APIError) as caught:
+                await _tokens(client, "slow", 3)
+            took = time.monotonic() - t0
+            return caught.value, took, await _aborted(loop, "slow")
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    try:
+        error, took, aborted = _run(go())
+    finally:
+        loop.close()
+    assert error.status == 504 and "did not answer in time" in error.message
+    assert took < 2.0
+    assert aborted
+
+
+def test_draining_ends_idle_sessions_and_new_requests_are_refused_with_the_reason():
+    loop = SteppingLoop()
+    addr = f"127.0.0.1:{_port()}"
+    servicer = _servicer(loop, addr)
+
+    async def go():
+        server = await _server(servicer, addr)
+        client = AttentionClient(addr)
+        try:
+            before = await _tokens(client, "a", 2)
+            still_running = await servicer.drain(1.0)
+            for _ in range(200):
+                if not servicer._sessions:
+                    break
+                await asyncio.sleep(0.01)
+            ended = not servicer._sessions
+            with pytest.raises(APIError) as caught:
+                await _tokens(client, "b", 2)
+            return before, still_running, ended, caught.value
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    try:
+        before, still_running, ended, refused = _run(go())
+    finally:
+        loop.close()
+    assert before == ([0, 1], "length")
+    assert still_running == 0
+    assert ended, "an idle Session outlived the drain"
+    assert refused.status == 503 and "draining" in refused.message
+
+
+def test_a_request_id_already_running_on_the_session_is_refused_and_the_first_runs_on():
+    loop = SteppingLoop(step_s=0.02)
+    addr = f"127.0.0.1:{_port()}"
+
+    def generate(rid: str, n: int) -> pb.SessionIn:
+        sampling = pb.SamplingParams(max_tokens=n, top_p=1.0)
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=[1], sampling=sampling)
+        return pb.SessionIn(generate=req)
+
+    async def go():
+        server = await _server(_servicer(loop, addr), addr)
+        channel = grpc.aio.insecure_channel(addr)
+        try:
+            sends: asyncio.Queue = asyncio.Queue()
+
+            async def outgoing():
+                while (msg := await sends.get()) is not None:
+                    yield msg
+
+            call = pb_grpc.AttentionServiceStub(channel).Session(outgoing(), timeout=10)
+            sends.put_nowait(generate("x", 4))
+            sends.put_nowait(generate("x", 4))
+            events = []
+            async for msg in call:
+                events += msg.events
+                if any(ev.finish_reason == "length" for ev in msg.events):
+                    sends.put_nowait(None)  # half-close: the server ends the stream
+            return events
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    try:
+        events = _run(go())
+    finally:
+        loop.close()
+    refused = [ev for ev in events if ev.error_code == pb.ERROR_INVALID_REQUEST]
+    assert len(refused) == 1 and "already running" in refused[0].error
+    tokens = [t for ev in events if not ev.error_code for t in ev.token_ids]
+    assert tokens == [0, 1, 2, 3]
