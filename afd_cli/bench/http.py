@@ -1,10 +1,10 @@
 """`afd bench http`: what the HTTP gateway costs on top of the control plane.
 
 Starts a local cluster (as `afd serve` does), then runs the same streaming requests twice at
-each concurrency: straight to the attention server's gRPC Generate, and through the gateway's
-/v1/completions (SSE). Reports time to first token (TTFT) and inter-token latency (ITL) of
-both, and the difference. Prompts are token ids, sampling is greedy with ignore_eos, so both
-paths do identical engine work.
+each concurrency: straight to the attention server's control plane (the gateway's own client,
+over its gRPC Session), and through the gateway's /v1/completions (SSE). Reports time to first
+token (TTFT) and inter-token latency (ITL) of both, and the difference. Prompts are token ids,
+sampling is greedy with ignore_eos, so both paths do identical engine work.
 
 Both paths ask for logprobs (k = 0), so the gateway streams every token as it arrives even when
 its text is part of an unfinished UTF-8 character; ITL is then the gap between consecutive

@@ -2,10 +2,10 @@
 
 `afd attention --model DIR --ffn ADDR[|REPLICA...][,ADDR...] --listen HOST:PORT`
 
-On SIGTERM the server drains: Generate answers ERROR_UNAVAILABLE ("draining") at once, Health
-and /ready say not ready, Stats says draining (the gateway stops routing here), and the
-requests in flight run to their end, up to the drain timeout; then it exits 0. A second
-SIGTERM stops it at once.
+On SIGTERM the server drains: a new request (Generate or on a Session) is answered
+ERROR_UNAVAILABLE ("draining") at once, Health and /ready say not ready, Stats says draining
+(the gateway stops routing here), and the requests in flight run to their end, up to the drain
+timeout; then it exits 0. A second SIGTERM stops it at once.
 """
 
 from __future__ import annotations

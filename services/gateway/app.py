@@ -66,7 +66,7 @@ class GatewayConfig:
     api_key: str = ""  # empty: no authentication
     public_metrics: bool = True  # /metrics without the key
     max_body_bytes: int = 4 << 20
-    generate_timeout_s: float = 600.0  # deadline of one request's Generate stream
+    generate_timeout_s: float = 600.0  # deadline of one request on the control plane
     rpc_timeout_s: float = 2.0  # deadline of Health / Stats / Abort
     notice: str = ""  # shown on the model card
     sla: SLA = field(default_factory=SLA)  # targets of the SLA-attainment (goodput) counters

@@ -1,9 +1,10 @@
-"""One request's choices, running: Generate streams -> text deltas with stop strings applied.
+"""One request's choices, running: token event streams -> text deltas with stop strings applied.
 
-A `ChoiceRun` is one Generate call (one choice of one prompt). `ChoiceStreams` runs all of a
-request's choices as tasks feeding one queue, so the HTTP side reads their deltas in arrival
-order, and cancels every one of them (aborting them on their attention servers) when it is
-closed early: a stop string, an error in a sibling, or the client going away.
+A `ChoiceRun` is one generation on an attention server (one choice of one prompt).
+`ChoiceStreams` runs all of a request's choices as tasks feeding one queue, so the HTTP side
+reads their deltas in arrival order, and cancels every one of them (aborting them on their
+attention servers) when it is closed early: a stop string, an error in a sibling, or the client
+going away.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Delta:
 
 
 class ChoiceRun:
-    """One choice: a Generate call on the least-loaded attention server, as text deltas.
+    """One choice: a generation on the least-loaded attention server, as text deltas.
 
     A server that turns out to be down or draining before it sent anything is reported to the
     balancer and the call goes to another one; once tokens have flowed, a broken stream is the

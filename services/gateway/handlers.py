@@ -1,5 +1,5 @@
 """From a validated OpenAI request to a response: prompts -> token ids, checks against the
-context, one Generate call per choice, then a JSON body or an SSE stream."""
+context, one generation per choice, then a JSON body or an SSE stream."""
 
 from __future__ import annotations
 

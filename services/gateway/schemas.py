@@ -12,7 +12,7 @@ from afd.control import MAX_CACHE_SALT
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
-MAX_CHOICES = 128  # prompts x n: Generate calls one request may start
+MAX_CHOICES = 128  # prompts x n: generations one request may start
 MAX_STOP = 16  # stop strings
 MAX_STOP_LEN = 256  # characters in one stop string
 MAX_TOP_LOGPROBS = 20

@@ -5,105 +5,22 @@ real gRPC server, with a stand-in for the engine loop that steps every live requ
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
-from concurrent.futures import Future
 from contextlib import aclosing
-from types import SimpleNamespace
 
 import grpc
 import pytest
 
-from afd.control import SamplingParams, TokenEvent, pb, pb_grpc
-from services.attention.server import ControlServicer
+from afd.control import SamplingParams, pb, pb_grpc
 from services.gateway.client import AttentionClient
 from services.gateway.errors import APIError, PeerUnavailable
-
-
-class SteppingLoop:
-    """Stands in for `EngineLoop`: once `start_when` requests are live, every `step_s` each
-    live request gets one token (its position), and the last one finishes it ("length")."""
-
-    def __init__(self, start_when: int = 1, step_s: float = 0.01):
-        self.start_when = start_when
-        self.step_s = step_s
-        self.aborted: list[str] = []
-        self._live: dict[str, list] = {}  # rid -> [sink, tokens so far, max_tokens]
-        self._lock = threading.Lock()
-        self._started = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def submit(self, rid: str, prompt: list[int], sampling: SamplingParams, sink) -> None:
-        with self._lock:
-            self._live[rid] = [sink, 0, sampling.max_tokens]
-
-    def abort(self, rid: str) -> Future:
-        with self._lock:
-            item = self._live.pop(rid, None)
-        if item is not None:
-            self.aborted.append(rid)
-            item[0](TokenEvent(rid, [], finish_reason="abort"))
-        fut: Future = Future()
-        fut.set_result(item is not None)
-        return fut
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.step_s):
-            with self._lock:
-                self._started = self._started or len(self._live) >= self.start_when
-                if not self._started:
-                    continue
-                for rid, item in list(self._live.items()):
-                    sink, n, most = item
-                    item[1] = n + 1
-                    done = n + 1 >= most
-                    if done:
-                        del self._live[rid]
-                    sink(TokenEvent(rid, [n], finish_reason="length" if done else ""))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-class CountingServicer(ControlServicer):
-    """Records how many events each Session message carried."""
-
-    def __init__(self, loop, cfg):
-        super().__init__(loop, cfg)
-        self.messages: list[int] = []
-
-    async def Session(self, request_iterator, context):  # noqa: N802 - gRPC's method name
-        async for msg in super().Session(request_iterator, context):
-            self.messages.append(len(msg.events))
-            yield msg
-
-
-class GenerateOnlyServicer(ControlServicer):
-    """A server from before Session: the generated base class answers UNIMPLEMENTED."""
-
-    Session = pb_grpc.AttentionServiceServicer.Session
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _server(servicer: ControlServicer, addr: str) -> grpc.aio.Server:
-    server = grpc.aio.server()
-    pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
-    server.add_insecure_port(addr)
-    await server.start()
-    return server
-
-
-def _servicer(loop: SteppingLoop, addr: str, kind=CountingServicer) -> ControlServicer:
-    return kind(loop, SimpleNamespace(listen=addr, ready_cache_s=1.0, model_name="m"))
+from tests.helpers.control import (
+    GenerateOnlyServicer,
+    SteppingLoop,
+    free_port,
+    servicer,
+    start_server,
+)
 
 
 async def _tokens(client: AttentionClient, rid: str, n: int) -> tuple[list[int], str]:
@@ -121,11 +38,11 @@ def _run(coro, timeout: float = 20.0):
 def test_a_step_of_many_requests_is_one_message_and_each_request_gets_its_own_tokens():
     n, tokens = 16, 5
     loop = SteppingLoop(start_when=n, step_s=0.02)
-    addr = f"127.0.0.1:{_port()}"
-    servicer = _servicer(loop, addr)
+    addr = f"127.0.0.1:{free_port()}"
+    control = servicer(loop, addr)
 
     async def go():
-        server = await _server(servicer, addr)
+        server = await start_server(control, addr)
         client = AttentionClient(addr)
         try:
             return await asyncio.gather(*(_tokens(client, f"r{i}", tokens) for i in range(n)))
@@ -138,11 +55,11 @@ def test_a_step_of_many_requests_is_one_message_and_each_request_gets_its_own_to
     finally:
         loop.close()
     assert results == [(list(range(tokens)), "length")] * n
-    assert sum(servicer.messages) == n * tokens
+    assert sum(control.messages) == n * tokens
     # One message per step, give or take a step split by the loop waking mid-burst; a message
     # per request would be n * tokens of them.
-    assert len(servicer.messages) <= 2 * tokens, servicer.messages
-    assert servicer.active == 0
+    assert len(control.messages) <= 2 * tokens, control.messages
+    assert control.active == 0
 
 
 async def _aborted(loop: SteppingLoop, rid: str) -> bool:
@@ -155,11 +72,11 @@ async def _aborted(loop: SteppingLoop, rid: str) -> bool:
 
 def test_closing_a_stream_early_aborts_that_request_only_and_a_gateway_gone_aborts_the_rest():
     loop = SteppingLoop(start_when=2)
-    addr = f"127.0.0.1:{_port()}"
-    servicer = _servicer(loop, addr)
+    addr = f"127.0.0.1:{free_port()}"
+    control = servicer(loop, addr)
 
     async def go():
-        server = await _server(servicer, addr)
+        server = await start_server(control, addr)
         client = AttentionClient(addr)
         try:
             other = asyncio.create_task(_tokens(client, "b", 20))
@@ -192,16 +109,16 @@ def test_closing_a_stream_early_aborts_that_request_only_and_a_gateway_gone_abor
     assert other == (list(range(20)), "length")
     assert aborted_a and aborted_early == ["a"]
     assert aborted_c, "the request of a gateway gone was left running"
-    assert servicer.active == 0
+    assert control.active == 0
 
 
 def test_a_server_without_session_is_served_by_a_generate_call_per_request():
     loop = SteppingLoop()
-    addr = f"127.0.0.1:{_port()}"
-    servicer = _servicer(loop, addr, GenerateOnlyServicer)
+    addr = f"127.0.0.1:{free_port()}"
+    control = servicer(loop, addr, GenerateOnlyServicer)
 
     async def go():
-        server = await _server(servicer, addr)
+        server = await start_server(control, addr)
         client = AttentionClient(addr)
         try:
             first = await _tokens(client, "a", 3)
@@ -221,10 +138,10 @@ def test_a_server_without_session_is_served_by_a_generate_call_per_request():
 
 def test_a_broken_session_fails_its_requests_and_the_next_request_opens_a_new_one():
     loop = SteppingLoop()
-    addr = f"127.0.0.1:{_port()}"
+    addr = f"127.0.0.1:{free_port()}"
 
     async def go():
-        server = await _server(_servicer(loop, addr), addr)
+        server = await start_server(servicer(loop, addr), addr)
         client = AttentionClient(addr)
         errors = []
         try:
@@ -240,7 +157,7 @@ def test_a_broken_session_fails_its_requests_and_the_next_request_opens_a_new_on
             await asyncio.sleep(0.2)
             await server.stop(None)  # the process going away, as the gateway sees it
             await asyncio.gather(*tasks)
-            server = await _server(_servicer(loop, addr), addr)
+            server = await start_server(servicer(loop, addr), addr)
             return errors, await _tokens(client, "after", 3)
         finally:
             await client.close()
@@ -257,10 +174,10 @@ def test_a_broken_session_fails_its_requests_and_the_next_request_opens_a_new_on
 
 def test_a_request_past_its_deadline_is_a_504_and_is_aborted_on_the_server():
     loop = SteppingLoop(start_when=2)  # one request never starts: no event comes
-    addr = f"127.0.0.1:{_port()}"
+    addr = f"127.0.0.1:{free_port()}"
 
     async def go():
-        server = await _server(_servicer(loop, addr), addr)
+        server = await start_server(servicer(loop, addr), addr)
         client = AttentionClient(addr, generate_timeout_s=0.3)
         try:
             t0 = time.monotonic()
@@ -283,20 +200,20 @@ def test_a_request_past_its_deadline_is_a_504_and_is_aborted_on_the_server():
 
 def test_draining_ends_idle_sessions_and_new_requests_are_refused_with_the_reason():
     loop = SteppingLoop()
-    addr = f"127.0.0.1:{_port()}"
-    servicer = _servicer(loop, addr)
+    addr = f"127.0.0.1:{free_port()}"
+    control = servicer(loop, addr)
 
     async def go():
-        server = await _server(servicer, addr)
+        server = await start_server(control, addr)
         client = AttentionClient(addr)
         try:
             before = await _tokens(client, "a", 2)
-            still_running = await servicer.drain(1.0)
+            still_running = await control.drain(1.0)
             for _ in range(200):
-                if not servicer._sessions:
+                if not control._sessions:
                     break
                 await asyncio.sleep(0.01)
-            ended = not servicer._sessions
+            ended = not control._sessions
             with pytest.raises(APIError) as caught:
                 await _tokens(client, "b", 2)
             return before, still_running, ended, caught.value
@@ -316,7 +233,7 @@ def test_draining_ends_idle_sessions_and_new_requests_are_refused_with_the_reaso
 
 def test_a_request_id_already_running_on_the_session_is_refused_and_the_first_runs_on():
     loop = SteppingLoop(step_s=0.02)
-    addr = f"127.0.0.1:{_port()}"
+    addr = f"127.0.0.1:{free_port()}"
 
     def generate(rid: str, n: int) -> pb.SessionIn:
         sampling = pb.SamplingParams(max_tokens=n, top_p=1.0)
@@ -324,7 +241,7 @@ def test_a_request_id_already_running_on_the_session_is_refused_and_the_first_ru
         return pb.SessionIn(generate=req)
 
     async def go():
-        server = await _server(_servicer(loop, addr), addr)
+        server = await start_server(servicer(loop, addr), addr)
         channel = grpc.aio.insecure_channel(addr)
         try:
             sends: asyncio.Queue = asyncio.Queue()
