@@ -112,28 +112,40 @@ def test_closing_a_stream_early_aborts_that_request_only_and_a_gateway_gone_abor
     assert control.active == 0
 
 
-def test_a_server_without_session_is_served_by_a_generate_call_per_request():
+def test_a_server_without_session_is_served_by_a_generate_call_per_request_until_upgraded():
     loop = SteppingLoop()
     addr = f"127.0.0.1:{free_port()}"
-    control = servicer(loop, addr, GenerateOnlyServicer)
+    upgraded = servicer(loop, addr)
 
     async def go():
-        server = await start_server(control, addr)
+        server = await start_server(servicer(loop, addr, GenerateOnlyServicer), addr)
         client = AttentionClient(addr)
         try:
             first = await _tokens(client, "a", 3)
             second = await _tokens(client, "b", 4)
-            return first, second
+            await server.stop(None)  # a rolling upgrade: the old server goes, a new one comes
+            with pytest.raises(PeerUnavailable):
+                await _tokens(client, "c", 2)
+            server = await start_server(upgraded, addr)
+            for attempt in range(50):  # the channel reconnects after its backoff
+                try:
+                    third = await _tokens(client, f"d{attempt}", 2)
+                    break
+                except PeerUnavailable:
+                    await asyncio.sleep(0.1)
+            return first, second, third
         finally:
             await client.close()
             await server.stop(None)
 
     try:
-        first, second = _run(go())
+        first, second, third = _run(go())
     finally:
         loop.close()
     assert first == ([0, 1, 2], "length")
     assert second == ([0, 1, 2, 3], "length")
+    assert third == ([0, 1], "length")
+    assert sum(upgraded.messages) == 2, "the upgraded server was not asked for a Session"
 
 
 def test_a_broken_session_fails_its_requests_and_the_next_request_opens_a_new_one():
