@@ -29,7 +29,13 @@ from afd.control import (
     stats_from_pb,
 )
 from afd.security import Security, aio_channel
-from services.gateway.errors import APIError, from_attention, rpc_error, unavailable
+from services.gateway.errors import (
+    APIError,
+    PeerUnavailable,
+    from_attention,
+    rpc_error,
+    unavailable,
+)
 from services.gateway.session import UNSUPPORTED, Session
 
 _CHANNEL_OPTIONS = [
@@ -141,7 +147,10 @@ class AttentionClient:
                     return
             raise unavailable(f"attention server {self.address} ended the stream early")
         except grpc.aio.AioRpcError as e:
-            raise rpc_error(e, self.address) from None
+            error = rpc_error(e, self.address)
+            if isinstance(error, PeerUnavailable):
+                self._unary_only = False  # it may come back upgraded: ask for a Session again
+            raise error from None
         finally:
             if not finished:
                 call.cancel()
