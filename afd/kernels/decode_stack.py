@@ -47,8 +47,9 @@ class LayerParts:
 
 @dataclass(frozen=True)
 class StackResult:
-    """What one call leaves. `done` layers ran; where done < L, layer `done`'s routing is left
-    to the caller (a tie across its top-k cut) and h_attn, x, logits are that layer's."""
+    """What one call leaves. `done` layers ran (counted from the call's first); where done < L,
+    layer `done`'s routing is left to the caller (a tie across its top-k cut) and h_attn, x,
+    logits are that layer's. L: the layers the call was asked to run."""
 
     done: int
     h: torch.Tensor  # [T, H] bf16: the last layer's output, or layer `done`'s input
@@ -114,8 +115,11 @@ class NativeDecodeStack:
         slots: torch.Tensor,  # [T] long
         blocks: torch.Tensor,  # [T, nb] long
         lens: torch.Tensor,  # [T] long
+        start: int = 0,  # the first of the stack's layers to run (after a tie, the next one)
     ) -> StackResult:
-        T, L, k = h.shape[0], self.num_layers, self.topk
+        if not 0 <= start < self.num_layers:
+            raise ValueError(f"start {start} is not one of the stack's {self.num_layers} layers")
+        T, L, k = h.shape[0], self.num_layers - start, self.topk
         h = h.contiguous().clone()  # written in place by the call
         h_attn, x = torch.empty_like(h), torch.empty_like(h)
         logits = torch.empty(T, self.router_experts, dtype=torch.bfloat16)
@@ -125,8 +129,9 @@ class NativeDecodeStack:
         blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
         _, NB, bs, _ = self.parts[0].k_cache.shape
         at = ctypes.c_int(0)
+        layers = ctypes.addressof(self._layers) + start * ctypes.sizeof(StackLayer)
         rc = gemm._lib().afd_bf16_decode_stack(
-            self._layers, L, h.data_ptr(), h_attn.data_ptr(), x.data_ptr(), logits.data_ptr(),
+            layers, L, h.data_ptr(), h_attn.data_ptr(), x.data_ptr(), logits.data_ptr(),
             positions.data_ptr(), slots.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
             T, self.hidden, self.q_in, self.nh, self.kvh, self.d, NB, bs, blocks.shape[1],
             self.router_experts, k, self.norm, self.inter, self.eps, torch.get_num_threads(),

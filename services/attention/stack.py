@@ -11,7 +11,7 @@ each layer had been a message (FFNDispatcher.ran_inline), so the metrics read th
 It applies where every layer has the fused attention layer with its router's top-k in the call,
 the one shard computes each layer with its fused experts alone, the wire is bf16 and the batch
 is below oneDNN's crossover on both sides. A layer whose routing the call leaves to torch (a tie
-across the top-k cut) is routed and sent as usual, and the loop goes on from the next layer.
+across the top-k cut) is routed and sent as usual, and the stack goes on from the next layer.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class DecodeStack:
         self.model, self.cache, self.ffn = model, cache, ffn
         self._built_for: object = None  # the serving the stacks were built with
         self._stacks: dict[int, NativeDecodeStack] = {}  # by first layer
+        self._within: dict[int, tuple[NativeDecodeStack, int]] = {}  # layer -> (stack, offset)
         self._attention_rows = 0  # the fused attention layers run below this many rows
         self._expert_rows = 0  # the shard's fused experts below this many rows per expert
 
@@ -55,22 +56,27 @@ class DecodeStack:
     def run(
         self, layer: int, h: torch.Tensor, mb: MicroBatch
     ) -> tuple[int, torch.Tensor, Pending | None] | None:
-        """Where a stack starts at `layer` (and `applies` said yes this step): h [T, H], the
+        """Where `layer` is one of a stack's (and `applies` said yes this step): h [T, H], the
         layer's input -> (the next layer to run, its input h [T, H], the FFN work of the layer
-        before it in flight or None); else None (the caller runs the layer)."""
-        stack = self._stacks.get(layer)
-        if stack is None:
+        before it in flight or None); else None (the caller runs the layer). The call runs from
+        `layer` to the stack's end: after a tie left one layer to torch, the stack goes on from
+        the next (at batch 32 most steps have a tie in some layer)."""
+        found = self._within.get(layer)
+        if found is None:
             return None
+        stack, offset = found
         meta = mb.meta
         try:
-            r = stack(h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens)
+            r = stack(
+                h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens, start=offset
+            )
         except ExpertsFailed as e:
             _, address = self.ffn.inline_shard() or (None, "in process")
             why = f"FFN shard {address} failed layer {layer + e.layer}: internal: {e}"
             raise TransportError(why) from e
-        ffn, model, end = self.ffn, self.model, layer + stack.num_layers
+        ffn, model, end = self.ffn, self.model, layer + stack.num_layers - offset
         ffn.ran_inline(layer, r.ids[: r.done], r.stamps[: r.done])
-        if r.done == stack.num_layers:
+        if layer + r.done == end:
             return end, r.h, None
         # this layer: attention ran, its routing is torch's (a tie), its experts are sent
         at = layer + r.done
@@ -78,7 +84,7 @@ class DecodeStack:
         return at + 1, r.h_attn, ffn.send(at, 0, r.x, ids, weights)
 
     def _build(self, serving) -> None:
-        self._built_for, self._stacks = serving, {}
+        self._built_for, self._stacks, self._within = serving, {}, {}
         model, cache = self.model, self.cache
         runs: list[list[LayerParts]] = [[]]
         starts = [0]
@@ -104,5 +110,7 @@ class DecodeStack:
             expert_rows = min(expert_rows, experts.rows_below)
         for start, parts in zip(starts, runs, strict=True):
             if parts and NativeDecodeStack.usable(parts):
-                self._stacks[start] = NativeDecodeStack(parts)
+                stack = self._stacks[start] = NativeDecodeStack(parts)
+                for offset in range(len(parts)):
+                    self._within[start + offset] = (stack, offset)
         self._attention_rows, self._expert_rows = attention_rows, expert_rows

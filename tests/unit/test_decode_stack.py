@@ -3,7 +3,7 @@ loop it replaces: on each of afd's kernel paths this machine runs, the same toke
 logprobs, the same routing counted, and every layer's timing kept. Qwen3-MoE's test checkpoint
 has a dense layer between two MoE layers (two stacks and the loop between them), Mixtral's is
 MoE throughout (one stack). A tie across a layer's top-k cut leaves that layer to torch and the
-rest to the stack; a failing experts call fails the step with its cause."""
+stack goes on from the next; a failing experts call fails the step with its cause."""
 
 from __future__ import annotations
 
@@ -77,26 +77,46 @@ def test_a_dense_layer_splits_the_stack(native_path, qwen3_dir):
     assert starts == [0, dense[0] + 1]
 
 
-def test_a_tie_leaves_the_layer_to_torch_and_the_rest_to_the_stack(native_path, mixtral_dir):
-    """Layer 1's router rows all the same: every logit ties, so the stack stops there; torch
-    routes it and sends its experts, and the stack runs again from layer 2."""
+def _tie(layer: int):
+    """Make every router logit of `layer` tie: its router rows all the same."""
 
-    def tie(eng):
-        r = eng.model.layers[1].router
+    def prepare(eng):
+        r = eng.model.layers[layer].router
         same = torch.randn(1, r.w.shape[1]).to(torch.bfloat16).expand(r.w.shape[0], -1)
         r.w.copy_(gemm.pack(same) if r.isa == "avx2" else same)
 
-    tokens, logprobs, load, ran, inline = _generate(mixtral_dir, True, tie)
-    want = _generate(mixtral_dir, False, tie)
+    return prepare
+
+
+@pytest.mark.parametrize("tied", [0, 1])
+def test_a_tie_leaves_the_layer_to_torch_and_the_rest_to_the_stack(
+    native_path, mixtral_dir, tied, monkeypatch
+):
+    """A layer whose logits all tie: the stack stops there, torch routes it and sends its
+    experts, and the stack goes on from the next layer (Mixtral's test model has two)."""
+    from services.attention.dispatch import FFNDispatcher
+
+    firsts: list[int] = []
+    ran_inline = FFNDispatcher.ran_inline
+
+    def spy(self, first, ids, stamps):
+        if len(ids):
+            firsts.append(first)
+        return ran_inline(self, first, ids, stamps)
+
+    monkeypatch.setattr(FFNDispatcher, "ran_inline", spy)
+    tokens, logprobs, load, ran, inline = _generate(mixtral_dir, True, _tie(tied))
+    want = _generate(mixtral_dir, False, _tie(tied))
     assert ran > 0 and tokens == want[0] and logprobs == want[1]
     assert torch.equal(load, want[2])
-    assert {len(s) for s in inline} == {1}, "each step: the stack stops at layer 1"
+    assert {len(s) for s in inline} == {1}, "each step: one layer in the stack, one in torch"
+    assert set(firsts) == {1 - tied}, "the stack did not run the layer that did not tie"
 
 
 def test_a_failing_experts_call_fails_the_step_with_its_cause(
     native_path, mixtral_dir, monkeypatch
 ):
-    def fail(self, *args):
+    def fail(self, *args, **kwargs):
         raise ExpertsFailed(0)
 
     monkeypatch.setattr(NativeDecodeStack, "__call__", fail)
