@@ -3,9 +3,9 @@ Stats).
 
 Every call carries a deadline (on a Session, each request its own). Errors come back as
 `APIError`s with the HTTP status the gateway answers with, so callers never see a grpc
-exception. The request, event, health and
-load types and their protobuf conversions are the control plane's contract (`afd.control`),
-shared with the attention server; it imports no torch, so neither does the gateway.
+exception. The request, event, health and load types and their protobuf conversions are the
+control plane's contract (`afd.control`), shared with the attention server; it imports no torch,
+so neither does the gateway.
 """
 
 from __future__ import annotations
