@@ -44,6 +44,10 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 _DOT = {torch.bfloat16, torch.float16, torch.float32}
+# Compile options named rather than left to Triton's defaults: fused multiply-adds on (Triton's
+# default so far; it announces that the default turns off in 3.10). The interpreter takes none.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+_COMPILE = {} if _INTERPRET else COMPILE_OPTIONS
 
 
 def _pow2(n: int) -> int:
@@ -108,10 +112,11 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, table.stride(0), **consts,
+        **_COMPILE,
     )  # fmt: skip
     out = torch.empty(B, nh * Dv, dtype=q.dtype, device=q.device)
     kernels.merge[(B, nh)](
         acc, m, lsum, sinks if sinks is not None else m, out, splits, nh, out.stride(0),
-        **merge_constexprs(Dv, splits, sinks is not None),
+        **merge_constexprs(Dv, splits, sinks is not None), **_COMPILE,
     )  # fmt: skip
     return out

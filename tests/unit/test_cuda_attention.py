@@ -66,9 +66,10 @@ def test_the_kernels_compile_for_the_h200(D, Dv, group, dtype, fp8):
     types = [f"*{el}", kv, kv, "*fp32", "*fp32", "*i64", "*i64"] + ["*fp32"] * 3 + ["fp32"]
     types += ["i32"] * 4 + ["i64"] * 11
     sig = dict(zip(tk.partial.arg_names, [*types, *["constexpr"] * len(consts)], strict=True))
-    kernel = triton.compile(ASTSource(tk.partial, sig, consts), target=target)
+    options = ca.COMPILE_OPTIONS
+    kernel = triton.compile(ASTSource(tk.partial, sig, consts), target=target, options=options)
     assert kernel.metadata.shared <= 227 * 1024  # an H200 multiprocessor's shared memory
     merge = ca.merge_constexprs(Dv, 64, True)
     types = ["*fp32"] * 4 + [f"*{el}", "i32", "i32", "i64"]
     sig = dict(zip(tk.merge.arg_names, [*types, *["constexpr"] * len(merge)], strict=True))
-    triton.compile(ASTSource(tk.merge, sig, merge), target=target)
+    triton.compile(ASTSource(tk.merge, sig, merge), target=target, options=options)
