@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,6 +67,28 @@ class Admission(Protocol):
     def abort(self, request_id: str) -> None: ...
 
 
+# A message's events, serialized, at most (but one event alone may be larger): a step's events
+# with prompt logprobs can be large, and the gateway's channel takes messages up to 64 MiB.
+MESSAGE_BYTES = 4 << 20
+_SMALL_EVENT = 64  # bytes counted for an event without logprobs (a few token ids and counts)
+
+
+def messages(events: list[TokenEvent]) -> Iterator[pb.TokenEvents]:
+    """A step's events in as few messages as MESSAGE_BYTES allows, in order."""
+    chunk: list[pb.TokenEvent] = []
+    size = 0
+    for ev in events:
+        msg = event_to_pb(ev)
+        n = msg.ByteSize() if ev.logprobs or ev.prompt_logprobs else _SMALL_EVENT
+        if chunk and size + n > MESSAGE_BYTES:
+            yield pb.TokenEvents(events=chunk)
+            chunk, size = [], 0
+        chunk.append(msg)
+        size += n
+    if chunk:
+        yield pb.TokenEvents(events=chunk)
+
+
 class SessionStream:
     """Serves one Session call: `events()` is the response stream."""
 
@@ -85,9 +107,8 @@ class SessionStream:
         try:
             while True:
                 batch = await self._out.take()
-                events = [self._account(item) for item in batch]
-                if events:
-                    yield pb.TokenEvents(events=[event_to_pb(ev) for ev in events])
+                for msg in messages([self._account(item) for item in batch]):
+                    yield msg
                 if self._out.closed and not self._live:
                     return  # the gateway half-closed and everything it started has ended
         finally:

@@ -283,3 +283,53 @@ def test_a_request_id_already_running_on_the_session_is_refused_and_the_first_ru
     assert len(refused) == 1 and "already running" in refused[0].error
     tokens = [t for ev in events if not ev.error_code for t in ev.token_ids]
     assert tokens == [0, 1, 2, 3]
+
+
+def test_a_step_too_large_for_one_message_is_split_in_order():
+    """A step's events with prompt logprobs can outgrow one message: split at MESSAGE_BYTES,
+    in order, one oversized event alone in its own."""
+    from afd.control import Logprob, TokenEvent
+    from services.attention import session
+
+    def scored(rid: str, n: int) -> TokenEvent:
+        lps = [Logprob(i, -1.0, [(i, -1.0), (i + 1, -2.0)]) for i in range(n)]
+        return TokenEvent(rid, [7], prompt_logprobs=lps)
+
+    events = [scored("a", 10), TokenEvent("b", [1]), scored("c", 400), scored("d", 10)]
+    sizes = [session.event_to_pb(ev).ByteSize() for ev in events]
+    cap = sizes[0] + 64 + 1  # "a" and "b" fit together; "c" alone is over the cap
+    original = session.MESSAGE_BYTES
+    session.MESSAGE_BYTES = cap
+    try:
+        msgs = list(session.messages(events))
+    finally:
+        session.MESSAGE_BYTES = original
+    assert [[ev.request_id for ev in m.events] for m in msgs] == [["a", "b"], ["c"], ["d"]]
+    assert sizes[2] > cap
+    assert len(msgs[1].events[0].prompt_logprobs) == 400
+
+
+def test_the_stream_carries_a_step_split_over_messages(monkeypatch):
+    from services.attention import session
+
+    monkeypatch.setattr(session, "MESSAGE_BYTES", 4 * 64)  # four small events a message
+    n, tokens = 16, 3
+    loop = SteppingLoop(start_when=n, step_s=0.02)
+    addr = f"127.0.0.1:{free_port()}"
+    control = servicer(loop, addr)
+
+    async def go():
+        server = await start_server(control, addr)
+        client = AttentionClient(addr)
+        try:
+            return await asyncio.gather(*(_tokens(client, f"r{i}", tokens) for i in range(n)))
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    try:
+        results = _run(go())
+    finally:
+        loop.close()
+    assert results == [(list(range(tokens)), "length")] * n
+    assert max(control.messages) <= 4 and sum(control.messages) == n * tokens
