@@ -47,16 +47,6 @@ from services.attention.telemetry import EngineTelemetry
 log = logging.getLogger("afd.attention")
 
 
-_SERVER_OPTIONS = [
-    ("grpc.so_reuseport", 0),
-    # A gateway's Session stays open while idle and its channel pings every 10 s to find a
-    # dead server; gRPC's default answers pings more often than every 5 minutes without data
-    # with a GOAWAY ("too_many_pings"), which would break the Session of every idle gateway.
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
-
-
 @dataclass(frozen=True)
 class AttentionServerConfig:
     engine: EngineConfig
@@ -247,7 +237,7 @@ async def _serve(cfg: AttentionServerConfig) -> None:
     moe = [i for i in range(cfg.engine.model.num_layers) if cfg.engine.model.is_moe(i)]
     REGISTRY.register(ExpertLoadCollector(lambda: engine.expert_load, moe))
     loop = EngineLoop(engine, EngineTelemetry(engine.ffn_addresses, cfg.stragglers))
-    server = grpc.aio.server(options=_SERVER_OPTIONS)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     servicer = ControlServicer(loop, cfg)
     pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
     # The control plane uses the same TLS settings as the data plane (one cert per server).
