@@ -31,8 +31,23 @@ async def _tokens(client: AttentionClient, rid: str, n: int) -> tuple[list[int],
     return ids, finish
 
 
-def _run(coro, timeout: float = 20.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
+def _run(coro, loop: SteppingLoop, timeout: float = 20.0):
+    """Run `coro` to its end (or the timeout), then stop the stand-in engine loop."""
+    try:
+        return asyncio.run(asyncio.wait_for(coro, timeout))
+    finally:
+        loop.close()
+
+
+async def _with_client(control, addr: str, body, **client_args):
+    """Serve `control` on `addr` while `body(client)` runs, then close both."""
+    server = await start_server(control, addr)
+    client = AttentionClient(addr, **client_args)
+    try:
+        return await body(client)
+    finally:
+        await client.close()
+        await server.stop(None)
 
 
 def test_a_step_of_many_requests_is_one_message_and_each_request_gets_its_own_tokens():
@@ -41,19 +56,10 @@ def test_a_step_of_many_requests_is_one_message_and_each_request_gets_its_own_to
     addr = f"127.0.0.1:{free_port()}"
     control = servicer(loop, addr)
 
-    async def go():
-        server = await start_server(control, addr)
-        client = AttentionClient(addr)
-        try:
-            return await asyncio.gather(*(_tokens(client, f"r{i}", tokens) for i in range(n)))
-        finally:
-            await client.close()
-            await server.stop(None)
+    async def body(client):
+        return await asyncio.gather(*(_tokens(client, f"r{i}", tokens) for i in range(n)))
 
-    try:
-        results = _run(go())
-    finally:
-        loop.close()
+    results = _run(_with_client(control, addr, body), loop)
     assert results == [(list(range(tokens)), "length")] * n
     assert sum(control.messages) == n * tokens
     # One message per step, give or take a step split by the loop waking mid-burst; a message
@@ -75,36 +81,27 @@ def test_closing_a_stream_early_aborts_that_request_only_and_a_gateway_gone_abor
     addr = f"127.0.0.1:{free_port()}"
     control = servicer(loop, addr)
 
-    async def go():
-        server = await start_server(control, addr)
-        client = AttentionClient(addr)
-        try:
-            other = asyncio.create_task(_tokens(client, "b", 20))
-            got = []
-            stream = client.generate("a", [1], SamplingParams(max_tokens=1000))
-            async with aclosing(stream) as events:
-                async for ev in events:
-                    got += ev.token_ids
-                    if len(got) == 2:
-                        break
-            result = await other
-            aborted_a = await _aborted(loop, "a")
-            aborted_early = list(loop.aborted)
-            # The gateway goes away with a request running: the server aborts it.
-            stream = client.generate("c", [1], SamplingParams(max_tokens=1000))
-            await stream.__anext__()
-            await client.close()
-            aborted_c = await _aborted(loop, "c")
-            await stream.aclose()
-            return got, result, aborted_a, aborted_early, aborted_c
-        finally:
-            await client.close()
-            await server.stop(None)
+    async def body(client):
+        other = asyncio.create_task(_tokens(client, "b", 20))
+        got = []
+        stream = client.generate("a", [1], SamplingParams(max_tokens=1000))
+        async with aclosing(stream) as events:
+            async for ev in events:
+                got += ev.token_ids
+                if len(got) == 2:
+                    break
+        result = await other
+        aborted_a = await _aborted(loop, "a")
+        aborted_early = list(loop.aborted)
+        # The gateway goes away with a request running: the server aborts it.
+        stream = client.generate("c", [1], SamplingParams(max_tokens=1000))
+        await stream.__anext__()
+        await client.close()
+        aborted_c = await _aborted(loop, "c")
+        await stream.aclose()
+        return got, result, aborted_a, aborted_early, aborted_c
 
-    try:
-        got, other, aborted_a, aborted_early, aborted_c = _run(go())
-    finally:
-        loop.close()
+    got, other, aborted_a, aborted_early, aborted_c = _run(_with_client(control, addr, body), loop)
     assert got == [0, 1]
     assert other == (list(range(20)), "length")
     assert aborted_a and aborted_early == ["a"]
@@ -138,10 +135,7 @@ def test_a_server_without_session_is_served_by_a_generate_call_per_request_until
             await client.close()
             await server.stop(None)
 
-    try:
-        first, second, third = _run(go())
-    finally:
-        loop.close()
+    first, second, third = _run(go(), loop)
     assert first == ([0, 1, 2], "length")
     assert second == ([0, 1, 2, 3], "length")
     assert third == ([0, 1], "length")
@@ -175,10 +169,7 @@ def test_a_broken_session_fails_its_requests_and_the_next_request_opens_a_new_on
             await client.close()
             await server.stop(None)
 
-    try:
-        errors, after = _run(go())
-    finally:
-        loop.close()
+    errors, after = _run(go(), loop)
     assert len(errors) == 3
     assert all(isinstance(e, PeerUnavailable) and e.status == 503 for e in errors)
     assert after == ([0, 1, 2], "length")
@@ -188,23 +179,15 @@ def test_a_request_past_its_deadline_is_a_504_and_is_aborted_on_the_server():
     loop = SteppingLoop(start_when=2)  # one request never starts: no event comes
     addr = f"127.0.0.1:{free_port()}"
 
-    async def go():
-        server = await start_server(servicer(loop, addr), addr)
-        client = AttentionClient(addr, generate_timeout_s=0.3)
-        try:
-            t0 = time.monotonic()
-            with pytest.raises(APIError) as caught:
-                await _tokens(client, "slow", 3)
-            took = time.monotonic() - t0
-            return caught.value, took, await _aborted(loop, "slow")
-        finally:
-            await client.close()
-            await server.stop(None)
+    async def body(client):
+        t0 = time.monotonic()
+        with pytest.raises(APIError) as caught:
+            await _tokens(client, "slow", 3)
+        took = time.monotonic() - t0
+        return caught.value, took, await _aborted(loop, "slow")
 
-    try:
-        error, took, aborted = _run(go())
-    finally:
-        loop.close()
+    control = servicer(loop, addr)
+    error, took, aborted = _run(_with_client(control, addr, body, generate_timeout_s=0.3), loop)
     assert error.status == 504 and "did not answer in time" in error.message
     assert took < 2.0
     assert aborted
@@ -215,28 +198,19 @@ def test_draining_ends_idle_sessions_and_new_requests_are_refused_with_the_reaso
     addr = f"127.0.0.1:{free_port()}"
     control = servicer(loop, addr)
 
-    async def go():
-        server = await start_server(control, addr)
-        client = AttentionClient(addr)
-        try:
-            before = await _tokens(client, "a", 2)
-            still_running = await control.drain(1.0)
-            for _ in range(200):
-                if not control._sessions:
-                    break
-                await asyncio.sleep(0.01)
-            ended = not control._sessions
-            with pytest.raises(APIError) as caught:
-                await _tokens(client, "b", 2)
-            return before, still_running, ended, caught.value
-        finally:
-            await client.close()
-            await server.stop(None)
+    async def body(client):
+        before = await _tokens(client, "a", 2)
+        still_running = await control.drain(1.0)
+        for _ in range(200):
+            if not control._sessions:
+                break
+            await asyncio.sleep(0.01)
+        ended = not control._sessions
+        with pytest.raises(APIError) as caught:
+            await _tokens(client, "b", 2)
+        return before, still_running, ended, caught.value
 
-    try:
-        before, still_running, ended, refused = _run(go())
-    finally:
-        loop.close()
+    before, still_running, ended, refused = _run(_with_client(control, addr, body), loop)
     assert before == ([0, 1], "length")
     assert still_running == 0
     assert ended, "an idle Session outlived the drain"
@@ -275,10 +249,7 @@ def test_a_request_id_already_running_on_the_session_is_refused_and_the_first_ru
             await channel.close()
             await server.stop(None)
 
-    try:
-        events = _run(go())
-    finally:
-        loop.close()
+    events = _run(go(), loop)
     refused = [ev for ev in events if ev.error_code == pb.ERROR_INVALID_REQUEST]
     assert len(refused) == 1 and "already running" in refused[0].error
     tokens = [t for ev in events if not ev.error_code for t in ev.token_ids]
@@ -318,18 +289,9 @@ def test_the_stream_carries_a_step_split_over_messages(monkeypatch):
     addr = f"127.0.0.1:{free_port()}"
     control = servicer(loop, addr)
 
-    async def go():
-        server = await start_server(control, addr)
-        client = AttentionClient(addr)
-        try:
-            return await asyncio.gather(*(_tokens(client, f"r{i}", tokens) for i in range(n)))
-        finally:
-            await client.close()
-            await server.stop(None)
+    async def body(client):
+        return await asyncio.gather(*(_tokens(client, f"r{i}", tokens) for i in range(n)))
 
-    try:
-        results = _run(go())
-    finally:
-        loop.close()
+    results = _run(_with_client(control, addr, body), loop)
     assert results == [(list(range(tokens)), "length")] * n
     assert max(control.messages) <= 4 and sum(control.messages) == n * tokens
