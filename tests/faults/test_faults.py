@@ -24,6 +24,10 @@ from tests.helpers.procs import Procs
 
 CLIENTS = 8
 LONG = 300  # tokens: a generation still running when the fault strikes
+# Tokens of the streams a drain waits for: near the tiny model's 512 positions, so they run for
+# seconds even on a fast box (at 200 two streams took 1.3 s on Zen 3, and a faster box finished
+# them, and with them the gateway, before the test asked it for a new request).
+DRAINED = 480
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +76,17 @@ def _after_recovery(cluster: Cluster, since: float | None = None) -> float:
     took = time.monotonic() - since if since is not None else 0.0
     cluster.wait_idle()
     return took
+
+
+def _draining(cluster: Cluster, within: float = 5.0) -> tuple[int, dict]:
+    """/ready once it says draining (a SIGTERM is handled within milliseconds; polling instead of
+    sleeping keeps the window short, so a fast box cannot finish the drain before the check)."""
+    end = time.monotonic() + within
+    while True:
+        code, body = cluster.ready()
+        if code == 503 or time.monotonic() > end:
+            return code, body
+        time.sleep(0.02)
 
 
 def _clamp(body: bytes) -> bytes:
@@ -229,7 +244,7 @@ def test_an_attention_server_killed_mid_stream_fails_only_its_requests(cluster):
 def test_sigterm_drains_attention_then_gateway_and_both_exit_0(cluster):
     att1 = cluster.procs.procs["att1"]
     with ThreadPoolExecutor(CLIENTS) as ex:
-        futs = [ex.submit(stream, cluster.url, 200) for _ in range(4)]
+        futs = [ex.submit(stream, cluster.url, DRAINED) for _ in range(4)]
         time.sleep(0.6)
         att1.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -241,14 +256,16 @@ def test_sigterm_drains_attention_then_gateway_and_both_exit_0(cluster):
 
     gateway = cluster.procs.procs["gateway"]
     with ThreadPoolExecutor(4) as ex:
-        futs = [ex.submit(stream, cluster.url, 200) for _ in range(2)]
+        futs = [ex.submit(stream, cluster.url, DRAINED) for _ in range(2)]
         time.sleep(0.6)
         gateway.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        code, body = _draining(cluster)
         refused = stream(cluster.url, 20)
-        code, body = cluster.ready()
+        # The check below means something only while the drain still waits for the streams.
+        still_running = not any(f.done() for f in futs)
         outcomes = [f.result() for f in futs]
     assert all(o.kind == "ok" for o in outcomes), outcomes
+    assert still_running, "the streams ended before the gateway was asked for a new one"
     assert refused.kind == "error" and "draining" in refused.detail, refused
     assert code == 503 and body["status"] == "draining"
     assert gateway.wait(timeout=30) == 0
