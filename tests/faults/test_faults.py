@@ -24,8 +24,8 @@ from tests.helpers.procs import Procs
 
 CLIENTS = 8
 LONG = 300  # tokens: a generation still running when the fault strikes
-# Tokens of the streams a drain waits for: near the tiny model's 512 positions, so they run for
-# seconds even on a fast box (at 200 two streams took 1.3 s on Zen 3, and a faster box finished
+# Tokens of the streams a drain waits for (or a check of who is busy looks at): near the tiny
+# model's 512 positions, so they run for seconds even on a fast box (at 200 two streams took 1.3 s on Zen 3, and a faster box finished
 # them, and with them the gateway, before the test asked it for a new request).
 DRAINED = 480
 
@@ -232,7 +232,7 @@ def test_an_attention_server_killed_mid_stream_fails_only_its_requests(cluster):
     back = _after_recovery(cluster, t0)
     _report("kill -9 of an attention server", outcomes, ready_after_restart=back)
     with ThreadPoolExecutor(4) as ex:  # traffic reaches the restarted server again
-        futs = [ex.submit(stream, cluster.url, 100) for _ in range(4)]
+        futs = [ex.submit(stream, cluster.url, DRAINED) for _ in range(4)]
         time.sleep(0.5)
         busy = [not isinstance(s, Exception) and s.running > 0 for s in cluster.stats()]
         assert all(f.result().kind == "ok" for f in futs)
