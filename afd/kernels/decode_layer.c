@@ -9,7 +9,12 @@
  *   a   = paged decode attention of q over the cache
  *   h'  = bf16(h + a @ w_o^T);  x = rms_norm(h', ffn_norm)
  *   with w_router: logits = x @ w_router^T    (the MoE router's matmul, bias-free routers)
- *   with topk too: the softmax-then-top-k router on those logits (route_softmax_topk)
+ *   with topk too: the router kind on those logits: softmax-then-top-k (route_softmax_topk)
+ *   or gpt-oss's top-k-then-softmax (route_topk_softmax, with its selection bias)
+ *
+ * gpt-oss adds (afd_bf16_decode_layer_ext): biases on the qkv and output projections, each
+ * added to the bf16 matmul result and rounded once as torch adds a Linear's bias; a sink
+ * logit per query head and a sliding window, both the decode attention kernel's.
  *
  * It is services/attention/model.py's attention_and_route() with the kind's qkv(), composed
  * of the same kernels the per-op path calls one by one (gemm.c, norm_rope.c, attention.c), so
@@ -71,6 +76,57 @@ static int route_softmax_topk(const uint16_t *logits, int T, int E, int k, int n
   return rc;
 }
 
+/* moe_router.topk_softmax on bf16 logits [T, E] (plus bias [E] float32 where given): the k
+ * largest scores best first, then a float32 softmax over those k alone. As route_softmax_topk:
+ * the experts are torch.topk's wherever the k-th and (k+1)-th scores differ, else 1 is
+ * returned and the caller routes with torch; the weights are torch's to within an ulp. */
+static int route_topk_softmax(const uint16_t *logits, const float *bias, int T, int E, int k,
+                              int32_t *ids, float *w) {
+  if (k <= 0 || k > E) return -1;
+  float *p = (float *)malloc((size_t)E * sizeof(float));
+  char *taken = (char *)malloc((size_t)E);
+  if (!p || !taken) {
+    free(p), free(taken);
+    return -1;
+  }
+  int rc = 0;
+  for (int t = 0; t < T && !rc; t++) {
+    const uint16_t *l = logits + (size_t)t * E;
+    for (int e = 0; e < E && !rc; e++) {
+      p[e] = bias ? bf16_value(l[e]) + bias[e] : bf16_value(l[e]);
+      taken[e] = 0;
+      if (!isfinite(p[e])) rc = 1; /* NaN or infinite scores: torch's rules, not ours */
+    }
+    if (rc) break;
+    int32_t *it = ids + (size_t)t * k;
+    float *wt = w + (size_t)t * k;
+    for (int j = 0; j < k; j++) {
+      int best = -1;
+      for (int e = 0; e < E; e++)
+        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+      taken[best] = 1;
+      it[j] = best;
+      wt[j] = p[best];
+    }
+    for (int e = 0; e < E && !rc; e++)
+      if (!taken[e] && p[e] == wt[k - 1]) rc = 1; /* a tie across the cut */
+    float m = wt[0], s = 0.f;
+    for (int j = 0; j < k; j++) s += wt[j] = expf(wt[j] - m);
+    for (int j = 0; j < k; j++) wt[j] /= s;
+  }
+  free(p), free(taken);
+  return rc;
+}
+
+/* y[t, :] = bf16(y[t, :] + b) for T rows of n (n % 8 == 0): a Linear's bias, as torch adds it */
+static void add_bias(uint16_t *y, const uint16_t *b, int T, int n) {
+  for (int t = 0; t < T; t++)
+    for (int j = 0; j < n; j += 8) {
+      uint16_t *r = y + (size_t)t * n + j;
+      store8(r, round8(_mm256_add_ps(load_bf16(r), load_bf16(b + j))));
+    }
+}
+
 /* h [T, H] in; h_out [T, H] and x_out [T, H] out. Weights: attn_norm, ffn_norm [H];
  * w_qkv [(qin + 2 kvh D), H] with qin = nh D, or for MFA the query rank with inter_norm [qin]
  * and w_q [nh D, qin]; q_norm, k_norm [D] or NULL (no q/k norm); w_o [H, nh D].
@@ -78,9 +134,12 @@ static int route_softmax_topk(const uint16_t *logits, int T, int E, int k, int n
  * isa: the matmuls' instruction set and weight layout, as afd_bf16_moe's.
  * w_router [E, H] (that layout too) or NULL; logits [T, E] out where it is given; with topk
  * > 0 too, ids [T, topk] and weights [T, topk] out (route_softmax_topk, norm its flag).
+ * _ext only: b_qkv [qin + 2 kvh D] and b_o [H] bf16 or NULL; sinks [nh] float32 or NULL;
+ * window > 0: the last `window` positions only; route 0: softmax-then-top-k, 1: top-k-then-
+ * softmax with router_bias [E] float32 (or NULL) added to the logits first.
  * Returns 0; 1 where the routing is left to the caller (a tie across the top-k cut; every
  * other output is written); -1 (bad sizes, memory short, a length past the block table). */
-int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
+int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const uint16_t *attn_norm, const uint16_t *ffn_norm,
                           const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
                           const uint16_t *inter_norm, const uint16_t *w_q, const uint16_t *w_o,
@@ -89,7 +148,9 @@ int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const int64_t *blocks, const int64_t *lens, int T, int H, int qin,
                           int nh, int kvh, int D, int NB, int bs, int nb, float eps, float scale,
                           int threads, int isa, const uint16_t *w_router, uint16_t *logits,
-                          int E, int topk, int norm, int32_t *ids, float *weights) {
+                          int E, int topk, int norm, int32_t *ids, float *weights,
+                          const uint16_t *b_qkv, const uint16_t *b_o, const float *sinks,
+                          int window, const float *router_bias, int route) {
   if (T <= 0 || H % 8 != 0 || D % 16 != 0 || kvh <= 0 || nh % kvh != 0 || qin % 8 != 0) return -1;
   if (!w_q && qin != nh * D) return -1;
   const int Q = nh * D, KV = kvh * D, W = qin + 2 * KV;
@@ -103,6 +164,7 @@ int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
   if (!xn || !qkv || !tmp || !q || !att) goto done;
   if (afd_bf16_rms_norm(h, H, 0, attn_norm, xn, T, 1, H, eps)) goto done;
   if (GEMM(xn, w_qkv, qkv, T, W, H)) goto done;
+  if (b_qkv) add_bias(qkv, b_qkv, T, W);
   /* k first (rope'd into q's buffer, then scattered to the cache), then q */
   const uint16_t *k_src = qkv + qin;
   if (k_norm) {
@@ -128,16 +190,37 @@ int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
   } else if (afd_bf16_rope(qkv, W, q, T, nh, D, cos, sin, pos)) {
     goto done;
   }
-  if (afd_bf16_decode_attention(q, k_cache, v_cache, blocks, lens, att, T, kvh, nh / kvh, D, NB,
-                                bs, nb, scale, threads))
+  if (afd_bf16_decode_attention_ext(q, k_cache, v_cache, blocks, lens, att, T, kvh, nh / kvh, D,
+                                    NB, bs, nb, scale, sinks, window, threads))
     goto done;
   if (GEMM(att, w_o, xn, T, H, Q)) goto done; /* xn reused: o_proj out */
+  if (b_o) add_bias(xn, b_o, T, H);
   for (size_t i = 0; i < (size_t)T * H; i += 8) /* bf16 + bf16, rounded once, as torch adds */
     store8(h_out + i, round8(_mm256_add_ps(load_bf16(h + i), load_bf16(xn + i))));
   rc = afd_bf16_rms_norm(h_out, H, 0, ffn_norm, x_out, T, 1, H, eps);
   if (!rc && w_router) rc = GEMM(x_out, w_router, logits, T, E, H);
-  if (!rc && w_router && topk > 0) rc = route_softmax_topk(logits, T, E, topk, norm, ids, weights);
+  if (!rc && w_router && topk > 0)
+    rc = route ? route_topk_softmax(logits, router_bias, T, E, topk, ids, weights)
+               : route_softmax_topk(logits, T, E, topk, norm, ids, weights);
 done:
   free(xn), free(qkv), free(tmp), free(q), free(att);
   return rc;
+}
+
+/* The layer without gpt-oss's additions (decode_stack.c runs these). */
+int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
+                          const uint16_t *attn_norm, const uint16_t *ffn_norm,
+                          const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
+                          const uint16_t *inter_norm, const uint16_t *w_q, const uint16_t *w_o,
+                          const uint16_t *cos, const uint16_t *sin, const int64_t *pos,
+                          const int64_t *slots, uint16_t *k_cache, uint16_t *v_cache,
+                          const int64_t *blocks, const int64_t *lens, int T, int H, int qin,
+                          int nh, int kvh, int D, int NB, int bs, int nb, float eps, float scale,
+                          int threads, int isa, const uint16_t *w_router, uint16_t *logits,
+                          int E, int topk, int norm, int32_t *ids, float *weights) {
+  return afd_bf16_decode_layer_ext(h, h_out, x_out, attn_norm, ffn_norm, w_qkv, q_norm, k_norm,
+                                   inter_norm, w_q, w_o, cos, sin, pos, slots, k_cache, v_cache,
+                                   blocks, lens, T, H, qin, nh, kvh, D, NB, bs, nb, eps, scale,
+                                   threads, isa, w_router, logits, E, topk, norm, ids, weights,
+                                   NULL, NULL, NULL, 0, NULL, 0);
 }

@@ -1,5 +1,6 @@
-"""An attention layer (GQA or MFA) of a decode-only micro-batch in one native call
-(decode_layer.c): the same kernels as the per-op path, minus ~15 Python-level calls per layer."""
+"""An attention layer (GQA, gpt-oss's GQA with biases, sinks and windows, or MFA) of a
+decode-only micro-batch in one native call (decode_layer.c): the same kernels as the per-op
+path, minus ~15 Python-level calls per layer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from afd.kernels import gemm
 
 Routing = tuple[torch.Tensor, torch.Tensor]  # expert ids [T, k] int32, weights [T, k] float32
+ROUTES = {"softmax_topk": 0, "topk_softmax": 1}  # the router kinds the call computes
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,14 @@ class DecodeWeights:
     k_norm: torch.Tensor | None = None  # [D]
     inter_norm: torch.Tensor | None = None  # [q_in], MFA: norm of the low-rank query
     w_q: torch.Tensor | None = None  # [nh D, q_in], MFA: its up-projection
+    b_qkv: torch.Tensor | None = None  # [q_in + 2 kvh D] bf16, gpt-oss: the projections' bias
+    sinks: torch.Tensor | None = None  # [nh] float32, gpt-oss: a sink logit per query head
+    window: int = 0  # > 0: the keys a query sees, itself included (gpt-oss's sliding layers)
+
+    @property
+    def plain(self) -> bool:
+        """None of gpt-oss's additions (the native decode stack runs only such layers)."""
+        return self.b_qkv is None and self.sinks is None and not self.window
 
 
 class NativeDecodeLayer:
@@ -39,15 +49,32 @@ class NativeDecodeLayer:
         eps: float,
         isa: str,  # the matmuls' instruction set, which the weights are laid out for
         w_router: torch.Tensor | None = None,  # [E, H] in isa's layout: a bias-free router
-        topk: int = 0,  # > 0: route too, as moe_router.softmax_topk (decode_layer.c)
+        topk: int = 0,  # > 0: route too, as the router kind below (decode_layer.c)
         norm_topk: bool = False,
+        b_o: torch.Tensor | None = None,  # [H]: the output projection's bias (gpt-oss)
+        route: str = "softmax_topk",  # or "topk_softmax" (gpt-oss), moe_router's kinds
+        router_bias: torch.Tensor | None = None,  # [E] float32: topk_softmax's, on the logits
     ):
+        if route not in ROUTES or (router_bias is not None and route != "topk_softmax"):
+            raise ValueError(f"the fused layer routes {tuple(ROUTES)} (a bias: topk_softmax)")
         self.isa = gemm.ISAS[isa]
         ws = (attn_norm, ffn_norm, dw.w_qkv, dw.q_norm, dw.k_norm, dw.inter_norm, dw.w_q, w_o)
         self.tensors = [t.contiguous() if t is not None else None for t in (*ws, w_router)]
         self._ptrs = [t.data_ptr() if t is not None else None for t in self.tensors]
         self.experts = w_router.shape[0] if w_router is not None else 0
         self.topk, self.norm_topk = (topk, norm_topk) if self.experts else (0, False)
+        self.route = ROUTES[route]
+        # gpt-oss's additions, in the dtypes the per-op path applies them in: a Linear's bias
+        # is added in the result's dtype, sinks and the router's bias in float32
+        bf16 = torch.bfloat16
+        self._extra = [
+            t if t is None else t.to(dtype).contiguous()
+            for t, dtype in ((dw.b_qkv, bf16), (b_o, bf16), (dw.sinks, torch.float32),
+                             (router_bias, torch.float32))
+        ]  # fmt: skip
+        self._extra_ptrs = [t.data_ptr() if t is not None else None for t in self._extra]
+        self.window = dw.window
+        self.plain = dw.plain and b_o is None and self.route == 0
         self.hidden, self.q_in = attn_norm.shape[0], dw.q_in
         self.nh, self.kvh, self.d, self.eps = num_heads, num_kv_heads, head_dim, eps
 
@@ -94,7 +121,8 @@ class NativeDecodeLayer:
         logits = torch.empty(T, E, dtype=torch.bfloat16) if E else None
         ids = torch.empty(T, k, dtype=torch.int32) if k else None
         weights = torch.empty(T, k, dtype=torch.float32) if k else None
-        rc = gemm._lib().afd_bf16_decode_layer(
+        b_qkv, b_o, sinks, router_bias = self._extra_ptrs
+        rc = gemm._lib().afd_bf16_decode_layer_ext(
             h.data_ptr(), h_out.data_ptr(), x_out.data_ptr(), an, fn, wqkv, qn, kn, inn, wq, wo,
             cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
@@ -102,6 +130,7 @@ class NativeDecodeLayer:
             self.eps, scale, torch.get_num_threads(), self.isa,
             wr if E else None, logits.data_ptr() if E else None, E, k, self.norm_topk,
             ids.data_ptr() if k else None, weights.data_ptr() if k else None,
+            b_qkv, b_o, sinks, self.window, router_bias, self.route,
         )  # fmt: skip
         if rc < 0:
             raise RuntimeError(f"afd_bf16_decode_layer failed (lengths {lens.tolist()})")

@@ -97,6 +97,8 @@ class NativeDecodeStack:
                 return False
             if a.norm_topk != a0.norm_topk or a.topk <= 0 or a.experts == 0:
                 return False
+            if not a.plain:  # decode_stack.c runs the layer without gpt-oss's additions
+                return False
             if (e.inter, e.hidden, e.isa) != (e0.inter, e0.hidden, e0.isa):
                 return False
             if gemm.ISAS[e.isa] != a.isa or e.hidden != a.hidden:

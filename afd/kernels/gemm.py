@@ -63,6 +63,9 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_rope.restype = i
     lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i, i, p, p, i, i, i, p, p]
     lib.afd_bf16_decode_layer.restype = i
+    layer_ext = lib.afd_bf16_decode_layer.argtypes + [p, p, p, i, p, i]
+    lib.afd_bf16_decode_layer_ext.argtypes = layer_ext
+    lib.afd_bf16_decode_layer_ext.restype = i
     stack = [p, i, p, p, p, p, p, p, p, p] + [i] * 13 + [f, i, i, p, p, p, p]
     lib.afd_bf16_decode_stack.argtypes = stack
     lib.afd_bf16_decode_stack.restype = i

@@ -79,7 +79,7 @@ class AttentionModel:
         """Where afd's own kernels carry the bf16 compute (ops.native), a layer's decode runs
         as one native call: the same kernels, the same bits, ~15 fewer Python calls."""
         c, dw = self.cfg, lw.kind.decode_weights()
-        if dw is None or not (native() and lw.o_proj.native) or lw.o_proj.bias is not None:
+        if dw is None or not (native() and lw.o_proj.native):
             return None
         dims = (c.num_heads, c.num_kv_heads, c.head_dim)
         norms = (lw.attn_norm, lw.ffn_norm)
@@ -88,11 +88,15 @@ class AttentionModel:
         r = lw.router  # its matmul joins the call where it runs on the same kernel and rule
         same = r is not None and (r.isa, r.onednn_from) == (lw.o_proj.isa, lw.o_proj.onednn_from)
         w_router = r.w if same and r.bias is None and r.w.dtype == torch.bfloat16 else None
-        # for the softmax-then-top-k kind, its softmax and top-k join the call too
-        topk = c.top_k if c.router == "softmax_topk" and lw.router_bias is None else 0
+        # the router kinds the call computes join it too (softmax-then-top-k without a bias;
+        # gpt-oss's top-k-then-softmax with its bias); any other kind routes from the logits
+        bias = lw.router_bias
+        joins = c.router == "topk_softmax" or (c.router == "softmax_topk" and bias is None)
         return NativeDecodeLayer(
             *norms, dw, lw.o_proj.w, *dims, c.rms_norm_eps, lw.o_proj.isa, w_router,
-            topk, c.norm_topk_prob,
+            c.top_k if joins else 0, c.norm_topk_prob, b_o=lw.o_proj.bias,
+            route=c.router if joins else "softmax_topk",
+            router_bias=bias if joins and c.router == "topk_softmax" else None,
         )  # fmt: skip
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]

@@ -1,9 +1,11 @@
 """The fused native decode layer (afd/kernels/decode_layer.c) against the per-op path it
 replaces in AttentionModel.attention_and_route: the same kernels in the same order, so the
 same bits, in the hidden states, the FFN input, the KV cache and the router's logits (its
-matmul joins the call on MoE layers); for GQA with and without q/k norm (Qwen3-MoE, Mixtral) and for
-Step-3's MFA. The softmax-then-top-k router in the call picks the same experts as torch.topk
-with weights within float32 rounding, and leaves a tie across the top-k cut to torch."""
+matmul joins the call on MoE layers); for GQA with and without q/k norm (Qwen3-MoE, Mixtral),
+gpt-oss's GQA (biases, sinks, sliding windows shorter than the rows' contexts) and Step-3's
+MFA. The routers in the call (softmax-then-top-k; gpt-oss's biased top-k-then-softmax) pick
+the same experts as torch.topk with weights within float32 rounding, and leave a tie across
+the top-k cut to torch."""
 
 from __future__ import annotations
 
@@ -27,7 +29,14 @@ def step3_dir(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir", "step3_dir"])
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory):
+    from tests.helpers.checkpoints import gpt_oss
+
+    return gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "ckpt")
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir", "step3_dir", "gpt_oss_dir"])
 def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckpt, request):
     cfg = ModelConfig.from_hf(request.getfixturevalue(ckpt))
     model = AttentionModel(cfg, torch.bfloat16, progress=False)

@@ -50,8 +50,9 @@ class GQA(AttentionKind):
         )  # fmt: skip
 
     def decode_weights(self) -> DecodeWeights | None:
-        if not self.w_qkv.native or self.w_qkv.bias is not None or self.sinks is not None:
+        if not self.w_qkv.native:
             return None
-        if self.window:
-            return None
-        return DecodeWeights(self.w_qkv.w, self.cfg.q_size, self.q_norm, self.k_norm)
+        return DecodeWeights(
+            self.w_qkv.w, self.cfg.q_size, self.q_norm, self.k_norm,
+            b_qkv=self.w_qkv.bias, sinks=self.sinks, window=self.window,
+        )  # fmt: skip
