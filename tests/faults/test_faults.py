@@ -25,8 +25,9 @@ from tests.helpers.procs import Procs
 CLIENTS = 8
 LONG = 300  # tokens: a generation still running when the fault strikes
 # Tokens of the streams a drain waits for (or a check of who is busy looks at): near the tiny
-# model's 512 positions, so they run for seconds even on a fast box (at 200 two streams took 1.3 s on Zen 3, and a faster box finished
-# them, and with them the gateway, before the test asked it for a new request).
+# model's 512 positions, so they run for seconds even on a fast box (at 200, two streams took
+# 1.3 s on Zen 3, and a faster box finished them, and with them the gateway, before the test
+# asked it for a new request).
 DRAINED = 480
 
 
