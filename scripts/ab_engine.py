@@ -2,12 +2,15 @@
 effect is smaller than this box's spread between commands (a kernel, a step's Python).
 
     python scripts/ab_engine.py BEFORE AFTER [--batch 32] [--new-tokens 64] [--rounds 3]
+        [--model CHECKPOINT [--expert-compute direct]]
 
 Each revision is checked out into a git worktree and its native library built there; every
 round runs BEFORE then AFTER in a fresh process each (`afd bench engine`'s engine: the
 reference checkpoint, bf16, 2 threads, the default kernel path), decode tok/s as that command
-computes it. With `--serve STREAMS`: each side's `afd serve` instead, started fresh for every
-run and driven through the API by `afd bench serve` (both revisions need afd_cli.bench.peer).
+computes it; `--model` another checkpoint (e.g. `afd bench mxfp4`'s gpt-oss model or its MXFP4
+copy, with the expert path of `--expert-compute`). With `--serve STREAMS`: each side's `afd
+serve` instead, started fresh for every run and driven through the API by `afd bench serve`
+(both revisions need afd_cli.bench.peer).
 Prints JSON: the runs, the medians and AFTER / BEFORE. Not part of CI.
 """
 
@@ -31,18 +34,20 @@ _TIMING = r"""
 import json, sys, time
 from pathlib import Path
 import torch
-from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from afd.config import CacheConfig, EngineConfig, ExpertConfig, ModelConfig, SchedulerConfig
 from afd.control import SamplingParams
 from afd_cli.bench.engine import _decode_tps, _prompts, build_checkpoint
 from afd_cli.local import local_engine
 
 batch, new, threads, cache = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+model, compute = sys.argv[5], sys.argv[6]
 torch.set_num_threads(threads)
-path = build_checkpoint(Path(cache) / "bench-qwen3moe-ref")
+path = Path(model) if model else build_checkpoint(Path(cache) / "bench-qwen3moe-ref")
 cfg = EngineConfig(model=ModelConfig.from_hf(path), dtype="bfloat16", a2f_dtype="bf16",
                    micro_batches=1, decode_stack=True, threads=threads,
                    cache=CacheConfig(block_size=16, kv_cache_memory_gb=1.0),
-                   scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096))
+                   scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
+                   experts=ExpertConfig(compute=compute))
 with local_engine(cfg, 1, progress=False) as eng:
     prompts = _prompts(batch, 16, cfg.model.vocab_size, batch)
     def timed(p, n):
@@ -101,6 +106,7 @@ def _run(tree: Path, args: argparse.Namespace) -> float:
     else:
         code = _TIMING
         argv = [str(args.batch), str(args.new_tokens), str(args.threads), args.cache_dir]
+        argv += [args.model or "", args.expert_compute]
     out = subprocess.run(
         [sys.executable, "-c", code, *argv],
         cwd=tree, env=env, capture_output=True, text=True,
@@ -125,6 +131,8 @@ def main() -> int:
         "`afd bench serve` at this many streams (6 requests each)",
     )
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", help="the engine's checkpoint (default: the reference model)")
+    p.add_argument("--expert-compute", default="auto", choices=("auto", "direct", "workspace"))
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
     args = p.parse_args()
     revs = {"before": args.before, "after": args.after}
@@ -149,6 +157,7 @@ def main() -> int:
         "revisions": shas,
         "measured": "afd serve" if args.serve else "engine",
         **({"streams": args.serve} if args.serve else {"batch": args.batch}),
+        **({"model": args.model, "expert_compute": args.expert_compute} if args.model else {}),
         "new_tokens": args.new_tokens,
         "threads": args.threads,
         "runs_tok_s": runs,
