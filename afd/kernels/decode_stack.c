@@ -2,8 +2,9 @@
  * where the attention side and the one expert shard compute in the same process:
  *
  *   for each layer l:
- *     h', x, routing = afd_bf16_decode_layer(h)      (decode_layer.c: attention, router, top-k)
- *     y = afd_bf16_moe(x, routing) into zeros        (moe.c: what the FFN shard computes)
+ *     h', x, routing = afd_bf16_decode_layer_ext(h)  (decode_layer.c: attention, router, top-k)
+ *     y = afd_bf16_moe_ext(x, routing) into zeros    (moe.c: what the FFN shard computes;
+ *         afd_mxfp4_moe for MXFP4 experts, mxfp4_moe.c)
  *     h = bf16(h' + y)                               (the residual add of the pipeline)
  *
  * It is services/attention/pipeline.py's layer loop with one micro-batch and the shard called
@@ -16,19 +17,29 @@
 
 #include "bf16.h"
 
-int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
-                          const uint16_t *attn_norm, const uint16_t *ffn_norm,
-                          const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
-                          const uint16_t *inter_norm, const uint16_t *w_q, const uint16_t *w_o,
-                          const uint16_t *cos, const uint16_t *sin, const int64_t *pos,
-                          const int64_t *slots, uint16_t *k_cache, uint16_t *v_cache,
-                          const int64_t *blocks, const int64_t *lens, int T, int H, int qin,
-                          int nh, int kvh, int D, int NB, int bs, int nb, float eps, float scale,
-                          int threads, int isa, const uint16_t *w_router, uint16_t *logits,
-                          int E, int topk, int norm, int32_t *ids, float *weights);
-int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int topk, int first,
-                 const uint16_t *const *w13, const uint16_t *const *w2, uint16_t *out, int T,
-                 int E, int H, int I, int threads, int reverse, int isa);
+int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
+                              const uint16_t *attn_norm, const uint16_t *ffn_norm,
+                              const uint16_t *w_qkv, const uint16_t *q_norm,
+                              const uint16_t *k_norm, const uint16_t *inter_norm,
+                              const uint16_t *w_q, const uint16_t *w_o, const uint16_t *cos,
+                              const uint16_t *sin, const int64_t *pos, const int64_t *slots,
+                              uint16_t *k_cache, uint16_t *v_cache, const int64_t *blocks,
+                              const int64_t *lens, int T, int H, int qin, int nh, int kvh, int D,
+                              int NB, int bs, int nb, float eps, float scale, int threads, int isa,
+                              const uint16_t *w_router, uint16_t *logits, int E, int topk,
+                              int norm, int32_t *ids, float *weights, const uint16_t *b_qkv,
+                              const uint16_t *b_o, const float *sinks, int window,
+                              const float *router_bias, int route);
+int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, int topk,
+                     int first, const uint16_t *const *w13, const uint16_t *const *w2,
+                     uint16_t *out, int T, int E, int H, int I, int threads, int reverse, int isa,
+                     const uint16_t *const *b13, const uint16_t *const *b2, int act_kind,
+                     float limit, float alpha);
+int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int topk, int first,
+                  const uint8_t *const *b13, const uint8_t *const *s13,
+                  const uint16_t *const *bias13, const uint8_t *const *b2,
+                  const uint8_t *const *s2, const uint16_t *const *bias2, uint16_t *out, int T,
+                  int E, int H, int I, int act, float limit, float alpha, int threads, int isa);
 
 /* One layer's weights and cache (afd/kernels/decode_stack.py: StackLayer, the same fields in
  * the same order). `reverse` is the experts' visiting order, flipped here after each call (as
@@ -41,6 +52,20 @@ typedef struct {
   const uint16_t *const *w2;
   int64_t experts, first, reverse; /* experts held (all of the layer's), the first one's id */
   double scale;                     /* the attention's softmax scale */
+  /* gpt-oss's additions to the attention layer (NULL / 0 elsewhere: afd_bf16_decode_layer_ext) */
+  const uint16_t *b_qkv, *b_o;
+  const float *sinks, *router_bias;
+  int64_t window, route;
+  /* the experts' biases (NULL: none) and activation (moe.c's act kinds, limit, alpha); MXFP4
+   * experts where mx_b13 is set (blocks and scales per expert: w13 and w2 are then unused) */
+  const uint16_t *const *b13;
+  const uint16_t *const *b2;
+  const uint8_t *const *mx_b13;
+  const uint8_t *const *mx_s13;
+  const uint8_t *const *mx_b2;
+  const uint8_t *const *mx_s2;
+  int64_t act;
+  double limit, alpha;
 } afd_stack_layer;
 
 static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamps are its */
@@ -54,7 +79,8 @@ static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamp
  * caller they hold that layer's h', x and router logits. ids [L, T, topk] int32 and weights
  * [L, T, topk] float32 out: each layer's routing; stamps [L, 3] out: each layer's start, the
  * end of its attention, the end of its experts (wall clock, seconds). The rest as
- * afd_bf16_decode_layer's and afd_bf16_moe's arguments (I: the experts' intermediate size).
+ * afd_bf16_decode_layer_ext's and the experts calls' arguments (I: the experts' intermediate
+ * size).
  * Returns L when every layer ran; l < L where layer l's routing is left to the caller (a tie
  * across its top-k cut: h is then layer l's input); -1 where a layer's attention failed and -2
  * where its experts did (bad sizes, memory short), *at set to that layer. */
@@ -75,23 +101,33 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
     float *weights_l = weights + (size_t)l * T * topk;
     *at = l;
     stamps[3 * l] = wall_seconds();
-    int r = afd_bf16_decode_layer(h, h_attn, x, w->attn_norm, w->ffn_norm, w->w_qkv, w->q_norm,
-                                  w->k_norm, w->inter_norm, w->w_q, w->w_o, w->cos, w->sin, pos,
-                                  slots, w->k_cache, w->v_cache, blocks, lens, T, H, qin, nh, kvh,
-                                  D, NB, bs, nb, eps, (float)w->scale, threads, isa, w->w_router,
-                                  logits, E, topk, norm, ids_l, weights_l);
+    int r = afd_bf16_decode_layer_ext(
+        h, h_attn, x, w->attn_norm, w->ffn_norm, w->w_qkv, w->q_norm, w->k_norm, w->inter_norm,
+        w->w_q, w->w_o, w->cos, w->sin, pos, slots, w->k_cache, w->v_cache, blocks, lens, T, H,
+        qin, nh, kvh, D, NB, bs, nb, eps, (float)w->scale, threads, isa, w->w_router, logits, E,
+        topk, norm, ids_l, weights_l, w->b_qkv, w->b_o, w->sinks, (int)w->window,
+        w->router_bias, (int)w->route);
     stamps[3 * l + 1] = wall_seconds();
     if (r != 0) {
       rc = r < 0 ? -1 : l;
       break;
     }
     memset(y, 0, (size_t)T * H * sizeof(uint16_t)); /* the shard's output starts at zero */
-    if (afd_bf16_moe(x, ids_l, weights_l, topk, (int)w->first, w->w13, w->w2, y, T,
-                     (int)w->experts, H, I, threads, (int)w->reverse, isa)) {
+    int e;
+    if (w->mx_b13) {
+      e = afd_mxfp4_moe(x, ids_l, weights_l, topk, (int)w->first, w->mx_b13, w->mx_s13, w->b13,
+                        w->mx_b2, w->mx_s2, w->b2, y, T, (int)w->experts, H, I, (int)w->act,
+                        (float)w->limit, (float)w->alpha, threads, isa);
+    } else {
+      e = afd_bf16_moe_ext(x, ids_l, weights_l, topk, (int)w->first, w->w13, w->w2, y, T,
+                           (int)w->experts, H, I, threads, (int)w->reverse, isa, w->b13, w->b2,
+                           (int)w->act, (float)w->limit, (float)w->alpha);
+      w->reverse = !w->reverse;
+    }
+    if (e) {
       rc = -2;
       break;
     }
-    w->reverse = !w->reverse;
     for (size_t i = 0; i < (size_t)T * H; i += 8) /* bf16 + bf16, rounded once, as torch adds */
       store8(h + i, round8(_mm256_add_ps(load_bf16(h_attn + i), load_bf16(y + i))));
     stamps[3 * l + 2] = wall_seconds();

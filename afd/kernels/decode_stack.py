@@ -1,7 +1,7 @@
 """A decode step's layers in one native call (decode_stack.c): per layer the fused attention
-layer (decode_layer.py), the fused experts (moe.py) and the residual add, for a process that
-holds both sides of the model. The same calls with the same roundings as the layer loop; what
-it saves is the Python around them."""
+layer (decode_layer.py), the fused experts (moe.py; MXFP4 experts: mxfp4.py's FusedExperts) and
+the residual add, for a process that holds both sides of the model. The same calls with the
+same roundings as the layer loop; what it saves is the Python around them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from afd.kernels import gemm
+from afd.kernels import gemm, paths
 from afd.kernels.decode_layer import NativeDecodeLayer
-from afd.kernels.moe import NativeExperts
+from afd.kernels.moe import ACTS, NativeExperts
+from afd.kernels.mxfp4 import FusedExperts
 
 _POINTERS = (
     "attn_norm", "ffn_norm", "w_qkv", "q_norm", "k_norm", "inter_norm", "w_q", "w_o",
@@ -28,6 +29,13 @@ class StackLayer(ctypes.Structure):
         ("first", ctypes.c_int64),
         ("reverse", ctypes.c_int64),
         ("scale", ctypes.c_double),
+        *((name, ctypes.c_void_p) for name in ("b_qkv", "b_o", "sinks", "router_bias")),
+        ("window", ctypes.c_int64),
+        ("route", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in ("b13", "b2", "mx_b13", "mx_s13", "mx_b2", "mx_s2")),
+        ("act", ctypes.c_int64),
+        ("limit", ctypes.c_double),
+        ("alpha", ctypes.c_double),
     ]
 
 
@@ -35,8 +43,8 @@ class StackLayer(ctypes.Structure):
 class LayerParts:
     """What one layer of the stack is made of."""
 
-    attention: NativeDecodeLayer  # with its router and softmax-then-top-k (topk > 0)
-    experts: NativeExperts  # every routed expert of the layer
+    attention: NativeDecodeLayer  # with its router and its top-k (topk > 0)
+    experts: NativeExperts | FusedExperts  # every routed expert of the layer (bf16 or MXFP4)
     first: int  # the global id of experts' first
     k_cache: torch.Tensor  # [kvh, NB, bs, D] bf16, contiguous
     v_cache: torch.Tensor
@@ -80,9 +88,18 @@ class NativeDecodeStack:
             ptrs = (an, fn, wqkv, qn, kn, inn, wq, wo, wr, *(t.data_ptr() for t in caches))
             for name, v in zip(_POINTERS, ptrs, strict=False):
                 setattr(s, name, v)
-            s.w13 = ctypes.cast(p.experts._p13, ctypes.c_void_p)
-            s.w2 = ctypes.cast(p.experts._p2, ctypes.c_void_p)
             s.experts, s.first, s.scale = p.experts.count, p.first, p.scale
+            s.b_qkv, s.b_o, s.sinks, s.router_bias = p.attention._extra_ptrs
+            s.window, s.route = p.attention.window, p.attention.route
+            e = p.experts
+            if isinstance(e, FusedExperts):  # pointer arrays: blocks, scales, biases per side
+                b13, s13, bias13, b2, s2, bias2 = (_address(a) for a in e._p)
+                s.mx_b13, s.mx_s13, s.b13, s.mx_b2, s.mx_s2, s.b2 = b13, s13, bias13, b2, s2, bias2
+                s.act, s.limit, s.alpha = e.act, e.limit, e.alpha
+            else:
+                s.w13, s.w2 = _address(e._p13), _address(e._p2)
+                s.b13, s.b2 = _address(e._pb13), _address(e._pb2)
+                s.act, s.limit, s.alpha = ACTS[e.act[0]], e.act[1], e.act[2]
 
     @staticmethod
     def usable(parts: list[LayerParts]) -> bool:
@@ -97,11 +114,9 @@ class NativeDecodeStack:
                 return False
             if a.norm_topk != a0.norm_topk or a.topk <= 0 or a.experts == 0:
                 return False
-            if not a.plain:  # decode_stack.c runs the layer without gpt-oss's additions
+            if (e.inter, e.hidden) != (e0.inter, e0.hidden) or e.hidden != a.hidden:
                 return False
-            if (e.inter, e.hidden, e.isa) != (e0.inter, e0.hidden, e0.isa):
-                return False
-            if gemm.ISAS[e.isa] != a.isa or e.hidden != a.hidden:
+            if _experts_isa(e) != a.isa:  # the call passes one instruction set to both
                 return False
             if p.first < 0 or p.first + e.count > a.experts:
                 return False
@@ -147,6 +162,18 @@ class NativeDecodeStack:
         if rc == -2:
             raise ExpertsFailed(at.value)
         return StackResult(rc, h, h_attn, x, logits, ids, weights, stamps)
+
+
+def _address(ptrs) -> int | None:
+    """A ctypes pointer array's address (None for None), as the layer struct holds it."""
+    return None if ptrs is None else ctypes.addressof(ptrs)
+
+
+def _experts_isa(e: NativeExperts | FusedExperts) -> int:
+    """The instruction set the experts' own call would pass (moe.py, mxfp4.py)."""
+    if isinstance(e, FusedExperts):
+        return gemm.ISAS.get(paths.active().matmul, 0)
+    return gemm.ISAS[e.isa]
 
 
 class ExpertsFailed(RuntimeError):

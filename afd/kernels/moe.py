@@ -6,10 +6,14 @@ from __future__ import annotations
 import copy
 import ctypes
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from afd.kernels import gemm
+
+if TYPE_CHECKING:  # mxfp4.py imports this module
+    from afd.kernels.mxfp4 import FusedExperts
 
 # an activation as the fused calls take it: (kind, limit, alpha), services/ffn/kinds.py's
 # native_spec; ACTS: the kinds experts.h computes
@@ -124,6 +128,6 @@ class InlineExperts:
     message to the shard (afd/kernels/decode_stack.py): only where the shard's whole answer to
     that layer would be this one call (FFNEngine.inline_experts)."""
 
-    native: NativeExperts
+    native: NativeExperts | FusedExperts  # bf16, or MXFP4 multiplied as stored (mxfp4.py)
     first: int  # global id of native's first expert
     rows_below: int  # the shard takes this call below this many rows per expert (else oneDNN)

@@ -16,6 +16,8 @@ from afd.blockfp8 import BlockFP8, cat_rows
 from afd.checkpoint import load_weights
 from afd.config import ExpertConfig, ModelConfig
 from afd.device import CPU, place, to_device
+from afd.kernels import mxfp4 as native_mxfp4
+from afd.kernels import paths
 from afd.kernels.moe import InlineExperts
 from afd.messages import FFNRequest
 from afd.ops import Linear
@@ -103,10 +105,13 @@ class FFNEngine:
         message with that call alone: no shared expert or dense MLP here, no injected delay,
         bf16 on the CPU. None where anything else would run."""
         g = self.experts.get(layer)
-        plain = g is not None and g.native is not None and g.native.plain and g.workspace is None
-        if not plain or self.inject_delay_s or layer in self.shared or layer in self.dense:
+        if g is None or self.inject_delay_s or layer in self.shared or layer in self.dense:
             return None
         if self.dtype != torch.bfloat16 or self.device.type != "cpu":
+            return None
+        if g.fused_mx is not None and native_mxfp4.usable():  # routed_experts' first choice,
+            return InlineExperts(g.fused_mx, g.first, paths.NEVER)  # at every batch size
+        if g.native is None or g.workspace is not None:
             return None
         return InlineExperts(g.native, g.first, g.w13[0].onednn_from)
 

@@ -2,7 +2,9 @@
 loop it replaces: on each of afd's kernel paths this machine runs, the same tokens with the same
 logprobs, the same routing counted, and every layer's timing kept. Qwen3-MoE's test checkpoint
 has a dense layer between two MoE layers (two stacks and the loop between them), Mixtral's is
-MoE throughout (one stack). A tie across a layer's top-k cut leaves that layer to torch and the
+MoE throughout (one stack); gpt-oss's (biases, sinks, sliding windows, its own router, experts
+with biases and the clamped SwiGLU) once with BF16 experts and once with MXFP4 ones multiplied
+as stored. A tie across a layer's top-k cut leaves that layer to torch and the
 stack goes on from the next; a failing experts call fails the step with its cause."""
 
 from __future__ import annotations
@@ -54,7 +56,21 @@ def _generate(path, stack: bool, prepare=None):
         return tokens, logprobs, eng.dispatcher.expert_load.clone(), ran, inline
 
 
-@pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir"])
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory):
+    from tests.helpers.checkpoints import gpt_oss
+
+    return gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4_dir(gpt_oss_dir, tmp_path_factory):
+    from tests.helpers.checkpoints import gpt_oss_mxfp4
+
+    return gpt_oss_mxfp4(gpt_oss_dir, tmp_path_factory.mktemp("gpt_oss_mx"))[0]
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir", "gpt_oss_dir", "gpt_oss_mxfp4_dir"])
 def test_the_stack_gives_the_layer_loops_tokens_and_logprobs(native_path, ckpt, request):
     path = request.getfixturevalue(ckpt)
     tokens, logprobs, load, ran, inline = _generate(path, stack=True)
