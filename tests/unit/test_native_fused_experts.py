@@ -92,15 +92,30 @@ def test_planted_bias_dropped_is_caught(kernel_path, monkeypatch):
             assert not torch.equal(fused, want), fmt
 
 
-def test_the_decode_stack_never_takes_biased_experts():
-    """decode_stack.c calls the plain SwiGLU experts: gpt-oss's stay out of it."""
+@pytest.mark.parametrize("kernel_path", PATHS)
+def test_the_decode_stack_is_offered_the_call_the_shard_would_make(kernel_path):
+    """gpt-oss's experts (biases, the clamped SwiGLU; bf16 or MXFP4 as stored) go to the
+    decode stack (decode_stack.c calls both); MXFP4 at every batch size, as routed_experts
+    takes the fused MXFP4 call at every size."""
+    from afd.kernels import paths
     from services.ffn.engine import FFNEngine
 
-    group = _experts("bf16", 1, True, "swiglu_clamped")
-    engine = FFNEngine.__new__(FFNEngine)
-    engine.experts, engine.shared, engine.dense = {0: group}, {}, {}
-    engine.inject_delay_s, engine.dtype, engine.device = 0.0, torch.bfloat16, torch.device("cpu")
-    assert engine.inline_experts(0) is None
+    with paths.use(kernel_path):
+        for fmt in ("bf16", "mxfp4"):
+            group = _experts(fmt, 1, True, "swiglu_clamped")
+            engine = FFNEngine.__new__(FFNEngine)
+            engine.experts, engine.shared, engine.dense = {0: group}, {}, {}
+            engine.inject_delay_s, engine.dtype = 0.0, torch.bfloat16
+            engine.device = torch.device("cpu")
+            offered = engine.inline_experts(0)
+            assert offered is not None, fmt
+            if fmt == "mxfp4":
+                assert offered.native is group.fused_mx
+                assert offered.rows_below == paths.NEVER
+            else:
+                assert offered.native is group.native
+            engine.shared = {0: object()}  # a shared expert: the shard's answer is more
+            assert engine.inline_experts(0) is None
 
 
 @pytest.mark.parametrize("kernel_path", PATHS)
