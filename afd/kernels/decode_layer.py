@@ -28,11 +28,6 @@ class DecodeWeights:
     sinks: torch.Tensor | None = None  # [nh] float32, gpt-oss: a sink logit per query head
     window: int = 0  # > 0: the keys a query sees, itself included (gpt-oss's sliding layers)
 
-    @property
-    def plain(self) -> bool:
-        """None of gpt-oss's additions (the native decode stack runs only such layers)."""
-        return self.b_qkv is None and self.sinks is None and not self.window
-
 
 class NativeDecodeLayer:
     """One layer's weights (bf16, contiguous, kept referenced here) for the fused call."""
@@ -74,7 +69,6 @@ class NativeDecodeLayer:
         ]  # fmt: skip
         self._extra_ptrs = [t.data_ptr() if t is not None else None for t in self._extra]
         self.window = dw.window
-        self.plain = dw.plain and b_o is None and self.route == 0
         self.hidden, self.q_in = attn_norm.shape[0], dw.q_in
         self.nh, self.kvh, self.d, self.eps = num_heads, num_kv_heads, head_dim, eps
 

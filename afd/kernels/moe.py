@@ -47,8 +47,6 @@ class NativeExperts:
         self._pb13 = ptrs(*(b.data_ptr() for b in self._b13)) if self._b13 else None
         self._pb2 = ptrs(*(b.data_ptr() for b in self._b2)) if self._b2 else None
         self.act = act
-        # what decode_stack.c calls (afd_bf16_moe): no biases, the SwiGLU
-        self.plain = self._b13 is None and act == SWIGLU
         # Successive calls visit the experts in alternating order. A layer's calls come back
         # to back with S >= 2 micro-batches (and M attention servers), and its expert weights
         # (~90 MB on the reference model) overflow the cache: the second call then starts on
