@@ -96,15 +96,20 @@ def assert_same_routing(ids1, w1, ids2, w2):
     )
 
 
-def test_a_tie_across_the_top_k_cut_is_left_to_torch(native_path, qwen3_dir):
-    """Every expert's router row the same: all logits tie, so the call must not pick."""
-    cfg = ModelConfig.from_hf(qwen3_dir)
+@pytest.mark.parametrize("ckpt", ["qwen3_dir", "gpt_oss_dir"])
+def test_a_tie_across_the_top_k_cut_is_left_to_torch(native_path, ckpt, request):
+    """Every expert's router row the same (and gpt-oss's router bias zero): all scores tie, so
+    the call must not pick, for either router kind it computes."""
+    cfg = ModelConfig.from_hf(request.getfixturevalue(ckpt))
     model = AttentionModel(cfg, torch.bfloat16, progress=False)
     layer = next(i for i in range(cfg.num_layers) if cfg.is_moe(i))
     lw = model.layers[layer]
     assert lw.fused.topk == cfg.top_k
     same = torch.randn(1, cfg.hidden_size).to(torch.bfloat16).expand(cfg.num_experts, -1)
     lw.router.w.copy_(gemm.pack(same) if lw.router.isa == "avx2" else same)  # its layout
+    if lw.router_bias is not None:  # the bias would break the tie: zero, here and in the call
+        lw.router_bias.zero_()
+        lw.fused._extra[3].zero_()
     T, bs = 3, 16
     meta = AttnMeta(
         positions=torch.zeros(T, dtype=torch.long),
@@ -123,5 +128,5 @@ def test_a_tie_across_the_top_k_cut_is_left_to_torch(native_path, qwen3_dir):
     _, x, logits, routing = lw.fused(*args)
     assert routing is None and bool((logits == logits[:, :1]).all())
     _, _, ids, w = model.attention_and_route(layer, h, meta, cache)
-    want_ids, want_w = model.route_fn(logits, cfg, None)
+    want_ids, want_w = model.route_fn(logits, cfg, lw.router_bias)
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)  # torch's own choice
