@@ -9,8 +9,8 @@
  *   a   = paged decode attention of q over the cache
  *   h'  = bf16(h + a @ w_o^T);  x = rms_norm(h', ffn_norm)
  *   with w_router: logits = x @ w_router^T    (the MoE router's matmul, bias-free routers)
- *   with topk too: the router kind on those logits: softmax-then-top-k (route_softmax_topk)
- *   or gpt-oss's top-k-then-softmax (route_topk_softmax, with its selection bias)
+ *   with topk too: the router kind on those logits (route_rows): softmax-then-top-k, or
+ *   gpt-oss's top-k-then-softmax with its selection bias
  *
  * gpt-oss adds (afd_bf16_decode_layer_ext): biases on the qkv and output projections, each
  * added to the bf16 matmul result and rounded once as torch adds a Linear's bias; a sink
@@ -30,89 +30,74 @@
 #define GEMM(x, w, y, M, N, K) \
   ((isa ? afd_bf16_gemm512 : afd_bf16_gemm)(x, w, y, M, N, K, threads))
 
-/* moe_router.softmax_topk on bf16 logits [T, E]: a float32 softmax over the row, its k
- * largest (best first), renormalised over the k when norm. Which experts a row gets is
- * decided by comparisons alone, so it is torch.topk's choice wherever that is unique; where
- * the k-th and the (k+1)-th probabilities are equal torch's pick among them cannot be known
- * here, and 1 is returned for the caller to route the batch with torch. The weights are
- * torch's to within an ulp (expf, not torch's vectorised exp). Returns 0, 1, or -1. */
-static int route_softmax_topk(const uint16_t *logits, int T, int E, int k, int norm,
-                              int32_t *ids, float *w) {
-  if (k <= 0 || k > E) return -1;
-  float *p = (float *)malloc((size_t)E * sizeof(float));
-  char *taken = (char *)malloc((size_t)E);
-  if (!p || !taken) {
-    free(p), free(taken);
-    return -1;
+/* The k largest of p [E], best first, into ids and w (taken [E]: scratch). Which they are is
+ * decided by comparisons alone, so it is torch.topk's choice wherever that is unique; returns
+ * 1 where the k-th is equal to one left out (torch's pick among equals cannot be known here),
+ * else 0. */
+static int pick_topk(const float *p, char *taken, int E, int k, int32_t *ids, float *w) {
+  for (int e = 0; e < E; e++) taken[e] = 0;
+  for (int j = 0; j < k; j++) {
+    int best = -1;
+    for (int e = 0; e < E; e++)
+      if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+    taken[best] = 1;
+    ids[j] = best;
+    w[j] = p[best];
   }
-  int rc = 0;
-  for (int t = 0; t < T && !rc; t++) {
-    const uint16_t *l = logits + (size_t)t * E;
-    float m = -INFINITY, s = 0.f;
-    for (int e = 0; e < E; e++) m = fmaxf(m, bf16_value(l[e]));
-    for (int e = 0; e < E; e++) s += p[e] = expf(bf16_value(l[e]) - m);
-    if (!isfinite(s) || !(s > 0.f)) { /* NaN or infinite logits: torch's rules, not ours */
-      rc = 1;
-      break;
-    }
-    for (int e = 0; e < E; e++) p[e] /= s, taken[e] = 0;
-    float kept = 0.f;
-    for (int j = 0; j < k; j++) {
-      int best = -1;
-      for (int e = 0; e < E; e++)
-        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-      taken[best] = 1;
-      ids[(size_t)t * k + j] = best;
-      w[(size_t)t * k + j] = p[best];
-      kept += p[best];
-    }
-    float last = w[(size_t)t * k + k - 1];
-    for (int e = 0; e < E && !rc; e++)
-      if (!taken[e] && p[e] == last) rc = 1; /* a tie across the cut */
-    if (norm)
-      for (int j = 0; j < k; j++) w[(size_t)t * k + j] /= kept;
-  }
-  free(p), free(taken);
+  for (int e = 0; e < E; e++)
+    if (!taken[e] && p[e] == w[k - 1]) return 1; /* a tie across the cut */
+  return 0;
+}
+
+/* One row of moe_router.softmax_topk on bf16 logits l [E]: a float32 softmax over the row, its
+ * k largest (best first), renormalised over the k when norm. */
+static int row_softmax_topk(const uint16_t *l, int E, int k, int norm, float *p, char *taken,
+                            int32_t *ids, float *w) {
+  float m = -INFINITY, s = 0.f;
+  for (int e = 0; e < E; e++) m = fmaxf(m, bf16_value(l[e]));
+  for (int e = 0; e < E; e++) s += p[e] = expf(bf16_value(l[e]) - m);
+  if (!isfinite(s) || !(s > 0.f)) return 1; /* NaN or infinite logits: torch's rules, not ours */
+  for (int e = 0; e < E; e++) p[e] /= s;
+  int rc = pick_topk(p, taken, E, k, ids, w);
+  float kept = 0.f;
+  for (int j = 0; j < k; j++) kept += w[j];
+  if (norm)
+    for (int j = 0; j < k; j++) w[j] /= kept;
   return rc;
 }
 
-/* moe_router.topk_softmax on bf16 logits [T, E] (plus bias [E] float32 where given): the k
- * largest scores best first, then a float32 softmax over those k alone. As route_softmax_topk:
- * the experts are torch.topk's wherever the k-th and (k+1)-th scores differ, else 1 is
- * returned and the caller routes with torch; the weights are torch's to within an ulp. */
-static int route_topk_softmax(const uint16_t *logits, const float *bias, int T, int E, int k,
-                              int32_t *ids, float *w) {
+/* One row of moe_router.topk_softmax on bf16 logits l [E] (plus bias [E] float32 where given):
+ * the k largest scores best first, then a float32 softmax over those k alone. */
+static int row_topk_softmax(const uint16_t *l, const float *bias, int E, int k, float *p,
+                            char *taken, int32_t *ids, float *w) {
+  for (int e = 0; e < E; e++) {
+    p[e] = bias ? bf16_value(l[e]) + bias[e] : bf16_value(l[e]);
+    if (!isfinite(p[e])) return 1; /* NaN or infinite scores: torch's rules, not ours */
+  }
+  int rc = pick_topk(p, taken, E, k, ids, w);
+  float m = w[0], s = 0.f;
+  for (int j = 0; j < k; j++) s += w[j] = expf(w[j] - m);
+  for (int j = 0; j < k; j++) w[j] /= s;
+  return rc;
+}
+
+/* The router kind `route` (0: softmax-then-top-k, 1: top-k-then-softmax with bias) on bf16
+ * logits [T, E] -> ids [T, k], weights [T, k]. Where a row's pick is not torch.topk's to make
+ * here (a tie across the cut, non-finite scores) 1 is returned for the caller to route the
+ * batch with torch. The weights are torch's to within an ulp (expf, not torch's vectorised
+ * exp). Returns 0, 1, or -1. */
+static int route_rows(const uint16_t *logits, const float *bias, int T, int E, int k, int route,
+                      int norm, int32_t *ids, float *w) {
   if (k <= 0 || k > E) return -1;
   float *p = (float *)malloc((size_t)E * sizeof(float));
   char *taken = (char *)malloc((size_t)E);
-  if (!p || !taken) {
-    free(p), free(taken);
-    return -1;
-  }
-  int rc = 0;
+  int rc = p && taken ? 0 : -1;
   for (int t = 0; t < T && !rc; t++) {
     const uint16_t *l = logits + (size_t)t * E;
-    for (int e = 0; e < E && !rc; e++) {
-      p[e] = bias ? bf16_value(l[e]) + bias[e] : bf16_value(l[e]);
-      taken[e] = 0;
-      if (!isfinite(p[e])) rc = 1; /* NaN or infinite scores: torch's rules, not ours */
-    }
-    if (rc) break;
     int32_t *it = ids + (size_t)t * k;
     float *wt = w + (size_t)t * k;
-    for (int j = 0; j < k; j++) {
-      int best = -1;
-      for (int e = 0; e < E; e++)
-        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-      taken[best] = 1;
-      it[j] = best;
-      wt[j] = p[best];
-    }
-    for (int e = 0; e < E && !rc; e++)
-      if (!taken[e] && p[e] == wt[k - 1]) rc = 1; /* a tie across the cut */
-    float m = wt[0], s = 0.f;
-    for (int j = 0; j < k; j++) s += wt[j] = expf(wt[j] - m);
-    for (int j = 0; j < k; j++) wt[j] /= s;
+    rc = route ? row_topk_softmax(l, bias, E, k, p, taken, it, wt)
+               : row_softmax_topk(l, E, k, norm, p, taken, it, wt);
   }
   free(p), free(taken);
   return rc;
@@ -133,7 +118,7 @@ static void add_bias(uint16_t *y, const uint16_t *b, int T, int n) {
  * cos, sin [P, D]; pos, slots [T]; k/v cache [kvh, NB, bs, D]; blocks [T, nb]; lens [T].
  * isa: the matmuls' instruction set and weight layout, as afd_bf16_moe's.
  * w_router [E, H] (that layout too) or NULL; logits [T, E] out where it is given; with topk
- * > 0 too, ids [T, topk] and weights [T, topk] out (route_softmax_topk, norm its flag).
+ * > 0 too, ids [T, topk] and weights [T, topk] out (route_rows, norm its flag).
  * _ext only: b_qkv [qin + 2 kvh D] and b_o [H] bf16 or NULL; sinks [nh] float32 or NULL;
  * window > 0: the last `window` positions only; route 0: softmax-then-top-k, 1: top-k-then-
  * softmax with router_bias [E] float32 (or NULL) added to the logits first.
@@ -200,8 +185,7 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
   rc = afd_bf16_rms_norm(h_out, H, 0, ffn_norm, x_out, T, 1, H, eps);
   if (!rc && w_router) rc = GEMM(x_out, w_router, logits, T, E, H);
   if (!rc && w_router && topk > 0)
-    rc = route ? route_topk_softmax(logits, router_bias, T, E, topk, ids, weights)
-               : route_softmax_topk(logits, T, E, topk, norm, ids, weights);
+    rc = route_rows(logits, router_bias, T, E, topk, route, norm, ids, weights);
 done:
   free(xn), free(qkv), free(tmp), free(q), free(att);
   return rc;

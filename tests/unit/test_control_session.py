@@ -50,8 +50,9 @@ async def _with_client(control, addr: str, body, **client_args):
         await server.stop(None)
 
 
-def test_a_step_of_many_requests_is_one_message_and_each_request_gets_its_own_tokens():
-    n, tokens = 16, 5
+def _many(n: int, tokens: int):
+    """n requests of `tokens` tokens each, started together on one Session against a stand-in
+    loop that steps once all n are in: (each request's (tokens, finish reason), the servicer)."""
     loop = SteppingLoop(start_when=n, step_s=0.02)
     addr = f"127.0.0.1:{free_port()}"
     control = servicer(loop, addr)
@@ -59,7 +60,12 @@ def test_a_step_of_many_requests_is_one_message_and_each_request_gets_its_own_to
     async def body(client):
         return await asyncio.gather(*(_tokens(client, f"r{i}", tokens) for i in range(n)))
 
-    results = _run(_with_client(control, addr, body), loop)
+    return _run(_with_client(control, addr, body), loop), control
+
+
+def test_a_step_of_many_requests_is_one_message_and_each_request_gets_its_own_tokens():
+    n, tokens = 16, 5
+    results, control = _many(n, tokens)
     assert results == [(list(range(tokens)), "length")] * n
     assert sum(control.messages) == n * tokens
     # One message per step, give or take a step split by the loop waking mid-burst; a message
@@ -285,13 +291,6 @@ def test_the_stream_carries_a_step_split_over_messages(monkeypatch):
 
     monkeypatch.setattr(session, "MESSAGE_BYTES", 4 * 64)  # four small events a message
     n, tokens = 16, 3
-    loop = SteppingLoop(start_when=n, step_s=0.02)
-    addr = f"127.0.0.1:{free_port()}"
-    control = servicer(loop, addr)
-
-    async def body(client):
-        return await asyncio.gather(*(_tokens(client, f"r{i}", tokens) for i in range(n)))
-
-    results = _run(_with_client(control, addr, body), loop)
+    results, control = _many(n, tokens)
     assert results == [(list(range(tokens)), "length")] * n
     assert max(control.messages) <= 4 and sum(control.messages) == n * tokens
