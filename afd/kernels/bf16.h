@@ -90,7 +90,7 @@ static inline __m256 exp8(__m256 x) {
  * same order, so results are the same bits as row-major. gemm.py's pack() lays a weight out. */
 
 /* y[M, N] (bf16) = xf[M, K] (fp32) @ W[n0..n1, K]^T (bf16, packed; n0 a multiple of 4); wt is
- * scratch for 4 rows of W in fp32, used when M >= WIDE_M (gemm.c). The thresholds were
+ * scratch for 4 K floats (gemm.c says for what). The thresholds were
  * measured with the weights in cache (docs/benchmarks.md): from PAIR_M rows of x the pair path,
  * each weight vector converted once per chunk of rows, beats 2- and 4-row loops, and by WIDE_M
  * converting 4 weight rows once into fp32 has caught up with it. */

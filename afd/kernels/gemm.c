@@ -5,7 +5,8 @@
  *
  * Three paths. With 1-2 rows of x (decode at small batch) the matmul is weight-streaming
  * bound: each weight row is read once, 4 rows at a time converted in registers (bf16 -> fp32 is
- * a 16-bit shift) and used against every row of x. From PAIR_M rows (most experts' token
+ * a 16-bit shift, or a mask for the odd value of a pair: split_1, split_2) and used against
+ * every row of x. From PAIR_M rows (most experts' token
  * counts) 2 weight rows are converted at a time and used against chunks of up to 6 rows of x.
  * From WIDE_M rows on it is compute-bound: 4 weight rows are converted once into fp32 and used
  * against 2 rows of x at a time. Rows of W are split between threads. Products of two bf16
@@ -24,9 +25,8 @@
 /* Rows m0.. of x (fp32) against 4 weight rows already in fp32 (wt [4, K]), 2 rows of x at a
  * time: 8 accumulators, 4 weights and x in 13 of the 16 ymm registers. (3 rows of x needed a
  * 17th register: the compiler kept one accumulator on the stack, and its store-to-load round
- * trip every iteration held the loop to a third of the FMA rate.) Returns the first row it did
- * not do (the last one when M is odd). */
-static int wide(const float *xf, const float *wt, uint16_t *y, int M, int N, int K, int n) {
+ * trip every iteration held the loop to a third of the FMA rate.) An odd last row goes alone. */
+static void wide(const float *xf, const float *wt, uint16_t *y, int M, int N, int K, int n) {
   const float *w0 = wt, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
   int m = 0;
   for (; m + 2 <= M; m += 2) {
@@ -49,7 +49,20 @@ static int wide(const float *xf, const float *wt, uint16_t *y, int M, int N, int
     y1[0] = to_bf16(hsum(a10)), y1[1] = to_bf16(hsum(a11));
     y1[2] = to_bf16(hsum(a12)), y1[3] = to_bf16(hsum(a13));
   }
-  return m;
+  if (m < M) {
+    const float *x0 = xf + (size_t)m * K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int k = 0; k < K; k += 8) {
+      __m256 c = _mm256_loadu_ps(x0 + k);
+      a0 = _mm256_fmadd_ps(c, _mm256_loadu_ps(w0 + k), a0);
+      a1 = _mm256_fmadd_ps(c, _mm256_loadu_ps(w1 + k), a1);
+      a2 = _mm256_fmadd_ps(c, _mm256_loadu_ps(w2 + k), a2);
+      a3 = _mm256_fmadd_ps(c, _mm256_loadu_ps(w3 + k), a3);
+    }
+    uint16_t *y0 = y + (size_t)m * N + n;
+    y0[0] = to_bf16(hsum(a0)), y0[1] = to_bf16(hsum(a1));
+    y0[2] = to_bf16(hsum(a2)), y0[3] = to_bf16(hsum(a3));
+  }
 }
 
 /* R rows of x from row m (R <= 6, a constant where inlined: the accumulators stay in
@@ -111,65 +124,115 @@ static void one_row(const float *xf, const uint16_t *w, int step, uint16_t *y, i
   }
 }
 
+/* ---- 1 and 2 rows of x: the weight-streaming loops ------------------------------------------
+ * Here the loop is nearly all conversion: bf16 -> fp32 by widening each 8 values (a shuffle and
+ * a shift per 8) kept one core short of what a plain read of the weights gets. Instead 16 values
+ * (8 of each of two rows of the group) are loaded as they lie and read as 8 fp32 lanes twice: the
+ * even value of each pair shifted up (one shift), the odd one masked in place (an AND, which any
+ * vector port takes). x meets them in a matching order, prepared once per call (split_x). Each
+ * fp32 lane accumulates exactly the products that lane k % 8 of the widening loop accumulated,
+ * in the same order, and the lanes are summed in hsum's tree (sum_split), so the results are
+ * the same bits as before and as one_row's. */
+
+/* xs [M, 2K]: per 8 values of a row of x, [x0 x2 x4 x6 x0 x2 x4 x6] then [x1 x3 x5 x7 ...]. */
+static void split_x(const float *xf, float *xs, int M, int K) {
+  const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+  const __m256i odd = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+  for (size_t i = 0; i < (size_t)M * K; i += 8) {
+    __m256 v = _mm256_loadu_ps(xf + i);
+    _mm256_storeu_ps(xs + 2 * i, _mm256_permutevar8x32_ps(v, even));
+    _mm256_storeu_ps(xs + 2 * i + 8, _mm256_permutevar8x32_ps(v, odd));
+  }
+}
+
+/* Two rows' sums from the even and odd accumulators (lanes 0..3: the first row's k % 8 =
+ * 0, 2, 4, 6 resp. 1, 3, 5, 7; lanes 4..7 the second row's): hsum's tree over the 8 lanes in k
+ * order, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), i.e. ((e0 + e2) + (e1 + e3)) +
+ * ((o0 + o2) + (o1 + o3)). */
+static inline void sum_split(__m256 e, __m256 o, uint16_t *y0, uint16_t *y1) {
+  e = _mm256_add_ps(e, _mm256_permute_ps(e, 0x4E)); /* lanes (2, 3, 0, 1) */
+  o = _mm256_add_ps(o, _mm256_permute_ps(o, 0x4E));
+  e = _mm256_add_ps(e, _mm256_permute_ps(e, 0xB1)); /* lanes (1, 0, 3, 2) */
+  o = _mm256_add_ps(o, _mm256_permute_ps(o, 0xB1));
+  __m256 t = _mm256_add_ps(e, o);
+  *y0 = to_bf16(_mm256_cvtss_f32(t));
+  *y1 = to_bf16(_mm_cvtss_f32(_mm256_extractf128_ps(t, 1)));
+}
+
+/* How far ahead (bytes) the split loops ask for weights: the hardware prefetcher alone let a
+ * core's stream fall short of a plain read loop's (docs/benchmarks.md). */
+#define SPLIT_AHEAD 1024
+
+/* One row of x (xs: split_x's layout) against the group at g. */
+static void split_1(const float *xs, const uint16_t *g, uint16_t *y, int K) {
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+  __m256 e01 = _mm256_setzero_ps(), e23 = e01, o01 = e01, o23 = e01;
+  const uint16_t *p = g;
+  for (int k = 0; k < K; k += 8, p += 32) {
+    _mm_prefetch((const char *)p + SPLIT_AHEAD, _MM_HINT_T0);
+    __m256i r01 = _mm256_loadu_si256((const __m256i *)p);
+    __m256i r23 = _mm256_loadu_si256((const __m256i *)(p + 16));
+    __m256 xe = _mm256_loadu_ps(xs + 2 * k), xo = _mm256_loadu_ps(xs + 2 * k + 8);
+    e01 = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(r01, 16)), e01);
+    e23 = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(r23, 16)), e23);
+    o01 = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(r01, high)), o01);
+    o23 = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(r23, high)), o23);
+  }
+  sum_split(e01, o01, y, y + 1);
+  sum_split(e23, o23, y + 2, y + 3);
+}
+
+/* Two rows of x (xs, xs + 2K) against the group at g: each weight vector used twice. */
+static void split_2(const float *xs, const uint16_t *g, uint16_t *y, int N, int K) {
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+  __m256 e01 = _mm256_setzero_ps(), e23 = e01, o01 = e01, o23 = e01;
+  __m256 f01 = e01, f23 = e01, q01 = e01, q23 = e01; /* the second row of x's */
+  const float *xt = xs + 2 * (size_t)K;
+  const uint16_t *p = g;
+  for (int k = 0; k < K; k += 8, p += 32) {
+    _mm_prefetch((const char *)p + SPLIT_AHEAD, _MM_HINT_T0);
+    __m256i r01 = _mm256_loadu_si256((const __m256i *)p);
+    __m256i r23 = _mm256_loadu_si256((const __m256i *)(p + 16));
+    __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(r01, 16));
+    __m256 xe = _mm256_loadu_ps(xs + 2 * k), ye = _mm256_loadu_ps(xt + 2 * k);
+    e01 = _mm256_fmadd_ps(xe, w, e01), f01 = _mm256_fmadd_ps(ye, w, f01);
+    w = _mm256_castsi256_ps(_mm256_slli_epi32(r23, 16));
+    e23 = _mm256_fmadd_ps(xe, w, e23), f23 = _mm256_fmadd_ps(ye, w, f23);
+    __m256 xo = _mm256_loadu_ps(xs + 2 * k + 8), yo = _mm256_loadu_ps(xt + 2 * k + 8);
+    w = _mm256_castsi256_ps(_mm256_and_si256(r01, high));
+    o01 = _mm256_fmadd_ps(xo, w, o01), q01 = _mm256_fmadd_ps(yo, w, q01);
+    w = _mm256_castsi256_ps(_mm256_and_si256(r23, high));
+    o23 = _mm256_fmadd_ps(xo, w, o23), q23 = _mm256_fmadd_ps(yo, w, q23);
+  }
+  sum_split(e01, o01, y, y + 1);
+  sum_split(e23, o23, y + 2, y + 3);
+  sum_split(f01, q01, y + N, y + N + 1);
+  sum_split(f23, q23, y + N + 2, y + N + 3);
+}
+
 /* Rows n0..n1 of packed W (n0 a multiple of 4) against all M rows of xf (fp32 [M, K]); y is
- * bf16 [M, N]. wt is scratch for 4 weight rows in fp32 (only used from WIDE_M rows of x on,
- * where converting the rows once beats converting them per pair of x rows). */
+ * bf16 [M, N]. wt is scratch for 4 K floats: 4 weight rows in fp32 from WIDE_M rows of x on
+ * (where converting the rows once beats converting them per pair of x rows), split_x's copy of
+ * x below PAIR_M. */
 void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,
               int n1, float *wt) {
   int n = n0;
+  if (M < PAIR_M && n + 4 <= n1) split_x(xf, wt, M, K);
   for (; n + 4 <= n1; n += 4) {
     const uint16_t *g = w + (size_t)n * K; /* the group: row r's values 8s.. at 32 s + 8 r */
-    int m = 0;
     if (M >= WIDE_M) {
       for (int k = 0; k < K; k += 8)
         for (int r = 0; r < 4; r++)
           _mm256_storeu_ps(wt + (size_t)r * K + k, load_bf16(g + 4 * k + 8 * r));
-      m = wide(xf, wt, y, M, N, K, n);
-    }
-    if (M >= PAIR_M && M < WIDE_M) { /* converted once per chunk of up to 6 rows of x */
+      wide(xf, wt, y, M, N, K, n);
+    } else if (M >= PAIR_M) { /* converted once per chunk of up to 6 rows of x */
       pair_chunks(xf, g, y, M, N, K, n);
       pair_chunks(xf, g + 16, y, M, N, K, n + 2);
-      m = M;
-    }
-    for (; m + 2 <= M; m += 2) {
-      const float *x0 = xf + (size_t)m * K, *x1 = x0 + K;
-      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-      __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-      const uint16_t *p = g;
-      for (int k = 0; k < K; k += 8, p += 32) {
-        __m256 b0 = load_bf16(p), b1 = load_bf16(p + 8);
-        __m256 b2 = load_bf16(p + 16), b3 = load_bf16(p + 24);
-        _mm_prefetch((const char *)(p + 2048), _MM_HINT_T0); /* as pair_rows */
-        __m256 c0 = _mm256_loadu_ps(x0 + k), c1 = _mm256_loadu_ps(x1 + k);
-        a00 = _mm256_fmadd_ps(c0, b0, a00);
-        a01 = _mm256_fmadd_ps(c0, b1, a01);
-        a02 = _mm256_fmadd_ps(c0, b2, a02);
-        a03 = _mm256_fmadd_ps(c0, b3, a03);
-        a10 = _mm256_fmadd_ps(c1, b0, a10);
-        a11 = _mm256_fmadd_ps(c1, b1, a11);
-        a12 = _mm256_fmadd_ps(c1, b2, a12);
-        a13 = _mm256_fmadd_ps(c1, b3, a13);
-      }
-      uint16_t *y0 = y + (size_t)m * N + n, *y1 = y0 + N;
-      y0[0] = to_bf16(hsum(a00)), y0[1] = to_bf16(hsum(a01));
-      y0[2] = to_bf16(hsum(a02)), y0[3] = to_bf16(hsum(a03));
-      y1[0] = to_bf16(hsum(a10)), y1[1] = to_bf16(hsum(a11));
-      y1[2] = to_bf16(hsum(a12)), y1[3] = to_bf16(hsum(a13));
-    }
-    for (; m < M; m++) {
-      const float *x0 = xf + (size_t)m * K;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      const uint16_t *p = g;
-      for (int k = 0; k < K; k += 8, p += 32) {
-        __m256 c0 = _mm256_loadu_ps(x0 + k);
-        a0 = _mm256_fmadd_ps(c0, load_bf16(p), a0);
-        a1 = _mm256_fmadd_ps(c0, load_bf16(p + 8), a1);
-        a2 = _mm256_fmadd_ps(c0, load_bf16(p + 16), a2);
-        a3 = _mm256_fmadd_ps(c0, load_bf16(p + 24), a3);
-      }
-      uint16_t *y0 = y + (size_t)m * N + n;
-      y0[0] = to_bf16(hsum(a0)), y0[1] = to_bf16(hsum(a1));
-      y0[2] = to_bf16(hsum(a2)), y0[3] = to_bf16(hsum(a3));
+    } else { /* 1 or 2 rows: weight streaming (split_x's layout in wt) */
+      if (M == 2)
+        split_2(wt, g, y + n, N, K);
+      else
+        split_1(wt, g, y + n, K);
     }
   }
   const int packed_end = N / 4 * 4; /* rows from here on are row-major */
@@ -193,7 +256,8 @@ int afd_bf16_gemm(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int 
   int t = (size_t)N * K < (1u << 17) ? 1 : threads;
   /* units of ROWS_PER_UNIT rows (whole 4-row groups), taken as threads come free (bf16.h) */
   int units = (N + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
-  size_t tile = M >= WIDE_M ? (size_t)4 * K * sizeof(float) : 64;
+  /* afd_rows' scratch: 4 weight rows in fp32, or split_x's 2 M rows */
+  size_t tile = M >= WIDE_M || M < PAIR_M ? (size_t)4 * K * sizeof(float) : 64;
   float *wt = (float *)aligned_alloc(64, (tile + 63) / 64 * 64 * t);
   if (!wt) {
     free(xf);
