@@ -22,13 +22,44 @@
 
 #include "bf16.h"
 
-/* Rows m0.. of x (fp32) against 4 weight rows already in fp32 (wt [4, K]), 2 rows of x at a
- * time: 8 accumulators, 4 weights and x in 13 of the 16 ymm registers. (3 rows of x needed a
- * 17th register: the compiler kept one accumulator on the stack, and its store-to-load round
- * trip every iteration held the loop to a third of the FMA rate.) An odd last row goes alone. */
+/* Rows m0.. of x (fp32) against 4 weight rows already in fp32 (wt [4, K]), 3 rows of x at a
+ * time: 12 accumulators, the 3 rows' x and one weight vector at a time (each used by 3 FMAs) in
+ * the 16 ymm registers. Holding all 4 weight vectors as well needed a 17th: the compiler kept
+ * one accumulator on the stack, and its store-to-load round trip every iteration held the loop
+ * to a third of the FMA rate. Then 2 rows (8 accumulators, 4 weights, x) and a last row alone;
+ * every row's sums are the same whichever of these takes it. */
 static void wide(const float *xf, const float *wt, uint16_t *y, int M, int N, int K, int n) {
   const float *w0 = wt, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
   int m = 0;
+  for (; m + 3 <= M; m += 3) {
+    const float *x0 = xf + (size_t)m * K, *x1 = x0 + K, *x2 = x1 + K;
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    for (int k = 0; k < K; k += 8) {
+      __m256 c0 = _mm256_loadu_ps(x0 + k), c1 = _mm256_loadu_ps(x1 + k);
+      __m256 c2 = _mm256_loadu_ps(x2 + k);
+      __m256 b = _mm256_loadu_ps(w0 + k);
+      a00 = _mm256_fmadd_ps(c0, b, a00), a10 = _mm256_fmadd_ps(c1, b, a10);
+      a20 = _mm256_fmadd_ps(c2, b, a20);
+      b = _mm256_loadu_ps(w1 + k);
+      a01 = _mm256_fmadd_ps(c0, b, a01), a11 = _mm256_fmadd_ps(c1, b, a11);
+      a21 = _mm256_fmadd_ps(c2, b, a21);
+      b = _mm256_loadu_ps(w2 + k);
+      a02 = _mm256_fmadd_ps(c0, b, a02), a12 = _mm256_fmadd_ps(c1, b, a12);
+      a22 = _mm256_fmadd_ps(c2, b, a22);
+      b = _mm256_loadu_ps(w3 + k);
+      a03 = _mm256_fmadd_ps(c0, b, a03), a13 = _mm256_fmadd_ps(c1, b, a13);
+      a23 = _mm256_fmadd_ps(c2, b, a23);
+    }
+    uint16_t *y0 = y + (size_t)m * N + n, *y1 = y0 + N, *y2 = y1 + N;
+    y0[0] = to_bf16(hsum(a00)), y0[1] = to_bf16(hsum(a01));
+    y0[2] = to_bf16(hsum(a02)), y0[3] = to_bf16(hsum(a03));
+    y1[0] = to_bf16(hsum(a10)), y1[1] = to_bf16(hsum(a11));
+    y1[2] = to_bf16(hsum(a12)), y1[3] = to_bf16(hsum(a13));
+    y2[0] = to_bf16(hsum(a20)), y2[1] = to_bf16(hsum(a21));
+    y2[2] = to_bf16(hsum(a22)), y2[3] = to_bf16(hsum(a23));
+  }
   for (; m + 2 <= M; m += 2) {
     const float *x0 = xf + (size_t)m * K, *x1 = x0 + K;
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
