@@ -9,7 +9,7 @@
  * every row of x. From PAIR_M rows (most experts' token
  * counts) 2 weight rows are converted at a time and used against chunks of up to 6 rows of x.
  * From WIDE_M rows on it is compute-bound: 4 weight rows are converted once into fp32 and used
- * against 2 rows of x at a time. Rows of W are split between threads. Products of two bf16
+ * against 3 rows of x at a time. Rows of W are split between threads. Products of two bf16
  * values are exact in fp32, so the result differs from other fp32-accumulating kernels only by
  * summation order (< 1 bf16 ulp, rarely).
  *
