@@ -45,6 +45,24 @@ def _first(q, timeout=10.0):
     return q.get(timeout=timeout)
 
 
+def _until(cond, timeout=10.0):
+    """Poll instead of sleeping a fixed time: the engine thread applies a submit between steps,
+    which on a loaded box can take longer than any fixed pause."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "the engine did not get there in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(loop):
+    """A failed test aborts what it left running, so the next one starts on an idle engine."""
+    yield
+    for rid in ("run", "wait", "dup", "short", "after"):
+        loop.abort(rid).result(5)
+    _wait_free(loop, timeout=10.0)
+
+
 def _wait_free(loop, timeout=5.0):
     blocks = loop.engine.blocks
     deadline = time.monotonic() + timeout
@@ -59,9 +77,8 @@ def test_abort_of_a_running_and_a_waiting_request_frees_their_blocks(loop):
     loop.submit("run", list(range(1, 40)), LONG, running_sink)
     assert _first(running_q).token_ids  # generating: holds blocks
     loop.submit("wait", list(range(1, 40)), LONG, waiting_sink)
-    time.sleep(0.05)
-    load = loop.engine.load()
-    assert load.waiting == 1 and load.kv_usage > 0
+    _until(lambda: loop.engine.load().waiting == 1)
+    assert loop.engine.load().kv_usage > 0
     assert loop.abort("wait").result(5) is True  # Abort answers whether it found the request
     assert loop.abort("run").result(5) is True
     finals = []
