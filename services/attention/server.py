@@ -17,7 +17,6 @@ import os
 import signal
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -110,14 +109,12 @@ class _PipeWaker:
         os.set_blocking(self._write_fd, False)
         self._callback, self._libc_write = callback, write
         aio.add_reader(self._read, self._readable)
-        # the loop holds the reader (and so this object) until it closes
-        weakref.finalize(self, _close_fds, self._read, self._write_fd)
 
     @classmethod
     def make(cls, aio: asyncio.AbstractEventLoop, callback) -> _PipeWaker | None:
         try:
             write = ctypes.PyDLL(None).write  # PyDLL: the call keeps the GIL
-        except (OSError, AttributeError, TypeError):  # no C library to call this way
+        except (OSError, AttributeError):
             return None
         write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
         write.restype = ctypes.c_ssize_t
@@ -133,11 +130,6 @@ class _PipeWaker:
         except BlockingIOError:
             pass
         self._callback()
-
-
-def _close_fds(*fds: int) -> None:
-    for fd in fds:
-        os.close(fd)
 
 
 class ControlServicer(pb_grpc.AttentionServiceServicer):
