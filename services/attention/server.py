@@ -11,9 +11,7 @@ timeout; then it exits 0. A second SIGTERM stops it at once.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import os
 import signal
 import threading
 import time
@@ -76,60 +74,19 @@ class _Mailbox:
         self._aio = aio
         self._lock = threading.Lock()
         self._items: list[tuple[asyncio.Queue | Outbox, TokenEvent]] = []
-        self._wake = _PipeWaker.make(aio, self._deliver)
 
     def post(self, queue: asyncio.Queue | Outbox, ev: TokenEvent) -> None:  # any thread
         with self._lock:
             wake = not self._items
             self._items.append((queue, ev))
         if wake:
-            if self._wake is not None:
-                self._wake()
-            else:
-                self._aio.call_soon_threadsafe(self._deliver)
+            self._aio.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:  # on the loop
         with self._lock:
             items, self._items = self._items, []
         for queue, ev in items:
             queue.put_nowait(ev)
-
-
-class _PipeWaker:
-    """Wakes the loop from the engine thread without giving up the GIL. call_soon_threadsafe
-    writes to the loop's self-pipe with the GIL released: the loop's thread wakes at once, takes
-    the GIL and runs its callbacks (the step's events, their gRPC writes) while the engine thread
-    waits to get it back. Written through libc with the GIL held, the byte wakes the loop all the
-    same, but it runs once the engine thread lets go of the GIL in its next native call, beside
-    the step instead of ahead of it."""
-
-    def __init__(self, aio: asyncio.AbstractEventLoop, callback, write):
-        self._read, self._write_fd = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write_fd, False)
-        self._callback, self._libc_write = callback, write
-        aio.add_reader(self._read, self._readable)
-
-    @classmethod
-    def make(cls, aio: asyncio.AbstractEventLoop, callback) -> _PipeWaker | None:
-        try:
-            write = ctypes.PyDLL(None).write  # PyDLL: the call keeps the GIL
-        except (OSError, AttributeError):
-            return None
-        write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-        write.restype = ctypes.c_ssize_t
-        return cls(aio, callback, write)
-
-    def __call__(self) -> None:  # any thread; a full pipe already has a wake-up pending
-        self._libc_write(self._write_fd, b"\0", 1)
-
-    def _readable(self) -> None:  # on the loop
-        try:
-            while os.read(self._read, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        self._callback()
 
 
 class ControlServicer(pb_grpc.AttentionServiceServicer):
