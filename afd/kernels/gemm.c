@@ -5,7 +5,7 @@
  *
  * Three paths. With 1-2 rows of x (decode at small batch) the matmul is weight-streaming
  * bound: each weight row is read once, 4 rows at a time converted in registers (bf16 -> fp32 is
- * a 16-bit shift, or a mask for the odd value of a pair: split_1, split_2) and used against
+ * a 16-bit shift, or a mask for the odd value of a pair: split_rows) and used against
  * every row of x. From PAIR_M rows (most experts' token
  * counts) 2 weight rows are converted at a time and used against chunks of up to 6 rows of x.
  * From WIDE_M rows on it is compute-bound: 4 weight rows are converted once into fp32 and used
@@ -22,78 +22,35 @@
 
 #include "bf16.h"
 
-/* Rows m0.. of x (fp32) against 4 weight rows already in fp32 (wt [4, K]), 3 rows of x at a
- * time: 12 accumulators, the 3 rows' x and one weight vector at a time (each used by 3 FMAs) in
- * the 16 ymm registers. Holding all 4 weight vectors as well needed a 17th: the compiler kept
- * one accumulator on the stack, and its store-to-load round trip every iteration held the loop
- * to a third of the FMA rate. Then 2 rows (8 accumulators, 4 weights, x) and a last row alone;
- * every row's sums are the same whichever of these takes it. */
+/* R rows of x from row m (R <= 3, a constant where inlined) against 4 weight rows already in
+ * fp32 (wt [4, K]): 4 R accumulators, the R rows' x and one weight vector at a time (each used
+ * by R FMAs), 16 ymm registers at R = 3. Holding all 4 weight vectors as well needed a 17th:
+ * the compiler kept one accumulator on the stack, and its store-to-load round trip every
+ * iteration held the loop to a third of the FMA rate. */
+static inline __attribute__((always_inline)) void tile_rows(const float *xf, const float *wt,
+                                                            uint16_t *y, int R, int m, int N,
+                                                            int K, int n) {
+  __m256 a[3][4], c[3];
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < 4; r++) a[i][r] = _mm256_setzero_ps();
+  for (int k = 0; k < K; k += 8) {
+    for (int i = 0; i < R; i++) c[i] = _mm256_loadu_ps(xf + (size_t)(m + i) * K + k);
+    for (int r = 0; r < 4; r++) {
+      __m256 b = _mm256_loadu_ps(wt + (size_t)r * K + k);
+      for (int i = 0; i < R; i++) a[i][r] = _mm256_fmadd_ps(c[i], b, a[i][r]);
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < 4; r++) y[(size_t)(m + i) * N + n + r] = to_bf16(hsum(a[i][r]));
+}
+
+/* Every row of x against the 4 fp32 weight rows: 3 rows a pass, then the 2 or 1 left; each
+ * row's sums are the same whichever pass takes it. */
 static void wide(const float *xf, const float *wt, uint16_t *y, int M, int N, int K, int n) {
-  const float *w0 = wt, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
   int m = 0;
-  for (; m + 3 <= M; m += 3) {
-    const float *x0 = xf + (size_t)m * K, *x1 = x0 + K, *x2 = x1 + K;
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
-    for (int k = 0; k < K; k += 8) {
-      __m256 c0 = _mm256_loadu_ps(x0 + k), c1 = _mm256_loadu_ps(x1 + k);
-      __m256 c2 = _mm256_loadu_ps(x2 + k);
-      __m256 b = _mm256_loadu_ps(w0 + k);
-      a00 = _mm256_fmadd_ps(c0, b, a00), a10 = _mm256_fmadd_ps(c1, b, a10);
-      a20 = _mm256_fmadd_ps(c2, b, a20);
-      b = _mm256_loadu_ps(w1 + k);
-      a01 = _mm256_fmadd_ps(c0, b, a01), a11 = _mm256_fmadd_ps(c1, b, a11);
-      a21 = _mm256_fmadd_ps(c2, b, a21);
-      b = _mm256_loadu_ps(w2 + k);
-      a02 = _mm256_fmadd_ps(c0, b, a02), a12 = _mm256_fmadd_ps(c1, b, a12);
-      a22 = _mm256_fmadd_ps(c2, b, a22);
-      b = _mm256_loadu_ps(w3 + k);
-      a03 = _mm256_fmadd_ps(c0, b, a03), a13 = _mm256_fmadd_ps(c1, b, a13);
-      a23 = _mm256_fmadd_ps(c2, b, a23);
-    }
-    uint16_t *y0 = y + (size_t)m * N + n, *y1 = y0 + N, *y2 = y1 + N;
-    y0[0] = to_bf16(hsum(a00)), y0[1] = to_bf16(hsum(a01));
-    y0[2] = to_bf16(hsum(a02)), y0[3] = to_bf16(hsum(a03));
-    y1[0] = to_bf16(hsum(a10)), y1[1] = to_bf16(hsum(a11));
-    y1[2] = to_bf16(hsum(a12)), y1[3] = to_bf16(hsum(a13));
-    y2[0] = to_bf16(hsum(a20)), y2[1] = to_bf16(hsum(a21));
-    y2[2] = to_bf16(hsum(a22)), y2[3] = to_bf16(hsum(a23));
-  }
-  for (; m + 2 <= M; m += 2) {
-    const float *x0 = xf + (size_t)m * K, *x1 = x0 + K;
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    for (int k = 0; k < K; k += 8) {
-      __m256 b0 = _mm256_loadu_ps(w0 + k), b1 = _mm256_loadu_ps(w1 + k);
-      __m256 b2 = _mm256_loadu_ps(w2 + k), b3 = _mm256_loadu_ps(w3 + k);
-      __m256 c = _mm256_loadu_ps(x0 + k);
-      a00 = _mm256_fmadd_ps(c, b0, a00), a01 = _mm256_fmadd_ps(c, b1, a01);
-      a02 = _mm256_fmadd_ps(c, b2, a02), a03 = _mm256_fmadd_ps(c, b3, a03);
-      c = _mm256_loadu_ps(x1 + k);
-      a10 = _mm256_fmadd_ps(c, b0, a10), a11 = _mm256_fmadd_ps(c, b1, a11);
-      a12 = _mm256_fmadd_ps(c, b2, a12), a13 = _mm256_fmadd_ps(c, b3, a13);
-    }
-    uint16_t *y0 = y + (size_t)m * N + n, *y1 = y0 + N;
-    y0[0] = to_bf16(hsum(a00)), y0[1] = to_bf16(hsum(a01));
-    y0[2] = to_bf16(hsum(a02)), y0[3] = to_bf16(hsum(a03));
-    y1[0] = to_bf16(hsum(a10)), y1[1] = to_bf16(hsum(a11));
-    y1[2] = to_bf16(hsum(a12)), y1[3] = to_bf16(hsum(a13));
-  }
-  if (m < M) {
-    const float *x0 = xf + (size_t)m * K;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int k = 0; k < K; k += 8) {
-      __m256 c = _mm256_loadu_ps(x0 + k);
-      a0 = _mm256_fmadd_ps(c, _mm256_loadu_ps(w0 + k), a0);
-      a1 = _mm256_fmadd_ps(c, _mm256_loadu_ps(w1 + k), a1);
-      a2 = _mm256_fmadd_ps(c, _mm256_loadu_ps(w2 + k), a2);
-      a3 = _mm256_fmadd_ps(c, _mm256_loadu_ps(w3 + k), a3);
-    }
-    uint16_t *y0 = y + (size_t)m * N + n;
-    y0[0] = to_bf16(hsum(a0)), y0[1] = to_bf16(hsum(a1));
-    y0[2] = to_bf16(hsum(a2)), y0[3] = to_bf16(hsum(a3));
-  }
+  for (; m + 3 <= M; m += 3) tile_rows(xf, wt, y, 3, m, N, K, n);
+  if (M - m == 2) tile_rows(xf, wt, y, 2, m, N, K, n);
+  if (M - m == 1) tile_rows(xf, wt, y, 1, m, N, K, n);
 }
 
 /* R rows of x from row m (R <= 6, a constant where inlined: the accumulators stay in
@@ -194,51 +151,35 @@ static inline void sum_split(__m256 e, __m256 o, uint16_t *y0, uint16_t *y1) {
  * core's stream fall short of a plain read loop's (docs/benchmarks.md). */
 #define SPLIT_AHEAD 1024
 
-/* One row of x (xs: split_x's layout) against the group at g. */
-static void split_1(const float *xs, const uint16_t *g, uint16_t *y, int K) {
+/* R rows of x (R <= 2, a constant where inlined; xs: split_x's layout, 2K floats a row)
+ * against the group at g: each weight vector used R times. */
+static inline __attribute__((always_inline)) void split_rows(const float *xs, const uint16_t *g,
+                                                             uint16_t *y, int R, int N, int K) {
   const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-  __m256 e01 = _mm256_setzero_ps(), e23 = e01, o01 = e01, o23 = e01;
+  __m256 e01[2], e23[2], o01[2], o23[2]; /* per row of x: even and odd lanes, rows 0-1 and 2-3 */
+  for (int i = 0; i < R; i++) e01[i] = e23[i] = o01[i] = o23[i] = _mm256_setzero_ps();
   const uint16_t *p = g;
   for (int k = 0; k < K; k += 8, p += 32) {
     _mm_prefetch((const char *)p + SPLIT_AHEAD, _MM_HINT_T0);
     __m256i r01 = _mm256_loadu_si256((const __m256i *)p);
     __m256i r23 = _mm256_loadu_si256((const __m256i *)(p + 16));
-    __m256 xe = _mm256_loadu_ps(xs + 2 * k), xo = _mm256_loadu_ps(xs + 2 * k + 8);
-    e01 = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(r01, 16)), e01);
-    e23 = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(r23, 16)), e23);
-    o01 = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(r01, high)), o01);
-    o23 = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(r23, high)), o23);
+    __m256 w01 = _mm256_castsi256_ps(_mm256_slli_epi32(r01, 16));
+    __m256 w23 = _mm256_castsi256_ps(_mm256_slli_epi32(r23, 16));
+    for (int i = 0; i < R; i++) {
+      __m256 xe = _mm256_loadu_ps(xs + (size_t)i * 2 * K + 2 * k);
+      e01[i] = _mm256_fmadd_ps(xe, w01, e01[i]), e23[i] = _mm256_fmadd_ps(xe, w23, e23[i]);
+    }
+    w01 = _mm256_castsi256_ps(_mm256_and_si256(r01, high));
+    w23 = _mm256_castsi256_ps(_mm256_and_si256(r23, high));
+    for (int i = 0; i < R; i++) {
+      __m256 xo = _mm256_loadu_ps(xs + (size_t)i * 2 * K + 2 * k + 8);
+      o01[i] = _mm256_fmadd_ps(xo, w01, o01[i]), o23[i] = _mm256_fmadd_ps(xo, w23, o23[i]);
+    }
   }
-  sum_split(e01, o01, y, y + 1);
-  sum_split(e23, o23, y + 2, y + 3);
-}
-
-/* Two rows of x (xs, xs + 2K) against the group at g: each weight vector used twice. */
-static void split_2(const float *xs, const uint16_t *g, uint16_t *y, int N, int K) {
-  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-  __m256 e01 = _mm256_setzero_ps(), e23 = e01, o01 = e01, o23 = e01;
-  __m256 f01 = e01, f23 = e01, q01 = e01, q23 = e01; /* the second row of x's */
-  const float *xt = xs + 2 * (size_t)K;
-  const uint16_t *p = g;
-  for (int k = 0; k < K; k += 8, p += 32) {
-    _mm_prefetch((const char *)p + SPLIT_AHEAD, _MM_HINT_T0);
-    __m256i r01 = _mm256_loadu_si256((const __m256i *)p);
-    __m256i r23 = _mm256_loadu_si256((const __m256i *)(p + 16));
-    __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(r01, 16));
-    __m256 xe = _mm256_loadu_ps(xs + 2 * k), ye = _mm256_loadu_ps(xt + 2 * k);
-    e01 = _mm256_fmadd_ps(xe, w, e01), f01 = _mm256_fmadd_ps(ye, w, f01);
-    w = _mm256_castsi256_ps(_mm256_slli_epi32(r23, 16));
-    e23 = _mm256_fmadd_ps(xe, w, e23), f23 = _mm256_fmadd_ps(ye, w, f23);
-    __m256 xo = _mm256_loadu_ps(xs + 2 * k + 8), yo = _mm256_loadu_ps(xt + 2 * k + 8);
-    w = _mm256_castsi256_ps(_mm256_and_si256(r01, high));
-    o01 = _mm256_fmadd_ps(xo, w, o01), q01 = _mm256_fmadd_ps(yo, w, q01);
-    w = _mm256_castsi256_ps(_mm256_and_si256(r23, high));
-    o23 = _mm256_fmadd_ps(xo, w, o23), q23 = _mm256_fmadd_ps(yo, w, q23);
+  for (int i = 0; i < R; i++) {
+    sum_split(e01[i], o01[i], y + (size_t)i * N, y + (size_t)i * N + 1);
+    sum_split(e23[i], o23[i], y + (size_t)i * N + 2, y + (size_t)i * N + 3);
   }
-  sum_split(e01, o01, y, y + 1);
-  sum_split(e23, o23, y + 2, y + 3);
-  sum_split(f01, q01, y + N, y + N + 1);
-  sum_split(f23, q23, y + N + 2, y + N + 3);
 }
 
 /* Rows n0..n1 of packed W (n0 a multiple of 4) against all M rows of xf (fp32 [M, K]); y is
@@ -261,9 +202,9 @@ void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int
       pair_chunks(xf, g + 16, y, M, N, K, n + 2);
     } else { /* 1 or 2 rows: weight streaming (split_x's layout in wt) */
       if (M == 2)
-        split_2(wt, g, y + n, N, K);
+        split_rows(wt, g, y + n, 2, N, K);
       else
-        split_1(wt, g, y + n, K);
+        split_rows(wt, g, y + n, 1, N, K);
     }
   }
   const int packed_end = N / 4 * 4; /* rows from here on are row-major */
