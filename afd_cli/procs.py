@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+_HANDED_OUT: set[int] = set()  # ports this process gave a child: not given again
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -25,19 +26,23 @@ def ephemeral_range() -> tuple[int, int]:
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on right now (the child binds it a moment later). Taken below the
     kernel's ephemeral range when it can be: a port from that range can become the source port
-    of any outgoing connection (a health probe, a client) before the child binds it."""
+    of any outgoing connection (a health probe, a client) before the child binds it. Never the
+    same port twice in one process: a child still starting has not bound its port yet."""
     low = ephemeral_range()[0]
     for _ in range(64):
         port = random.randrange(10000, low) if low > 10000 else 0
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return s.getsockname()[1]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no free port found on {host} below {low}")
 
 
 def die_with_parent(parent: int) -> None:

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from afd_cli.procs import free_port
 from tests.deploy.sources import REPO
 
 LOOPBACK = "127.0.0.1"
@@ -27,12 +27,6 @@ _WILDCARD = {"0.0.0.0", "::", "[::]", "127.0.0.1", "localhost"}
 _PORT_FLAGS = ("--port", "--metrics-port")
 _HOST_FLAGS = ("--host", "--metrics-host")
 _ADDR = re.compile(r"(?P<scheme>[a-z]+://)?(?P<host>[A-Za-z0-9._-]+|\[::\]):(?P<port>\d{2,5})\b")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -3,7 +3,6 @@ stand-in for the engine loop, for the Session's tests and the control plane's be
 
 from __future__ import annotations
 
-import socket
 import threading
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -11,6 +10,7 @@ from types import SimpleNamespace
 import grpc
 
 from afd.control import SamplingParams, TokenEvent, pb_grpc
+from afd_cli.procs import free_port  # noqa: F401 - re-exported to the tests
 from services.attention.server import ControlServicer
 
 
@@ -79,12 +79,6 @@ class GenerateOnlyServicer(ControlServicer):
     """A server from before Session: the generated base class answers UNIMPLEMENTED."""
 
     Session = pb_grpc.AttentionServiceServicer.Session
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def start_server(servicer: ControlServicer, addr: str) -> grpc.aio.Server:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +11,11 @@ from pathlib import Path
 
 import grpc
 
+# below the ephemeral range, never the same port twice: a port from bind(0) can become an
+# outgoing connection's source port before the child it was given to binds it
+from afd_cli.procs import free_port  # noqa: F401 - the tests import it from here
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Procs:
@@ -42,6 +39,15 @@ class Procs:
         )
         self.procs[name] = p
         return p
+
+    def exited(self) -> str:
+        """The children that have exited, each with its exit code and the end of its log."""
+        out = ""
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                tail = "\n".join(self.log(name).splitlines()[-15:])
+                out += f"\n{name} exited with {p.returncode}:\n{tail}"
+        return out
 
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text()
@@ -90,7 +96,8 @@ def wait_attention_ready(addr: str, timeout: float = 60.0, procs: Procs | None =
             except grpc.RpcError as e:
                 last = str(e.code())
             time.sleep(0.3)
-    raise TimeoutError(f"attention server {addr} not ready after {timeout}s: {last}")
+    exited = procs.exited() if procs else ""
+    raise TimeoutError(f"attention server {addr} not ready after {timeout}s: {last}{exited}")
 
 
 def generate(addr: str, prompt: list[int], max_tokens: int, timeout: float = 60.0, **sampling):

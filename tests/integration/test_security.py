@@ -11,7 +11,6 @@ import datetime
 import ipaddress
 import pickle
 import re
-import socket
 import time
 from pathlib import Path
 
@@ -23,15 +22,10 @@ from afd.messages import FFNRequest
 from afd.security import Security, write_curve_keys
 from afd.transport import FFNServing, connect, listen
 from afd.wire import WireLimits
+from afd_cli.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LIMITS = WireLimits(hidden_size=16, num_layers=2, num_experts=4, max_tokens=8, top_k=2)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compute(layer: int, reqs: list[FFNRequest]) -> list[torch.Tensor]:
@@ -67,7 +61,7 @@ def _served(client, seq: int, timeout: float = 3.0) -> bool:
 def test_curve_admits_only_the_authorized_key(tmp_path):
     keys = write_curve_keys(tmp_path / "keys")
     other = write_curve_keys(tmp_path / "other")  # a valid keypair the server never authorized
-    addr = f"tcp://127.0.0.1:{_port()}"
+    addr = f"tcp://127.0.0.1:{free_port()}"
     srv = listen(addr, _serving(), security=Security(curve_dir=str(keys)))
     clients = []
     try:
@@ -140,7 +134,7 @@ def _write_pki(d: Path) -> dict[str, Path]:
 
 def test_grpc_mutual_tls(tmp_path):
     pki = _write_pki(tmp_path)
-    addr = f"grpc://127.0.0.1:{_port()}"
+    addr = f"grpc://127.0.0.1:{free_port()}"
     server_sec = Security(
         tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]), tls_ca=str(pki["ca"])
     )
@@ -199,7 +193,7 @@ class _Boom:
 def test_hostile_pickle_frames_are_rejected_and_never_run(scheme):
     marker = Path("/tmp/afd-pickle-was-executed")
     marker.unlink(missing_ok=True)
-    addr = f"{scheme}://127.0.0.1:{_port()}"
+    addr = f"{scheme}://127.0.0.1:{free_port()}"
     srv = listen(addr, _serving())
     client = connect(addr)
     try:
@@ -245,7 +239,7 @@ def test_gateway_reaches_attention_servers_over_tls(tmp_path):
     async def go():
         server = grpc.aio.server()
         pb_grpc.add_AttentionServiceServicer_to_server(Servicer(), server)
-        addr = f"127.0.0.1:{_port()}"
+        addr = f"127.0.0.1:{free_port()}"
         assert add_port(server, addr, server_sec)
         await server.start()
         results = []
