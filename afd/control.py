@@ -31,6 +31,8 @@ _CODE_FROM_PB = {v: k for k, v in _CODE_TO_PB.items()}
 
 
 MAX_CACHE_SALT = 1024  # characters
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for one bias: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,18 @@ class SamplingParams:
     # vLLM's cache_salt: requests with different salts never share prefix-cache blocks (a
     # tenant's secret, so that another cannot learn from timings which prompts were sent)
     cache_salt: str = ""
+    # Penalties and biases, applied to the logits in this order before any sampling (greedy
+    # too), as vLLM does: logit_bias ((token id, bias) pairs, added), repetition_penalty (on
+    # the tokens of the prompt and the output: a positive logit divided by it, another
+    # multiplied; 1: off), then frequency_penalty times each token's count in the output and
+    # presence_penalty once per token the output holds, subtracted (OpenAI's definition).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # After temperature, before top-k and top-p: drop the tokens whose probability is below
+    # min_p times the likeliest token's (0: off).
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         problem = ""
@@ -68,12 +82,47 @@ class SamplingParams:
             problem = "stop_token_ids must be >= 0"
         elif len(self.cache_salt) > MAX_CACHE_SALT:
             problem = f"cache_salt is longer than {MAX_CACHE_SALT} characters"
+        elif not 0.0 < self.repetition_penalty <= 1e6:  # NaN fails too
+            problem = f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+        elif not -2.0 <= self.frequency_penalty <= 2.0:
+            problem = f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+        elif not -2.0 <= self.presence_penalty <= 2.0:
+            problem = f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
+        elif not 0.0 <= self.min_p <= 1.0:
+            problem = f"min_p must be in [0, 1], got {self.min_p}"
+        else:
+            problem = _logit_bias_problem(self.logit_bias)
         if problem:
             raise RequestError(problem)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a bias or a penalty changes this request's logits before sampling."""
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+        )
+
+
+def _logit_bias_problem(bias: tuple[tuple[int, float], ...]) -> str:
+    if len(bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed"
+    seen = set()
+    for token, value in bias:
+        if token < 0:
+            return f"logit_bias names token {token}; token ids are >= 0"
+        if token in seen:
+            return f"logit_bias names token {token} twice"
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:  # NaN fails too
+            return f"logit_bias for token {token} is {value}; it must be in [-100, 100]"
+        seen.add(token)
+    return ""
 
 
 class Logprob(NamedTuple):
@@ -152,7 +201,13 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         cache_salt=s.cache_salt,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        min_p=s.min_p,
+        logit_bias=dict(s.logit_bias),
     )
+    if s.repetition_penalty != 1.0:
+        msg.repetition_penalty = s.repetition_penalty
     if s.seed is not None:
         msg.seed = s.seed
     if s.logprobs is not None:
@@ -175,6 +230,11 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         cache_salt=s.cache_salt,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        min_p=s.min_p,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
     )
 
 

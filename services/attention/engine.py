@@ -28,7 +28,7 @@ from afd.control import SamplingParams, Stats
 from afd.device import memory as device_memory
 from afd.device import resolve as resolve_device
 from afd.dtypes import compute_dtype
-from afd.errors import AfdError, ConfigError, DeviceMemoryError, TransportError
+from afd.errors import AfdError, ConfigError, DeviceMemoryError, RequestError, TransportError
 from afd.runtime import tune_allocator
 from afd.sharding import ExpertShard, pool_shards
 from afd.transport import connect
@@ -190,10 +190,20 @@ class Engine:
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> Request:
+        """Queue a request; raises RequestError for one that cannot be served (a token id
+        outside the vocabulary, no room in the context, a full queue)."""
+        sampling = sampling or SamplingParams()
+        vocab = self.cfg.model.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is out of range (vocabulary: {vocab})")
+        bad = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias token id {bad} is out of range (vocabulary: {vocab})")
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_token_ids=list(prompt_token_ids),
-            sampling=sampling or SamplingParams(),
+            sampling=sampling,
             eos_token_ids=self.cfg.model.eos_token_ids,
         )
         self.scheduler.add_request(req)

@@ -60,7 +60,9 @@ class ModelRunner:
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B, V] float32
         params = [s.request.sampling for s in seqs]
         gens = [self._generator(s.request.request_id, s.request.sampling.seed) for s in seqs]
-        tokens, lps = sample(logits, params, gens)
+        reqs = [s.request for s in seqs]  # their tokens so far: for penalties
+        prompts, outputs = [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs]
+        tokens, lps = sample(logits, params, gens, prompts, outputs)
         sampled = {s.request.request_id: t for s, t in zip(seqs, tokens, strict=True)}
         logprobs = {
             s.request.request_id: lp for s, lp in zip(seqs, lps, strict=True) if lp is not None

@@ -1,20 +1,30 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs; biases and
+penalties first (penalties.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from afd.control import Logprob, SamplingParams
+from services.attention import penalties
 
 
 def sample(
-    logits: torch.Tensor,  # [B, V] float32
+    raw: torch.Tensor,  # [B, V] float32: the model's logits
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    prompts: list[list[int]] | None = None,  # B rows' prompt token ids (for penalties)
+    outputs: list[list[int]] | None = None,  # B rows' generated token ids so far
 ) -> tuple[list[int], list[Logprob | None]]:
-    """One token per row; with logprobs asked, the sampled token's and the top-n alternatives'
-    log-probabilities under the model's own (unscaled) distribution, as vLLM reports them."""
-    B = logits.shape[0]
+    """One token per row, chosen after the row's biases and penalties; with logprobs asked,
+    the sampled token's and the top-n alternatives' log-probabilities under the model's own
+    (unscaled, unpenalized) distribution, as vLLM reports them."""
+    B = raw.shape[0]
+    logits = raw
+    if any(p.adjusts_logits for p in params):
+        if prompts is None or outputs is None:
+            raise ValueError("penalties need every row's prompt and output token ids")
+        logits = penalties.adjust(raw, params, prompts, outputs)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == B and all(p.logprobs is None for p in params):  # the common decode case
         return logits.argmax(dim=-1).tolist(), [None] * B
@@ -42,7 +52,7 @@ def sample(
     if want:
         # one log_softmax, one gather and one topk for every row that asked, then plain lists
         rows = torch.tensor(want, device=dev)
-        logp = torch.log_softmax(logits[rows], dim=-1)  # [W, V]
+        logp = torch.log_softmax(raw[rows], dim=-1)  # [W, V]
         chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()  # [W]
         n_max = max(params[i].logprobs or 0 for i in want)
         top_ids, top_lps = ([], [])
@@ -59,10 +69,15 @@ def sample(
 def _filtered(
     logits: torch.Tensor,  # [R, V] float32
     params: list[SamplingParams],  # R rows' parameters, none greedy
-) -> torch.Tensor:  # [R, V]: logits / temperature, -inf outside each row's top-k and top-p
+) -> torch.Tensor:  # [R, V]: logits / temperature, -inf outside each row's min-p, top-k, top-p
     R, V = logits.shape
     dev = logits.device
     x = logits / torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+    if any(p.min_p > 0 for p in params):
+        # a token stays while its probability is at least min_p times the likeliest one's:
+        # in logits, while it is within log(min_p) of the row's largest (min_p 0: -inf, all)
+        floor = torch.tensor([p.min_p for p in params], device=dev).log().unsqueeze(1)  # [R, 1]
+        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     ks = [p.top_k if p.top_k and 0 < p.top_k < V else 0 for p in params]
     if any(ks):
         kth = torch.topk(x, max(ks), dim=-1).values  # [R, max k], best first

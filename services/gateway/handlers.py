@@ -144,6 +144,8 @@ async def plan(
             f"max_tokens is {req.max_new_tokens}; this server allows at most {limit}",
             "max_tokens",
         )
+    bias = req.token_bias
+    check_token_ids(state, [t for t, _ in bias], "logit_bias")
     await state.balancer.wait_started(state.startup_wait_s)
     max_len = await state.balancer.max_model_len()
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
@@ -182,6 +184,11 @@ async def plan(
                 logprobs=req.num_logprobs,
                 prompt_logprobs=_prompt_logprobs(req),
                 cache_salt=req.cache_salt or "",
+                logit_bias=bias,
+                repetition_penalty=req.repetition_penalty,
+                frequency_penalty=req.frequency_penalty,
+                presence_penalty=req.presence_penalty,
+                min_p=req.min_p,
             )
             spec = ChoiceSpec(
                 j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo,

@@ -6,9 +6,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
-from afd.control import MAX_CACHE_SALT
+from afd.control import LOGIT_BIAS_LIMIT, MAX_CACHE_SALT, MAX_LOGIT_BIAS
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -51,13 +59,38 @@ class _SamplingRequest(_Model):
     n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
     stream: Bool = False
     stream_options: StreamOptions | None = None
-    # Accepted for compatibility; this server applies no penalties (0 is their default).
+    # OpenAI's penalties on the tokens generated so far (afd.control.SamplingParams)
     presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] = 0.0
+    # vLLM extra: on the prompt's tokens and the output's, a positive logit divided by it and
+    # another multiplied (1: off)
+    repetition_penalty: Annotated[Float, Field(gt=0.0, le=1e6)] = 1.0
+    min_p: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.0  # vLLM extra
+    # token id (a string, as JSON keys are) -> bias added to its logit
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[Float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
     ignore_eos: Bool = False  # vLLM extra: generate max_tokens whatever the model says
     # vLLM extra: requests with different salts share no prefix-cache blocks
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     user: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids; got {key!r}")
+        return bias
+
+    @property
+    def token_bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs, in token order."""
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

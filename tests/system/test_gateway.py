@@ -223,6 +223,21 @@ def test_logprobs(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
 
 
+def test_logit_bias_and_penalties_reach_the_sampler(model, client):
+    """A +100 bias makes greedy repeat one token; a repetition penalty on it (vLLM extra) and a
+    frequency penalty are applied after the bias, and min_p is accepted."""
+    tok = ModelTokenizer(model)
+    t = tok.encode(" cat")[-1]
+    args = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    args |= {"logit_bias": {str(t): 100}}
+    forced = client.completions.create(**args, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == tok.decode([t] * 4)
+    extra = {"ignore_eos": True, "repetition_penalty": 1e6, "min_p": 0.1}
+    other = client.completions.create(**args, frequency_penalty=2.0, extra_body=extra)
+    assert other.choices[0].text.startswith(tok.decode([t]))  # the penalties act from then on
+    assert other.choices[0].text != forced.choices[0].text
+
+
 def test_bad_requests_get_openai_errors_and_leave_nothing_allocated(cluster, client):
     url, log = cluster
     h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -234,6 +249,10 @@ def test_bad_requests_get_openai_errors_and_leave_nothing_allocated(cluster, cli
         (json.dumps({"model": "tiny", "prompt": "x" * 600}), 400),
         (json.dumps({"model": "tiny", "prompt": "x", "temperature": -1}), 400),
         (json.dumps({"model": "tiny", "prompt": "x", "n": 10**6}), 400),
+        (json.dumps({"model": "tiny", "prompt": "x", "logit_bias": {"cat": 1}}), 400),
+        (json.dumps({"model": "tiny", "prompt": "x", "logit_bias": {"10000000": 1}}), 400),
+        (json.dumps({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}), 400),
+        (json.dumps({"model": "tiny", "prompt": "x", "repetition_penalty": 0}), 400),
         (json.dumps({"model": "tiny", "prompt": "x" * (5 << 20)}), 413),
     ]
     for body, status in bad:

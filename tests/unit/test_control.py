@@ -34,6 +34,11 @@ def test_generate_request_round_trip():
         ignore_eos=True,
         logprobs=2,
         cache_salt="tenant-7",
+        logit_bias=((3, -100.0), (40, 2.5)),
+        repetition_penalty=1.25,
+        frequency_penalty=-0.5,
+        presence_penalty=1.5,
+        min_p=0.125,
     )
     req = GenerateRequest("r-1", [1, 2, 3], sp)
     back = control.request_from_pb(control.request_to_pb(req))
@@ -43,6 +48,7 @@ def test_generate_request_round_trip():
     # unset optionals stay unset (no seed, no logprobs), not zero
     plain = control.sampling_from_pb(control.sampling_to_pb(SamplingParams(max_tokens=1)))
     assert plain.seed is None and plain.logprobs is None and plain.top_p == 1.0
+    assert plain.repetition_penalty == 1.0 and not plain.adjusts_logits
 
 
 def test_token_event_round_trip_keeps_logprobs_and_codes():
@@ -95,6 +101,16 @@ def test_each_error_type_carries_its_code():
         {"logprobs": -1},
         {"prompt_logprobs": -1},
         {"stop_token_ids": (-3,)},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": float("nan")},
+        {"frequency_penalty": 2.5},
+        {"presence_penalty": -3.0},
+        {"min_p": 1.5},
+        {"logit_bias": ((-1, 1.0),)},
+        {"logit_bias": ((5, 101.0),)},
+        {"logit_bias": ((5, float("nan")),)},
+        {"logit_bias": ((5, 1.0), (5, 2.0))},
+        {"logit_bias": tuple((i, 1.0) for i in range(2000))},
     ],
 )
 def test_sampling_values_no_request_may_carry_are_refused(bad):

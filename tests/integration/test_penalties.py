@@ -1,0 +1,112 @@
+"""Logit biases and repetition, frequency and presence penalties: afd's greedy tokens against
+transformers generating from the same checkpoint (float32) with its own logits processors:
+`sequence_bias` for logit_bias and `repetition_penalty` (the same definition as vLLM's), and
+OpenAI's documented formula for frequency and presence penalties (transformers has none) as a
+logits processor on the tokens generated so far. transformers applies them in that order, as
+afd does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from afd.control import SamplingParams
+from afd.errors import RequestError
+from afd_cli.local import local_engine
+from tests.helpers.checkpoints import hf_greedy, hf_model
+from tests.integration.test_engine_reference import engine_cfg
+
+PROMPTS = [[5, 9, 17, 3, 250], list(range(20, 57)), [7, 7, 7], list(range(100, 119))]
+NEW = 16
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's definition: each logit less frequency x its token's count in the output and
+    presence once if the output holds it (the prompt does not count)."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float):
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores)
+        out = input_ids[:, self.prompt_len :]
+        counts.scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+@pytest.fixture(scope="module")
+def hf(qwen3_dir):
+    return hf_model(qwen3_dir, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def plain(hf):
+    return hf_greedy(hf, PROMPTS, NEW)
+
+
+def hf_penalized(model, bias=(), repetition=1.0, frequency=0.0, presence=0.0):
+    outs = []
+    for p in PROMPTS:
+        extra = {}
+        if bias:
+            extra["sequence_bias"] = {(t,): b for t, b in bias}
+        if repetition != 1.0:
+            extra["repetition_penalty"] = repetition
+        if frequency or presence:
+            extra["logits_processor"] = LogitsProcessorList(
+                [OpenAIPenalties(len(p), frequency, presence)]
+            )
+        o = model.generate(
+            torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **extra
+        )
+        outs.append(o[0, len(p) :].tolist())
+    return outs
+
+
+def afd_penalized(path, **sampling):
+    sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, **sampling)
+    with local_engine(engine_cfg(path), 1, progress=False) as eng:
+        return [r.output_token_ids for r in eng.generate(PROMPTS, sp)]
+
+
+def _bias(plain):
+    """Push the plain greedy run's favourite token out, and a token it never chose in."""
+    first = plain[2][0]
+    never = next(t for t in range(300, 400) if all(t not in o for o in plain))
+    return ((first, -100.0), (never, 2.5))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["bias", "repetition", "frequency", "presence", "all"],
+)
+def test_greedy_with_penalties_matches_transformers(qwen3_dir, hf, plain, case):
+    kw = {
+        "bias": {"bias": _bias(plain)},
+        "repetition": {"repetition": 1.6},
+        "frequency": {"frequency": 0.8},
+        "presence": {"presence": 1.5},
+        "all": {"bias": _bias(plain), "repetition": 1.3, "frequency": 0.5, "presence": 0.5},
+    }[case]
+    ref = hf_penalized(hf, **kw)
+    assert ref != plain, "the penalty changes nothing on these prompts: the test proves nothing"
+    names = {"bias": "logit_bias", "repetition": "repetition_penalty"}
+    names |= {"frequency": "frequency_penalty", "presence": "presence_penalty"}
+    got = afd_penalized(qwen3_dir, **{names[k]: v for k, v in kw.items()})
+    assert got == ref
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on(qwen3_dir, plain):
+    """The gateway checks token ids too, but a control-plane client may not: a bad id must be
+    the request's error, not a failed step that takes every other request with it."""
+    with local_engine(engine_cfg(qwen3_dir), 1, progress=False) as eng:
+        V = eng.cfg.model.vocab_size
+        with pytest.raises(RequestError, match=f"prompt token id {V} is out of range"):
+            eng.add_request([1, V])
+        with pytest.raises(RequestError, match="prompt token id -1"):
+            eng.add_request([-1])
+        with pytest.raises(RequestError, match=f"logit_bias token id {V + 3}"):
+            eng.add_request([1], SamplingParams(logit_bias=((V + 3, 1.0),)))
+        sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+        assert [r.output_token_ids for r in eng.generate(PROMPTS, sp)] == plain
