@@ -1,77 +1,66 @@
 """Logit biases and repetition, frequency and presence penalties: the changes a request asks
 for on its logits before a token is chosen (greedy or sampled), in vLLM's order and with
-OpenAI's definitions (afd.control.SamplingParams says which). Logprobs are not affected: they
-report the model's own distribution."""
+OpenAI's definitions (afd.control.SamplingParams says which).
+
+Only the logits of tokens a row has seen (or biases) change, so the work is gathered and
+scattered at those positions of the flattened [B, V] logits, every row at once: its cost
+follows the tokens seen, not the batch times a vocabulary of 10^5 or more."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from afd.control import SamplingParams
 
 
-def adjust(
-    logits: torch.Tensor,  # [B, V] float32
+def adjust_(
+    logits: torch.Tensor,  # [B, V] float32, contiguous: changed in place
     params: list[SamplingParams],  # B rows' parameters
-    prompts: list[list[int]],  # B rows' prompt token ids
-    outputs: list[list[int]],  # B rows' generated token ids so far
-) -> torch.Tensor:  # [B, V]: `logits` itself when no row asks for a change, else a copy
-    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
-    if not rows:
-        return logits
+    prompts: Sequence[torch.Tensor | Sequence[int]],  # B rows' prompt token ids (repeats allowed)
+    outputs: Sequence[Sequence[int]],  # B rows' generated token ids so far
+) -> None:
+    B, V = logits.shape
+    flat = logits.view(-1)  # [B V]
     dev = logits.device
-    V = logits.shape[1]
-    idx = torch.tensor(rows, device=dev)
-    x = logits[idx]  # [R, V], a copy
-    ps = [params[i] for i in rows]
 
-    bias_rows = [(r, t, b) for r, p in enumerate(ps) for t, b in p.logit_bias if t < V]
-    if bias_rows:
-        r, t, b = zip(*bias_rows, strict=True)
-        x.index_put_(
-            (torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
-            torch.tensor(b, dtype=x.dtype, device=dev),
-            accumulate=True,
-        )
+    def positions(rows: list[int], ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat positions of each row's ids, and each position's row."""
+        lens = torch.tensor([len(t) for t in ids], device=dev)
+        row = torch.repeat_interleave(torch.tensor(rows, device=dev), lens)
+        return row * V + torch.cat(ids).to(dev), row
 
-    rep = [p.repetition_penalty for p in ps]
-    if any(v != 1.0 for v in rep):
-        seen = _token_mask(x.shape, [prompts[i] + outputs[i] for i in rows], dev)  # [R, V]
-        penalty = torch.tensor(rep, dtype=x.dtype, device=dev).unsqueeze(1)  # [R, 1]
-        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+    if bias:
+        rows, toks, values = zip(*bias, strict=True)
+        at = torch.tensor(rows, device=dev) * V + torch.tensor(toks, device=dev)
+        flat.index_add_(0, at, torch.tensor(values, dtype=logits.dtype, device=dev))
 
-    freq = [p.frequency_penalty for p in ps]
-    pres = [p.presence_penalty for p in ps]
-    if any(freq) or any(pres):
-        counts = _token_counts(x.shape, [outputs[i] for i in rows], dev)  # [R, V]
-        x = x - torch.tensor(freq, dtype=x.dtype, device=dev).unsqueeze(1) * counts
-        x = x - torch.tensor(pres, dtype=x.dtype, device=dev).unsqueeze(1) * (counts > 0)
+    out = {i: torch.tensor(outputs[i], dtype=torch.long) for i, p in enumerate(params) if _uses(p)}
 
-    out = logits.clone()
-    out[idx] = x
-    return out
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep:
+        # prompt and output ids together; a token met twice gets the same new value twice
+        seen = [torch.cat([torch.as_tensor(prompts[i], dtype=torch.long), out[i]]) for i in rep]
+        at, row = positions(rep, seen)
+        penalty = torch.tensor([params[i].repetition_penalty for i in range(B)], device=dev)[row]
+        x = flat[at]
+        flat[at] = torch.where(x > 0, x / penalty, x * penalty)
 
-
-def _flat(lists: list[list[int]], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token) index tensors of every token of every row."""
-    rows = [r for r, ids in enumerate(lists) for _ in ids]
-    toks = [t for ids in lists for t in ids]
-    return torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(
-        toks, dtype=torch.long, device=dev
-    )
+    counted = [
+        i
+        for i in out
+        if len(out[i]) and (params[i].frequency_penalty or params[i].presence_penalty)
+    ]
+    if counted:
+        at, _ = positions(counted, [out[i] for i in counted])
+        at, count = torch.unique(at, return_counts=True)  # each token generated, how often
+        row = at // V
+        freq = torch.tensor([q.frequency_penalty for q in params], device=dev)[row]
+        pres = torch.tensor([q.presence_penalty for q in params], device=dev)[row]
+        flat[at] = flat[at] - freq * count - pres  # OpenAI's formula, term by term
 
 
-def _token_counts(shape: torch.Size, lists: list[list[int]], dev: torch.device) -> torch.Tensor:
-    """[R, V] float32: how often each token occurs in each row's list."""
-    counts = torch.zeros(shape, device=dev)
-    r, t = _flat(lists, dev)
-    counts.index_put_((r, t), torch.ones(len(t), device=dev), accumulate=True)
-    return counts
-
-
-def _token_mask(shape: torch.Size, lists: list[list[int]], dev: torch.device) -> torch.Tensor:
-    """[R, V] bool: whether each token occurs in each row's list."""
-    mask = torch.zeros(shape, dtype=torch.bool, device=dev)
-    r, t = _flat(lists, dev)
-    mask[r, t] = True
-    return mask
+def _uses(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty or p.presence_penalty)

@@ -10,6 +10,7 @@ from services.attention.dispatch import FFNDispatcher
 from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.pipeline import run_layers
+from services.attention.request import Request
 from services.attention.sampler import sample, score
 from services.attention.scheduler import SchedulerOutput
 from services.attention.stack import DecodeStack
@@ -32,6 +33,7 @@ class ModelRunner:
         self.dispatcher = dispatcher
         self.micro_batches = micro_batches
         self._generators: dict[str, torch.Generator] = {}
+        self._prompts: dict[str, torch.Tensor] = {}  # request id -> its prompt's distinct ids
         # a decode step's layers as one native call where they may be (stack.py)
         self.stack = DecodeStack(model, cache, dispatcher) if decode_stack else None
 
@@ -61,8 +63,10 @@ class ModelRunner:
         params = [s.request.sampling for s in seqs]
         gens = [self._generator(s.request.request_id, s.request.sampling.seed) for s in seqs]
         reqs = [s.request for s in seqs]  # their tokens so far: for penalties
-        prompts, outputs = [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs]
-        tokens, lps = sample(logits, params, gens, prompts, outputs)
+        prompts = [
+            self._prompt_ids(r) if r.sampling.repetition_penalty != 1.0 else () for r in reqs
+        ]
+        tokens, lps = sample(logits, params, gens, prompts, [r.output_token_ids for r in reqs])
         sampled = {s.request.request_id: t for s, t in zip(seqs, tokens, strict=True)}
         logprobs = {
             s.request.request_id: lp for s, lp in zip(seqs, lps, strict=True) if lp is not None
@@ -96,5 +100,13 @@ class ModelRunner:
             self._generators[request_id] = gen
         return gen
 
+    def _prompt_ids(self, req: Request) -> torch.Tensor:
+        """The prompt's distinct token ids (a repetition penalty's), made once per request."""
+        ids = self._prompts.get(req.request_id)
+        if ids is None:
+            ids = self._prompts[req.request_id] = torch.tensor(req.prompt_token_ids).unique()
+        return ids
+
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._prompts.pop(request_id, None)

@@ -3,6 +3,8 @@ penalties first (penalties.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from afd.control import Logprob, SamplingParams
@@ -10,25 +12,27 @@ from services.attention import penalties
 
 
 def sample(
-    raw: torch.Tensor,  # [B, V] float32: the model's logits
+    logits: torch.Tensor,  # [B, V] float32, the model's: changed in place by penalties
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-    prompts: list[list[int]] | None = None,  # B rows' prompt token ids (for penalties)
-    outputs: list[list[int]] | None = None,  # B rows' generated token ids so far
+    prompts: Sequence[torch.Tensor | Sequence[int]] | None = None,  # for penalties: B rows'
+    outputs: Sequence[Sequence[int]] | None = None,  # prompt ids and generated ids so far
 ) -> tuple[list[int], list[Logprob | None]]:
     """One token per row, chosen after the row's biases and penalties; with logprobs asked,
     the sampled token's and the top-n alternatives' log-probabilities under the model's own
     (unscaled, unpenalized) distribution, as vLLM reports them."""
-    B = raw.shape[0]
-    logits = raw
+    B = logits.shape[0]
+    dev = logits.device  # index tensors live beside the logits (a CUDA device's, say)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    # of the model's logits, before any penalty
+    logp = torch.log_softmax(logits[torch.tensor(want, device=dev)], dim=-1) if want else None
     if any(p.adjusts_logits for p in params):
         if prompts is None or outputs is None:
             raise ValueError("penalties need every row's prompt and output token ids")
-        logits = penalties.adjust(raw, params, prompts, outputs)
+        penalties.adjust_(logits, params, prompts, outputs)
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    if len(greedy) == B and all(p.logprobs is None for p in params):  # the common decode case
+    if len(greedy) == B and not want:  # the common decode case
         return logits.argmax(dim=-1).tolist(), [None] * B
-    dev = logits.device  # index tensors live beside the logits (a CUDA device's, say)
     tokens = torch.empty(B, dtype=torch.long, device=dev)
     if greedy:
         idx = torch.tensor(greedy, device=dev)
@@ -48,11 +52,9 @@ def sample(
                 tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     out_tokens = tokens.tolist()
     lps: list[Logprob | None] = [None] * B
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if want:
-        # one log_softmax, one gather and one topk for every row that asked, then plain lists
+    if logp is not None:
+        # one gather and one topk for every row that asked, then plain lists
         rows = torch.tensor(want, device=dev)
-        logp = torch.log_softmax(raw[rows], dim=-1)  # [W, V]
         chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()  # [W]
         n_max = max(params[i].logprobs or 0 for i in want)
         top_ids, top_lps = ([], [])
