@@ -65,6 +65,9 @@ class SamplingParams:
     # After temperature, before top-k and top-p: drop the tokens whose probability is below
     # min_p times the likeliest token's (0: off).
     min_p: float = 0.0
+    # vLLM's: until this many tokens are out, EOS and stop_token_ids cannot be chosen (and the
+    # gateway matches no stop string in their text)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         problem = ""
@@ -90,6 +93,8 @@ class SamplingParams:
             problem = f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
         elif not 0.0 <= self.min_p <= 1.0:
             problem = f"min_p must be in [0, 1], got {self.min_p}"
+        elif not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            problem = f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"
         else:
             problem = _logit_bias_problem(self.logit_bias)
         if problem:
@@ -205,6 +210,7 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         frequency_penalty=s.frequency_penalty,
         min_p=s.min_p,
         logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens,
     )
     if s.repetition_penalty != 1.0:
         msg.repetition_penalty = s.repetition_penalty
@@ -235,6 +241,7 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         min_p=s.min_p,
         logit_bias=tuple(sorted(s.logit_bias.items())),
+        min_tokens=s.min_tokens,
     )
 
 

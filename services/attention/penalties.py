@@ -64,3 +64,16 @@ def adjust_(
 
 def _uses(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.frequency_penalty or p.presence_penalty)
+
+
+def ban_(
+    logits: torch.Tensor,  # [B, V] float32, contiguous: changed in place
+    banned: Sequence[Sequence[int]],  # per row, the tokens it may not choose now
+) -> None:
+    """min_tokens: the rows still short of it cannot choose EOS or a stop token."""
+    pairs = [(i, t) for i, ids in enumerate(banned) for t in ids]
+    if pairs:
+        rows, toks = zip(*pairs, strict=True)
+        dev = logits.device
+        at = torch.tensor(rows, device=dev) * logits.shape[1] + torch.tensor(toks, device=dev)
+        logits.view(-1)[at] = float("-inf")

@@ -66,7 +66,9 @@ class ModelRunner:
         prompts = [
             self._prompt_ids(r) if r.sampling.repetition_penalty != 1.0 else () for r in reqs
         ]
-        tokens, lps = sample(logits, params, gens, prompts, [r.output_token_ids for r in reqs])
+        outputs = [r.output_token_ids for r in reqs]
+        banned = [_banned(r) for r in reqs]
+        tokens, lps = sample(logits, params, gens, prompts, outputs, banned)
         sampled = {s.request.request_id: t for s, t in zip(seqs, tokens, strict=True)}
         logprobs = {
             s.request.request_id: lp for s, lp in zip(seqs, lps, strict=True) if lp is not None
@@ -110,3 +112,12 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._prompts.pop(request_id, None)
+
+
+def _banned(req: Request) -> tuple[int, ...]:
+    """The tokens `req` may not choose now: while it has fewer than min_tokens, every token
+    that would stop it."""
+    sp = req.sampling
+    if len(req.output_token_ids) >= sp.min_tokens:
+        return ()
+    return sp.stop_token_ids + (() if sp.ignore_eos else req.eos_token_ids)

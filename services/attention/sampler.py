@@ -17,6 +17,7 @@ def sample(
     generators: list[torch.Generator | None],
     prompts: Sequence[torch.Tensor | Sequence[int]] | None = None,  # for penalties: B rows'
     outputs: Sequence[Sequence[int]] | None = None,  # prompt ids and generated ids so far
+    banned: Sequence[Sequence[int]] = (),  # per row, tokens it may not choose (min_tokens)
 ) -> tuple[list[int], list[Logprob | None]]:
     """One token per row, chosen after the row's biases and penalties; with logprobs asked,
     the sampled token's and the top-n alternatives' log-probabilities under the model's own
@@ -30,6 +31,7 @@ def sample(
         if prompts is None or outputs is None:
             raise ValueError("penalties need every row's prompt and output token ids")
         penalties.adjust_(logits, params, prompts, outputs)
+    penalties.ban_(logits, banned)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == B and not want:  # the common decode case
         return logits.argmax(dim=-1).tolist(), [None] * B

@@ -107,7 +107,10 @@ class ChoiceRun:
                     lps += ev.logprobs
                     finish = ev.finish_reason or None
                     text = detok.add(ev.token_ids) + (detok.flush() if finish else "")
-                    out, stopped = stop.feed(text)
+                    if ev.completion_tokens <= spec.params.min_tokens:
+                        out, stopped = text, False  # no stop string before min_tokens
+                    else:
+                        out, stopped = stop.feed(text)
                     if stopped:
                         finish = "stop"
                     elif finish:

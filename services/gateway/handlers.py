@@ -171,6 +171,11 @@ async def plan(
                 "max_tokens",
                 "context_length_exceeded",
             )
+        if req.min_tokens > max_tokens:
+            raise invalid(
+                f"min_tokens is {req.min_tokens}, more than max_tokens ({max_tokens})",
+                "min_tokens",
+            )
         for c in range(req.n):
             j = p * req.n + c
             params = SamplingParams(
@@ -189,6 +194,7 @@ async def plan(
                 frequency_penalty=req.frequency_penalty,
                 presence_penalty=req.presence_penalty,
                 min_p=req.min_p,
+                min_tokens=req.min_tokens,
             )
             spec = ChoiceSpec(
                 j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo,

@@ -66,6 +66,8 @@ class _SamplingRequest(_Model):
     # another multiplied (1: off)
     repetition_penalty: Annotated[Float, Field(gt=0.0, le=1e6)] = 1.0
     min_p: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.0  # vLLM extra
+    # vLLM extra: no EOS, stop token or stop string ends the output before this many tokens
+    min_tokens: Annotated[Int, Field(ge=0, le=INT64)] = 0
     # token id (a string, as JSON keys are) -> bias added to its logit
     logit_bias: (
         Annotated[

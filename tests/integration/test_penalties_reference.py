@@ -7,6 +7,8 @@ afd does."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -110,3 +112,32 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on(q
             eng.add_request([1], SamplingParams(logit_bias=((V + 3, 1.0),)))
         sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
         assert [r.output_token_ids for r in eng.generate(PROMPTS, sp)] == plain
+
+
+def test_min_tokens_holds_off_eos_and_stop_tokens_as_transformers_min_new_tokens(qwen3_dir, hf):
+    """A token made the greedy choice (+100) that ends the output, as the model's EOS or as a
+    stop token: transformers' min_new_tokens (with that token as its EOS) keeps it out for 5
+    tokens, and so does afd's min_tokens."""
+    end = 333
+    ref = []
+    for p in PROMPTS:
+        o = hf.generate(
+            torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=5, do_sample=False,
+            eos_token_id=end, pad_token_id=0, sequence_bias={(end,): 100.0},
+        )  # fmt: skip
+        ref.append(o[0, len(p) :].tolist())
+    assert all(len(r) == 6 and r[-1] == end for r in ref), ref
+    base = engine_cfg(qwen3_dir)
+    as_eos = replace(base, model=replace(base.model, eos_token_ids=(end,)))
+    bias = ((end, 100.0),)
+    for cfg, sp in [
+        (as_eos, SamplingParams(max_tokens=NEW, temperature=0, min_tokens=5, logit_bias=bias)),
+        (base, SamplingParams(
+            max_tokens=NEW, temperature=0, min_tokens=5, logit_bias=bias, stop_token_ids=(end,),
+            ignore_eos=True,
+        )),
+    ]:  # fmt: skip
+        with local_engine(cfg, 1, progress=False) as eng:
+            reqs = eng.generate(PROMPTS, sp)
+        assert [r.output_token_ids for r in reqs] == ref
+        assert all(r.finish_reason == "stop" for r in reqs)

@@ -236,6 +236,12 @@ def test_logit_bias_and_penalties_reach_the_sampler(model, client):
     other = client.completions.create(**args, frequency_penalty=2.0, extra_body=extra)
     assert other.choices[0].text.startswith(tok.decode([t]))  # the penalties act from then on
     assert other.choices[0].text != forced.choices[0].text
+    # min_tokens (vLLM extra): a stop string ends the output only once that many are out
+    stopped = client.completions.create(**args, stop=[tok.decode([t])])
+    assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
+    held = client.completions.create(**args, stop=[tok.decode([t])], extra_body={"min_tokens": 2})
+    assert held.choices[0].text == tok.decode([t] * 2)
+    assert held.choices[0].finish_reason == "stop"
 
 
 def test_bad_requests_get_openai_errors_and_leave_nothing_allocated(cluster, client):
@@ -253,6 +259,7 @@ def test_bad_requests_get_openai_errors_and_leave_nothing_allocated(cluster, cli
         (json.dumps({"model": "tiny", "prompt": "x", "logit_bias": {"10000000": 1}}), 400),
         (json.dumps({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}), 400),
         (json.dumps({"model": "tiny", "prompt": "x", "repetition_penalty": 0}), 400),
+        (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2, "min_tokens": 3}), 400),
         (json.dumps({"model": "tiny", "prompt": "x" * (5 << 20)}), 413),
     ]
     for body, status in bad:

@@ -39,6 +39,7 @@ def test_generate_request_round_trip():
         frequency_penalty=-0.5,
         presence_penalty=1.5,
         min_p=0.125,
+        min_tokens=3,
     )
     req = GenerateRequest("r-1", [1, 2, 3], sp)
     back = control.request_from_pb(control.request_to_pb(req))
@@ -111,6 +112,8 @@ def test_each_error_type_carries_its_code():
         {"logit_bias": ((5, float("nan")),)},
         {"logit_bias": ((5, 1.0), (5, 2.0))},
         {"logit_bias": tuple((i, 1.0) for i in range(2000))},
+        {"min_tokens": -1},
+        {"max_tokens": 2, "min_tokens": 3},
     ],
 )
 def test_sampling_values_no_request_may_carry_are_refused(bad):
