@@ -36,6 +36,11 @@ class GenerateJob:
     top_k: int = 0
     seed: int | None = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         check(bool(self.prompts), "give at least one --prompt or a --prompts-file")
@@ -51,6 +56,11 @@ class GenerateJob:
             top_k=self.top_k,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
         )
 
 
@@ -71,6 +81,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     option(g, "--top-k", j, "top_k", help="0: off")
     option(g, "--seed", j, "seed", type=int)
     option(g, "--ignore-eos", j, "ignore_eos", help="generate max_tokens whatever the model says")
+    option(g, "--min-p", j, "min_p", help="0: off")
+    option(g, "--min-tokens", j, "min_tokens", help="no EOS or stop token before this many")
+    option(g, "--repetition-penalty", j, "repetition_penalty", help="on prompt and output; 1: off")
+    option(g, "--frequency-penalty", j, "frequency_penalty", help="per repeat in the output")
+    option(g, "--presence-penalty", j, "presence_penalty", help="once per token in the output")
     option(p, "--json", j, "as_json", help="print JSON instead of text")
     return p
 
