@@ -33,6 +33,11 @@ _CODE_FROM_PB = {v: k for k, v in _CODE_TO_PB.items()}
 MAX_CACHE_SALT = 1024  # characters
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for one bias: [-100, 100]
+# Structured outputs: what a request's text is held to (services/attention/guides.py), and the
+# guide's text for each kind: a JSON schema, nothing (any JSON object), a regular expression,
+# a JSON list of strings (exactly one of them), an EBNF grammar
+GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_GUIDE = 1 << 16  # characters
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ class SamplingParams:
     # vLLM's: until this many tokens are out, EOS and stop_token_ids cannot be chosen (and the
     # gateway matches no stop string in their text)
     min_tokens: int = 0
+    guide_kind: str = ""  # "" (free text) or one of GUIDE_KINDS
+    guide: str = ""
 
     def __post_init__(self) -> None:
         problem = ""
@@ -95,6 +102,14 @@ class SamplingParams:
             problem = f"min_p must be in [0, 1], got {self.min_p}"
         elif not 0 <= self.min_tokens <= max(self.max_tokens, 0):
             problem = f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"
+        elif self.guide_kind and self.guide_kind not in GUIDE_KINDS:
+            problem = f"guide_kind must be one of {', '.join(GUIDE_KINDS)}, got {self.guide_kind!r}"
+        elif len(self.guide) > MAX_GUIDE:
+            problem = f"the guide is longer than {MAX_GUIDE} characters"
+        elif self.guide_kind in ("", "json_object") and self.guide:
+            problem = f"guide_kind {self.guide_kind!r} takes no guide"
+        elif self.guide_kind not in ("", "json_object") and not self.guide:
+            problem = f"guide_kind {self.guide_kind!r} needs a guide"
         else:
             problem = _logit_bias_problem(self.logit_bias)
         if problem:
@@ -211,6 +226,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         min_p=s.min_p,
         logit_bias=dict(s.logit_bias),
         min_tokens=s.min_tokens,
+        guide_kind=s.guide_kind,
+        guide=s.guide,
     )
     if s.repetition_penalty != 1.0:
         msg.repetition_penalty = s.repetition_penalty
@@ -242,6 +259,8 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
         min_p=s.min_p,
         logit_bias=tuple(sorted(s.logit_bias.items())),
         min_tokens=s.min_tokens,
+        guide_kind=s.guide_kind,
+        guide=s.guide,
     )
 
 

@@ -206,7 +206,12 @@ class Engine:
             sampling=sampling,
             eos_token_ids=self.cfg.model.eos_token_ids,
         )
-        self.scheduler.add_request(req)
+        self.runner.guides.start(req)  # a guide that does not compile is this request's error
+        try:
+            self.scheduler.add_request(req)
+        except Exception:
+            self.runner.guides.release(req.request_id)
+            raise
         return req
 
     def abort(self, request_id: str) -> bool:
@@ -227,7 +232,7 @@ class Engine:
         if not plan.scheduled:
             return StepResult()
         try:
-            sampled, logprobs, prompt_logprobs = self.runner.execute(plan)
+            sampled, logprobs, prompt_logprobs, ended = self.runner.execute(plan)
         except TransportError as e:
             if self._hold():  # the step is planned again once the shard is back
                 return StepResult(paused=True)
@@ -242,7 +247,7 @@ class Engine:
                 "--max-num-batched-tokens or --gpu-memory-utilization"
             )
             return StepResult(self._fail(plan, why), tokens, self.dispatcher.timing)
-        updated = self.scheduler.update(plan, sampled, logprobs, prompt_logprobs)
+        updated = self.scheduler.update(plan, sampled, logprobs, prompt_logprobs, ended)
         self.dispatcher.count_routed(flush=not self.scheduler.has_unfinished())
         for req in updated:
             if req.finished:

@@ -7,6 +7,7 @@ import torch
 from afd.control import Logprob
 from services.attention import batch
 from services.attention.dispatch import FFNDispatcher
+from services.attention.guides import Guides
 from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.pipeline import run_layers
@@ -27,6 +28,7 @@ class ModelRunner:
         dispatcher: FFNDispatcher,
         micro_batches: int,
         decode_stack: bool = True,
+        guides: Guides | None = None,
     ):
         self.model = model
         self.cache = cache
@@ -34,15 +36,16 @@ class ModelRunner:
         self.micro_batches = micro_batches
         self._generators: dict[str, torch.Generator] = {}
         self._prompts: dict[str, torch.Tensor] = {}  # request id -> its prompt's distinct ids
+        self.guides = guides or Guides(model.cfg)  # structured outputs
         # a decode step's layers as one native call where they may be (stack.py)
         self.stack = DecodeStack(model, cache, dispatcher) if decode_stack else None
 
     @torch.inference_mode()
     def execute(
         self, plan: SchedulerOutput
-    ) -> tuple[dict[str, int], dict[str, Logprob], dict[str, list[Logprob]]]:
+    ) -> tuple[dict[str, int], dict[str, Logprob], dict[str, list[Logprob]], set[str]]:
         """(sampled token, its logprob when asked, and the prompt logprobs this step scored)
-        per request id."""
+        per request id, and the requests whose grammar (structured outputs) has ended."""
         groups = batch.split(plan.scheduled, self.micro_batches)
         dev = self.model.device
         mbs = [batch.to_device(batch.build(g, self.cache.block_size), dev) for g in groups]
@@ -57,23 +60,27 @@ class ModelRunner:
         per_mb = run_layers(self.model, self.cache, self.dispatcher, mbs, head, self.stack)
         seqs = [s for mb in mbs for s in mb.sample_seqs]
         if not seqs:
-            return {}, {}, prompt_lps
+            return {}, {}, prompt_lps, set()
         parts = [x for x in per_mb if x.numel()]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B, V] float32
         params = [s.request.sampling for s in seqs]
         gens = [self._generator(s.request.request_id, s.request.sampling.seed) for s in seqs]
         reqs = [s.request for s in seqs]  # their tokens so far: for penalties
+        ids = [r.request_id for r in reqs]
+        if self.guides.active:
+            self.guides.mask_(logits, ids)
         prompts = [
             self._prompt_ids(r) if r.sampling.repetition_penalty != 1.0 else () for r in reqs
         ]
         outputs = [r.output_token_ids for r in reqs]
         banned = [_banned(r) for r in reqs]
         tokens, lps = sample(logits, params, gens, prompts, outputs, banned)
-        sampled = {s.request.request_id: t for s, t in zip(seqs, tokens, strict=True)}
+        sampled = dict(zip(ids, tokens, strict=True))
+        ended = {r for r, t in sampled.items() if self.guides.active and self.guides.accept(r, t)}
         logprobs = {
             s.request.request_id: lp for s, lp in zip(seqs, lps, strict=True) if lp is not None
         }
-        return sampled, logprobs, prompt_lps
+        return sampled, logprobs, prompt_lps, ended
 
     def _score_prompts(
         self, mb: batch.MicroBatch, h: torch.Tensor, out: dict[str, list[Logprob]]
@@ -112,6 +119,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._prompts.pop(request_id, None)
+        self.guides.release(request_id)
 
 
 def _banned(req: Request) -> tuple[int, ...]:

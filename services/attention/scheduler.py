@@ -319,9 +319,11 @@ class Scheduler:
         sampled: dict[str, int],
         logprobs: dict[str, Logprob] | None = None,
         prompt_logprobs: dict[str, list[Logprob]] | None = None,
+        ended: set[str] | None = None,
     ) -> list[Request]:
         """Apply one executed step; returns the requests that got a new token (to stream), and
-        those asking for no token (max_tokens 0) whose prompt is done.
+        those asking for no token (max_tokens 0) whose prompt is done. `ended`: requests that
+        finish ("stop") with this token whatever it is (their grammar is complete).
 
         `sampled` must hold a token for every scheduled seq with `sample=True`. Requests
         aborted between `schedule()` and `update()` are skipped.
@@ -353,7 +355,7 @@ class Scheduler:
             if logprobs is not None and req.request_id in logprobs:
                 req.output_logprobs.append(logprobs[req.request_id])
             new_token.append(req)
-            reason = self._finish_reason(req)
+            reason = "stop" if ended and req.request_id in ended else self._finish_reason(req)
             if reason is not None:
                 self._running.remove(req)
                 self._finish(req, reason)

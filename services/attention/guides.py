@@ -1,0 +1,147 @@
+"""Structured outputs: a request's tokens held to a JSON schema, any JSON object, a regular
+expression, one of a list of strings, or an EBNF grammar (afd.control.GUIDE_KINDS), with
+xgrammar (the engine vLLM and SGLang use for this).
+
+A guided request gets a grammar matcher when it is added (its guide compiled against the
+checkpoint's tokenizer, compiled guides cached); before each of its tokens is chosen, the
+tokens the grammar cannot take next are masked out of its logits (so penalties, temperature and
+logprobs all see the masked logits, as in vLLM); after, the matcher takes the token. When the
+grammar is complete the request ends: on its EOS or stop token where it has one (the matcher
+allows only those then), else at once."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from afd.config import ModelConfig
+from afd.errors import RequestError
+
+if TYPE_CHECKING:
+    from services.attention.request import Request
+
+log = logging.getLogger("afd.attention")
+
+_CACHED = 64  # compiled guides kept (a service sees the same few schemas again and again)
+
+
+class Guides:
+    def __init__(self, model: ModelConfig):
+        self._model = model
+        self._compiler: Any = None  # xgrammar.GrammarCompiler, made on first use
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
+        self._bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32
+
+    def start(self, req: Request) -> None:
+        """Give a guided request its matcher; RequestError for a guide that does not compile."""
+        sp = req.sampling
+        if not sp.guide_kind:
+            return
+        if req.request_id in self._matchers:  # the scheduler would refuse it too, too late
+            raise RequestError(f"request id {req.request_id!r} is already in use")
+        xgr = _xgrammar()
+        compiled = self._compile(sp.guide_kind, sp.guide)
+        ends = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(req.eos_token_ids))
+        self._matchers[req.request_id] = xgr.GrammarMatcher(
+            compiled,
+            override_stop_tokens=ends or None,
+            terminate_without_stop_token=not ends,
+        )
+
+    @property
+    def active(self) -> bool:
+        return bool(self._matchers)
+
+    def mask_(self, logits: torch.Tensor, request_ids: list[str]) -> None:
+        """-inf for every token the rows' grammars cannot take next (logits [B, V] float32,
+        row i is request_ids[i]'s)."""
+        rows = [(i, self._matchers[r]) for i, r in enumerate(request_ids) if r in self._matchers]
+        if not rows:
+            return
+        xgr = _xgrammar()
+        B, V = logits.shape
+        if self._bitmask is None or self._bitmask.shape[0] < B:
+            self._bitmask = xgr.allocate_token_bitmask(max(B, 8), V)
+        mask = self._bitmask[:B]
+        for i, matcher in rows:
+            matcher.fill_next_token_bitmask(mask, i)
+        xgr.apply_token_bitmask_inplace(logits, mask, indices=[i for i, _ in rows])
+
+    def accept(self, request_id: str, token: int) -> bool:
+        """The matcher takes the request's token; True when the grammar has ended it."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return False
+        if not matcher.accept_token(token):  # the mask allowed only what it accepts
+            log.warning("request %s: its grammar refused token %d; ending it", request_id, token)
+            return True
+        return matcher.is_terminated()
+
+    def release(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def _compile(self, kind: str, guide: str) -> Any:
+        key = (kind, guide)
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key]
+        compiler = self._compiler or self._make_compiler()
+        try:
+            if kind == "json":
+                compiled = compiler.compile_json_schema(guide)
+            elif kind == "json_object":
+                compiled = compiler.compile_json_schema('{"type": "object"}')  # OpenAI: an object
+            elif kind == "regex":
+                compiled = compiler.compile_regex(guide)
+            elif kind == "choice":
+                compiled = compiler.compile_grammar(_choice_grammar(guide))
+            else:  # grammar
+                compiled = compiler.compile_grammar(guide)
+        except (RuntimeError, ValueError) as e:  # xgrammar's errors for a bad guide
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RequestError(f"the {kind} guide does not compile: {first}") from None
+        self._compiled[key] = compiled
+        if len(self._compiled) > _CACHED:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _make_compiler(self) -> Any:
+        xgr = _xgrammar()
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self._model.path)
+        except (OSError, ValueError) as e:
+            raise RequestError(
+                f"structured outputs need the checkpoint's tokenizer, and {self._model.path!r} "
+                f"has none that loads: {e}"
+            ) from None
+        info = xgr.TokenizerInfo.from_huggingface(
+            tok,
+            vocab_size=self._model.vocab_size,
+            stop_token_ids=list(self._model.eos_token_ids) or None,
+        )
+        self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
+
+
+def _choice_grammar(choices_json: str) -> str:
+    """An EBNF grammar whose only sentences are the given strings (a JSON list of them)."""
+    choices = json.loads(choices_json)
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise RequestError(
+            "structured outputs need xgrammar, which this server lacks: "
+            "pip install 'afd[structured]'"
+        ) from None
+    return xgrammar

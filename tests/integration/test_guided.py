@@ -1,0 +1,131 @@
+"""Structured outputs (services/attention/guides.py): afd's greedy tokens under each kind of
+guide against transformers generating from the same checkpoint (float32, with a byte-level
+tokenizer written beside it) through xgrammar's own transformers logits processor, compiled
+from the same guide; JSON answers parse and fit their schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+xgr = pytest.importorskip("xgrammar")
+
+from afd.control import SamplingParams  # noqa: E402 - after the skip
+from afd.demo import EOS_TOKEN_ID, write_tokenizer  # noqa: E402
+from afd.errors import RequestError  # noqa: E402
+from afd_cli.local import local_engine  # noqa: E402
+from tests.helpers.checkpoints import hf_model, qwen3_moe  # noqa: E402
+from tests.integration.test_engine_reference import engine_cfg  # noqa: E402
+
+PROMPTS = [[5, 9, 17, 3, 250], list(range(20, 57)), [7, 7, 7]]
+NEW = 40
+# The random model likes JSON's optional whitespace better than its content: both sides bias
+# whitespace bytes out (the grammar still lets a required space through)
+NO_SPACE = tuple((b, -100.0) for b in b"\t\n\r ")
+SCHEMA = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
+    "required": ["kind", "ok"],
+    "additionalProperties": False,
+}
+GUIDES = {
+    "json": json.dumps(SCHEMA),
+    "json_object": "",
+    "regex": r"(yes|no), [a-z]{2,6}\.",
+    "choice": json.dumps(["left", "right", 'up "high"']),
+    "grammar": 'root ::= "(" num ("+" num)* ")"\nnum ::= [0-9] [0-9]?',
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = qwen3_moe(tmp_path_factory.mktemp("guided") / "ckpt", eos_token_id=EOS_TOKEN_ID)
+    write_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=384, stop_token_ids=[EOS_TOKEN_ID])
+    return hf_model(ckpt, torch.float32), tok, xgr.GrammarCompiler(info)
+
+
+def _compile(compiler, kind: str, guide: str):
+    if kind == "json":
+        return compiler.compile_json_schema(guide)
+    if kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}')
+    if kind == "regex":
+        return compiler.compile_regex(guide)
+    if kind == "choice":
+        return compiler.compile_grammar(
+            "root ::= " + " | ".join(map(json.dumps, json.loads(guide)))
+        )
+    return compiler.compile_grammar(guide)
+
+
+def _reference(hf, kind: str) -> list[list[int]]:
+    model, _, compiler = hf
+    outs = []
+    for p in PROMPTS:
+        proc = xgr.contrib.hf.LogitsProcessor(_compile(compiler, kind, GUIDES[kind]))
+        o = model.generate(
+            torch.tensor([p]), max_new_tokens=NEW, do_sample=False, logits_processor=[proc],
+            pad_token_id=EOS_TOKEN_ID, sequence_bias={(t,): b for t, b in NO_SPACE},
+        )  # fmt: skip
+        out = o[0, len(p) :].tolist()
+        if EOS_TOKEN_ID in out:  # transformers pads after EOS
+            out = out[: out.index(EOS_TOKEN_ID) + 1]
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("kind", list(GUIDES))
+def test_guided_greedy_matches_transformers_with_xgrammar(ckpt, hf, kind):
+    ref = _reference(hf, kind)
+    sp = SamplingParams(
+        max_tokens=NEW, temperature=0, guide_kind=kind, guide=GUIDES[kind], logit_bias=NO_SPACE
+    )
+    with local_engine(engine_cfg(ckpt), 1, progress=False) as eng:
+        reqs = eng.generate(PROMPTS, sp)
+        assert not eng.runner.guides.active, "matchers leaked"
+    assert [r.output_token_ids for r in reqs] == ref
+    tok = hf[1]
+    texts = [tok.decode(r.output_token_ids, skip_special_tokens=True) for r in reqs]
+    ended = [r.finish_reason == "stop" for r in reqs]
+    if kind == "json":
+        for text, done in zip(texts, ended, strict=True):
+            if done:  # a complete answer: it fits the schema
+                obj = json.loads(text)
+                assert set(obj) == {"kind", "ok"} and obj["kind"] in ("cat", "dog")
+                assert isinstance(obj["ok"], bool)
+        assert any(ended), texts
+    if kind == "choice":
+        assert all(t in json.loads(GUIDES["choice"]) for t in texts) and all(ended), texts
+
+
+def test_a_guide_that_does_not_compile_is_the_requests_error(ckpt):
+    with local_engine(engine_cfg(ckpt), 1, progress=False) as eng:
+        for kind, guide in [("json", "{not json"), ("regex", "(unclosed"), ("grammar", "x ::=")]:
+            with pytest.raises(RequestError, match=f"the {kind} guide does not compile"):
+                eng.add_request([1, 2], SamplingParams(guide_kind=kind, guide=guide))
+        assert not eng.runner.guides.active and not eng.has_unfinished()
+
+
+def test_a_grammar_with_no_end_token_ends_the_request_when_complete(ckpt, hf):
+    """With ignore_eos (and no stop tokens) nothing can end the output but the grammar: it
+    ends as the text completes, with no EOS. transformers' tokens are the same less its EOS."""
+    ref = _reference(hf, "choice")
+    sp = SamplingParams(
+        max_tokens=NEW, temperature=0, guide_kind="choice", guide=GUIDES["choice"],
+        logit_bias=NO_SPACE, ignore_eos=True,
+    )  # fmt: skip
+    with local_engine(engine_cfg(ckpt), 1, progress=False) as eng:
+        reqs = eng.generate(PROMPTS, sp)
+    assert [r.output_token_ids + [EOS_TOKEN_ID] for r in reqs] == ref
+    assert all(r.finish_reason == "stop" for r in reqs)
