@@ -145,6 +145,7 @@ async def plan(
             "max_tokens",
         )
     bias = req.token_bias
+    guide_kind, guide = req.guide
     check_token_ids(state, [t for t, _ in bias], "logit_bias")
     await state.balancer.wait_started(state.startup_wait_s)
     max_len = await state.balancer.max_model_len()
@@ -195,6 +196,8 @@ async def plan(
                 presence_penalty=req.presence_penalty,
                 min_p=req.min_p,
                 min_tokens=req.min_tokens,
+                guide_kind=guide_kind,
+                guide=guide,
             )
             spec = ChoiceSpec(
                 j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo,

@@ -4,6 +4,7 @@ integers and booleans are strict, so `"max_tokens": "5"` or `"stream": "yes"` is
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -16,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from afd.control import LOGIT_BIAS_LIMIT, MAX_CACHE_SALT, MAX_LOGIT_BIAS
+from afd.control import LOGIT_BIAS_LIMIT, MAX_CACHE_SALT, MAX_GUIDE, MAX_LOGIT_BIAS
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -42,6 +43,36 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: Bool = False
+
+
+class JsonSchemaFormat(_Model):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(_Model):
+    """OpenAI's: free text, any JSON object, or JSON that fits a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema")
+        return self
+
+
+class StructuredOutputs(_Model):
+    """vLLM's: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: Bool | None = None
 
 
 class _SamplingRequest(_Model):
@@ -80,6 +111,56 @@ class _SamplingRequest(_Model):
     # vLLM extra: requests with different salts share no prefix-cache blocks
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     user: str | None = None
+
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its older
+    # guided_* fields; at most one of them constrains a request
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one_guide(self) -> _SamplingRequest:
+        found = self._guides()
+        if len(found) > 1:
+            raise ValueError(
+                "only one of response_format, structured_outputs and guided_* may constrain "
+                f"the output; got {len(found)}"
+            )
+        if found and len(found[0][1]) > MAX_GUIDE:
+            raise ValueError(f"the output's guide is longer than {MAX_GUIDE} characters")
+        return self
+
+    def _guides(self) -> list[tuple[str, str]]:
+        def schema(v: dict[str, Any] | str) -> str:
+            return v if isinstance(v, str) else json.dumps(v)
+
+        out = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            out.append(("json_object", ""))
+        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            out.append(("json", schema(rf.json_schema.schema_)))
+        so = self.structured_outputs
+        if so is not None:
+            out += [("json", schema(so.json_))] if so.json_ is not None else []
+            out += [("regex", so.regex)] if so.regex is not None else []
+            out += [("choice", json.dumps(so.choice))] if so.choice is not None else []
+            out += [("grammar", so.grammar)] if so.grammar is not None else []
+            out += [("json_object", "")] if so.json_object else []
+        out += [("json", schema(self.guided_json))] if self.guided_json is not None else []
+        out += [("regex", self.guided_regex)] if self.guided_regex is not None else []
+        out += [("choice", json.dumps(self.guided_choice))] if self.guided_choice else []
+        out += [("grammar", self.guided_grammar)] if self.guided_grammar is not None else []
+        return out
+
+    @property
+    def guide(self) -> tuple[str, str]:
+        """(kind, guide) as afd.control.SamplingParams takes them; ("", "") for free text."""
+        found = self._guides()
+        return found[0] if found else ("", "")
 
     @field_validator("logit_bias")
     @classmethod

@@ -244,6 +244,51 @@ def test_logit_bias_and_penalties_reach_the_sampler(model, client):
     assert held.choices[0].finish_reason == "stop"
 
 
+def test_structured_outputs(client):
+    """response_format (OpenAI), structured_outputs and guided_* (vLLM) reach the attention
+    server's grammars: answers fit; a guide that does not compile is a 400."""
+    no_space = {str(b): -100 for b in b"\t\n\r "}  # the random model loves optional blanks
+    schema = {
+        "type": "object",
+        "properties": {"pet": {"enum": ["cat", "dog"]}, "n": {"type": "boolean"}},
+        "required": ["pet", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}
+    r = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=60, response_format=fmt, logit_bias=no_space,
+        temperature=0,
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"pet", "n"} and obj["pet"] in ("cat", "dog") and isinstance(obj["n"], bool)
+    for extra in (
+        {"guided_choice": ["red", "green"]},
+        {"structured_outputs": {"choice": ["red", "green"]}},
+    ):
+        c = client.completions.create(
+            model="tiny", prompt="colour:", max_tokens=10, temperature=0.8, seed=3, extra_body=extra
+        )
+        assert c.choices[0].text in ("red", "green") and c.choices[0].finish_reason == "stop"
+    c = client.completions.create(
+        model="tiny",
+        prompt="x",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"},
+    )
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", c.choices[0].text), c.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="does not compile"):
+        client.completions.create(
+            model="tiny", prompt="x", max_tokens=4, extra_body={"guided_regex": "(a"}
+        )
+    with pytest.raises(openai.BadRequestError, match="only one of"):
+        client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=4, response_format={"type": "json_object"},
+            extra_body={"guided_regex": "a"},
+        )  # fmt: skip
+
+
 def test_bad_requests_get_openai_errors_and_leave_nothing_allocated(cluster, client):
     url, log = cluster
     h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
