@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from afd import metrics
 from afd.control import SamplingParams
-from afd.errors import AfdError
+from afd.errors import AfdError, RequestError
 from afd.tokenizer import ModelTokenizer
 from services.gateway.balancer import Balancer
 from services.gateway.detok import TokenBytes
@@ -179,7 +179,7 @@ async def plan(
             )
         for c in range(req.n):
             j = p * req.n + c
-            params = SamplingParams(
+            params = _sampling(
                 max_tokens=max_tokens,
                 temperature=req.temperature,
                 top_p=req.top_p,
@@ -205,6 +205,15 @@ async def plan(
             )  # fmt: skip
             specs.append(spec)
     return specs
+
+
+def _sampling(**fields) -> SamplingParams:
+    """The control plane's parameters; a value the schema let through but they refuse (a
+    combination, say) is still the client's 400."""
+    try:
+        return SamplingParams(**fields)
+    except RequestError as e:
+        raise invalid(str(e)) from None
 
 
 def _prompt_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:

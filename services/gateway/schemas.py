@@ -45,6 +45,9 @@ class StreamOptions(_Model):
     include_usage: Bool = False
 
 
+GuideText = Annotated[str, Field(min_length=1)]  # a schema, regex or grammar as text
+
+
 class JsonSchemaFormat(_Model):
     name: str | None = None
     description: str | None = None
@@ -68,10 +71,10 @@ class ResponseFormat(_Model):
 class StructuredOutputs(_Model):
     """vLLM's: exactly one of these."""
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
+    json_: dict[str, Any] | GuideText | None = Field(default=None, alias="json")
+    regex: GuideText | None = None
     choice: Annotated[list[str], Field(min_length=1)] | None = None
-    grammar: str | None = None
+    grammar: GuideText | None = None
     json_object: Bool | None = None
 
 
@@ -116,10 +119,10 @@ class _SamplingRequest(_Model):
     # guided_* fields; at most one of them constrains a request
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
+    guided_json: dict[str, Any] | GuideText | None = None
+    guided_regex: GuideText | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
-    guided_grammar: str | None = None
+    guided_grammar: GuideText | None = None
 
     @model_validator(mode="after")
     def _one_guide(self) -> _SamplingRequest:

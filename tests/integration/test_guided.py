@@ -114,6 +114,10 @@ def test_a_guide_that_does_not_compile_is_the_requests_error(ckpt):
         for kind, guide in [("json", "{not json"), ("regex", "(unclosed"), ("grammar", "x ::=")]:
             with pytest.raises(RequestError, match=f"the {kind} guide does not compile"):
                 eng.add_request([1, 2], SamplingParams(guide_kind=kind, guide=guide))
+        # compiling grows steeply with nesting: a schema nested too deep is refused unread
+        deep = '{"type":"object","properties":{"a":' * 70 + "{}" + "}}" * 70
+        with pytest.raises(RequestError, match="nests 141 levels deep; at most 64"):
+            eng.add_request([1, 2], SamplingParams(guide_kind="json", guide=deep))
         assert not eng.runner.guides.active and not eng.has_unfinished()
 
 
