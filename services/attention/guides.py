@@ -47,7 +47,7 @@ class Guides:
         sp = req.sampling
         if not sp.guide_kind:
             return
-        if req.request_id in self._matchers:  # the scheduler would refuse it too, too late
+        if req.request_id in self._matchers:  # (else it would take the running one's matcher)
             raise RequestError(f"request id {req.request_id!r} is already in use")
         xgr = _xgrammar()
         compiled = self._compile(sp.guide_kind, sp.guide)

@@ -278,10 +278,12 @@ def test_structured_outputs(client):
         extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"},
     )
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", c.choices[0].text), c.choices[0].text
-    with pytest.raises(openai.BadRequestError, match="does not compile"):
-        client.completions.create(
-            model="tiny", prompt="x", max_tokens=4, extra_body={"guided_regex": "(a"}
-        )
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="does not compile"):
+            client.completions.create(
+                model="tiny", prompt="x", max_tokens=4, stream=stream,
+                extra_body={"guided_regex": "(a"},
+            )  # fmt: skip
     with pytest.raises(openai.BadRequestError, match="only one of"):
         client.chat.completions.create(
             model="tiny", messages=CHAT, max_tokens=4, response_format={"type": "json_object"},
