@@ -62,6 +62,7 @@ def _kernels() -> list[Extension]:
                     "mxfp4",
                     "mxfp4_moe",
                     "experts",
+                    "bitmask",
                 )
             ],
             depends=["afd/kernels/bf16.h", "afd/kernels/experts.h", "afd/kernels/mxfp4.h"],

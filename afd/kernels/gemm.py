@@ -69,6 +69,8 @@ def _lib() -> ctypes.CDLL | None:
     stack = [p, i, p, p, p, p, p, p, p, p] + [i] * 13 + [f, i, i, p, p, p, p]
     lib.afd_bf16_decode_stack.argtypes = stack
     lib.afd_bf16_decode_stack.restype = i
+    lib.afd_apply_bitmask.argtypes = [p, p, i, i, p, i, i]
+    lib.afd_apply_bitmask.restype = i
     lib.afd_fp8_quantize.argtypes = [p, p, p, i, i, i]
     lib.afd_fp8_quantize.restype = i
     lib.afd_fp8_dequantize.argtypes = [p, p, p, i, i, i]

@@ -21,6 +21,7 @@ import torch
 
 from afd.config import ModelConfig
 from afd.errors import RequestError
+from afd.kernels import bitmask
 
 if TYPE_CHECKING:
     from services.attention.request import Request
@@ -75,7 +76,11 @@ class Guides:
         mask = self._bitmask[:B]
         for i, matcher in rows:
             matcher.fill_next_token_bitmask(mask, i)
-        xgr.apply_token_bitmask_inplace(logits, mask, indices=[i for i, _ in rows])
+        indices = [i for i, _ in rows]
+        if bitmask.usable(logits, mask):
+            bitmask.apply_(logits, mask, indices)
+        else:  # another device, or no native library
+            xgr.apply_token_bitmask_inplace(logits, mask, indices=indices)
 
     def accept(self, request_id: str, token: int) -> bool:
         """The matcher takes the request's token; True when the grammar has ended it."""
