@@ -25,8 +25,11 @@ def sample(
     B = logits.shape[0]
     dev = logits.device  # index tensors live beside the logits (a CUDA device's, say)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    # of the model's logits, before any penalty
-    logp = torch.log_softmax(logits[torch.tensor(want, device=dev)], dim=-1) if want else None
+    # of the model's logits, before any penalty; a token a grammar masked out reads as vLLM
+    # reports it, -9999, not -inf (which JSON cannot carry)
+    logp = None
+    if want:
+        logp = torch.log_softmax(logits[torch.tensor(want, device=dev)], dim=-1).clamp_(-9999.0)
     if any(p.adjusts_logits for p in params):
         if prompts is None or outputs is None:
             raise ValueError("penalties need every row's prompt and output token ids")

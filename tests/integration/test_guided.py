@@ -133,3 +133,15 @@ def test_a_grammar_with_no_end_token_ends_the_request_when_complete(ckpt, hf):
         reqs = eng.generate(PROMPTS, sp)
     assert [r.output_token_ids + [EOS_TOKEN_ID] for r in reqs] == ref
     assert all(r.finish_reason == "stop" for r in reqs)
+
+
+def test_logprobs_under_a_grammar_stay_finite(ckpt):
+    """Tokens the grammar masks out read -9999 (as vLLM reports them), never -inf."""
+    sp = SamplingParams(max_tokens=4, guide_kind="choice", guide='["ab", "cd"]', logprobs=5)
+    with local_engine(engine_cfg(ckpt), 1, progress=False) as eng:
+        (req,) = eng.generate(PROMPTS[:1], sp)
+    assert req.output_logprobs
+    for lp in req.output_logprobs:
+        values = [lp.logprob] + [v for _, v in lp.top]
+        assert all(-9999.0 <= v <= 0.0 for v in values), values
+        assert min(values) == -9999.0  # 5 alternatives, at most 2 allowed
