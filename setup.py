@@ -52,6 +52,7 @@ def _kernels() -> list[Extension]:
                 for name in (
                     "gemm",
                     "gemm512",
+                    "amx",
                     "moe",
                     "attention",
                     "norm_rope",

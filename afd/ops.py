@@ -39,6 +39,7 @@ class Linear:
     """y = x @ W.T for a fixed weight W [N, K], on the kernel path active when it is built
     (afd/kernels/paths.py); bf16 on the CPU:
 
+    - amx: afd's AMX kernel on W as it is, every batch size;
     - avx512bf16: afd's kernel on W as it is, up to the rows of x from which oneDNN's matmul
       (F.linear, same W) is faster here (paths.onednn_from_rows);
     - avx2: afd's kernel on W re-laid out once (gemm.pack), every batch size;
@@ -63,9 +64,9 @@ class Linear:
         self.fp8 = w if isinstance(w, BlockFP8) else None
         dense_dtype = torch.bfloat16 if self.fp8 is not None else w.dtype
         matmul = paths.active().matmul if dense_dtype == torch.bfloat16 else "torch"
-        # afd's kernels need K % 8 == 0 (AVX2) or even K (AVX-512 BF16)
+        # afd's kernels need K % 8 == 0 (AVX2) or even K (AVX-512 BF16, AMX)
         device = (w.q if self.fp8 is not None else w).device
-        if device.type != "cpu" or k % {"avx2": 8, "avx512bf16": 2}.get(matmul, 1):
+        if device.type != "cpu" or k % {"avx2": 8, "avx512bf16": 2, "amx": 2}.get(matmul, 1):
             matmul = "torch"
         self.matmul = matmul
         if self.fp8 is not None:  # no resident dense copy, so no fused call can read it
@@ -83,7 +84,7 @@ class Linear:
         elif matmul == "avx2":
             self.w = gemm.pack(w)
         else:
-            self.w = w.contiguous() if matmul == "avx512bf16" else w
+            self.w = w.contiguous() if matmul in ("avx512bf16", "amx") else w
 
     @property
     def native(self) -> bool:

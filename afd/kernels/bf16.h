@@ -118,11 +118,29 @@ static inline int chunk_rows(int left) {
 void afd_rows512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,
                  int n1);
 
+/* The same on AMX tiles (amx.c): x packed by afd_amx_pack (xp, afd_amx_elems(M, K) values) and
+ * as it is (x, for the rows of W past the last whole tile); K % 32 == 0, n0 a multiple of 16.
+ * Call only where afd_cpu_amx() is true. */
+void afd_rows_amx(const uint16_t *x, const uint16_t *xp, const uint16_t *w, uint16_t *y, int M,
+                  int N, int K, int n0, int n1);
+void afd_amx_pack(const uint16_t *x, int M, int K, uint16_t *xp);
+static inline size_t afd_amx_elems(int M, int K) { return (size_t)((M + 15) / 16) * 16 * K; }
+int afd_cpu_avx512bf16(void);
+int afd_cpu_amx(void);
+
+/* The kernels' instruction sets (the isa argument): the AVX2 matmul on gemm.py's packed weights,
+ * the AVX-512 BF16 one on row-major weights, and the AMX one on the same row-major weights. */
+#define ISA_AVX2 0
+#define ISA_AVX512 1
+#define ISA_AMX 2
+
 /* The library's entry points that decode_layer.c composes (gemm.c, norm_rope.c, attention.c). */
 int afd_bf16_gemm(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
                   int threads);
 int afd_bf16_gemm512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
                      int threads);
+int afd_bf16_gemm_amx(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
+                      int threads);
 int afd_bf16_rms_norm(const uint16_t *x, long sa, long sb, const uint16_t *w, uint16_t *y, int A,
                       int B, int D, float eps);
 int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, const uint16_t *cos,

@@ -27,8 +27,9 @@
 #include "bf16.h"
 
 /* A matmul on the instruction set (and weight layout) the caller chose. */
-#define GEMM(x, w, y, M, N, K) \
-  ((isa ? afd_bf16_gemm512 : afd_bf16_gemm)(x, w, y, M, N, K, threads))
+#define GEMM(x, w, y, M, N, K)                                                            \
+  ((isa == ISA_AMX ? afd_bf16_gemm_amx : isa ? afd_bf16_gemm512 : afd_bf16_gemm)(x, w, y, M, N, K, \
+                                                                                threads))
 
 /* The k largest of p [E], best first, into ids and w (taken [E]: scratch). Which they are is
  * decided by comparisons alone, so it is torch.topk's choice wherever that is unique; returns

@@ -44,6 +44,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_gemm512.restype = i
     lib.afd_cpu_avx512bf16.argtypes = []
     lib.afd_cpu_avx512bf16.restype = i
+    lib.afd_bf16_gemm_amx.argtypes = [p, p, p, i, i, i, i]
+    lib.afd_bf16_gemm_amx.restype = i
+    lib.afd_cpu_amx.argtypes = []
+    lib.afd_cpu_amx.restype = i
     lib.afd_bf16_moe.argtypes = [p, p, p, i, i, p, p, p, i, i, i, i, i, i, i]
     lib.afd_bf16_moe.restype = i
     f = ctypes.c_float
@@ -95,7 +99,15 @@ def avx512bf16() -> bool:
     return lib is not None and bool(lib.afd_cpu_avx512bf16())
 
 
-ISAS = {"avx2": 0, "avx512bf16": 1}  # the kernels' isa argument
+@cache
+def amx() -> bool:
+    """Whether the AMX matmul runs here: the CPU has AMX tiles with BF16 and Linux granted this
+    process the tile state (asked on the first call)."""
+    lib = _lib()
+    return lib is not None and bool(lib.afd_cpu_avx512bf16()) and bool(lib.afd_cpu_amx())
+
+
+ISAS = {"avx2": 0, "avx512bf16": 1, "amx": 2}  # the kernels' isa argument (bf16.h's ISA_*)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -112,7 +124,8 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, isa: str = "avx2") -> torch.Tensor:
     """x [..., K] bf16 @ W.T -> [..., N] bf16 for W [N, K] bf16: with isa "avx2", w = pack(W)
-    and K % 8 == 0; with "avx512bf16" (where avx512bf16()), w = W contiguous, K even."""
+    and K % 8 == 0; with "avx512bf16" (where avx512bf16()), w = W contiguous, K even; with "amx"
+    (where amx()), the same W as "avx512bf16"."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
@@ -120,7 +133,9 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, isa: str = "avx2") -> torch.Te
     m = x2.shape[0]
     y = torch.empty(x.shape[:-1] + (n,), dtype=torch.bfloat16)
     lib = _lib()
-    matmul = lib.afd_bf16_gemm512 if isa == "avx512bf16" else lib.afd_bf16_gemm
+    matmul = {"avx512bf16": lib.afd_bf16_gemm512, "amx": lib.afd_bf16_gemm_amx}.get(
+        isa, lib.afd_bf16_gemm
+    )
     if m and matmul(x2.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads()):
         raise RuntimeError(f"afd_bf16_gemm failed for x {tuple(x.shape)} @ w {tuple(w.shape)}")
     return y

@@ -23,8 +23,9 @@
 /* x [T, H]; ids [T, topk] (int32, global expert ids) and gate weights [T, topk] (fp32) as routed;
  * this shard holds experts first .. first + E - 1: w13 [E] -> [2I, H], w2 [E] -> [H, I];
  * out [T, H] accumulated into. All bf16 except as noted. reverse: visit the experts last to
- * first (the results do not change). isa: 0 for the AVX2 matmul on gemm.py's packed weights, 1
- * for the AVX-512 BF16 one on row-major weights (gemm512.c). b13 [E] -> [2I] and b2 [E] -> [H]:
+ * first (the results do not change). isa: ISA_AVX2 for the AVX2 matmul on gemm.py's packed
+ * weights, ISA_AVX512 for the AVX-512 BF16 one on row-major weights (gemm512.c), ISA_AMX for
+ * AMX tiles on the same (amx.c; where H or I is not a multiple of 32, AVX-512). b13 [E] -> [2I] and b2 [E] -> [H]:
  * the experts' biases (gpt-oss), or NULL for none; act, limit, alpha: the activation
  * (experts.h), SwiGLU above. Returns 0, or -1 when H or I is not a multiple of 8 or memory is
  * short. */
@@ -60,8 +61,19 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
   char *act = (char *)malloc((size_t)P * I * xsz);
   float *wt = (float *)malloc((size_t)t * 4 * K * sizeof(float)); /* afd_rows' scratch */
   int *units = (int *)malloc((size_t)E * sizeof(int)); /* the held experts */
-  if (!xs || !gu || !act || !wt || !units) {
-    free(ys), free(xs), free(gu), free(act), free(wt), free(units);
+  /* AMX: each expert's rows of x and of its activations also packed for the tiles
+   * (afd_amx_pack), from block at[e] of 16 rows */
+  const int amx = isa == ISA_AMX && H % 32 == 0 && I % 32 == 0 && afd_cpu_amx();
+  size_t *at = amx ? (size_t *)malloc((size_t)(E + 1) * sizeof(size_t)) : NULL;
+  uint16_t *xsp = NULL, *actp = NULL;
+  if (at) {
+    at[0] = 0;
+    for (int e = 0; e < E; e++) at[e + 1] = at[e] + (size_t)(starts[e + 1] - starts[e] + 15) / 16;
+    xsp = (uint16_t *)aligned_alloc(64, afd_amx_elems(16 * (int)at[E], H) * sizeof(uint16_t));
+    actp = (uint16_t *)aligned_alloc(64, afd_amx_elems(16 * (int)at[E], I) * sizeof(uint16_t));
+  }
+  if (!xs || !gu || !act || !wt || !units || (amx && (!at || !xsp || !actp))) {
+    free(ys), free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
     afd_pairs_free(&pairs);
     return -1;
   }
@@ -80,6 +92,12 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     int e = reverse ? E - 1 - i : i;
     if (starts[e + 1] > starts[e]) units[held++] = e;
   }
+  if (amx)
+    for (int i = 0; i < held; i++) {
+      int e = units[i];
+      afd_amx_pack((const uint16_t *)xs + (size_t)starts[e] * H, starts[e + 1] - starts[e], H,
+                   xsp + at[e] * 16 * H);
+    }
 #pragma omp parallel num_threads(t) if (t > 1)
   {
     float *mine = wt + (size_t)(t > 1 ? omp_get_thread_num() : 0) * 4 * K;
@@ -87,7 +105,10 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     for (int u = 0; u < held * n13; u++) { /* gate|up = x[tokens] @ w13[e]^T */
       int e = units[u / n13], p0 = starts[e], n = starts[e + 1] - p0;
       int n0 = u % n13 * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < 2 * I ? n0 + ROWS_PER_UNIT : 2 * I;
-      if (isa)
+      if (amx)
+        afd_rows_amx((const uint16_t *)xs + (size_t)p0 * H, xsp + at[e] * 16 * H, w13[e],
+                     gu + (size_t)p0 * 2 * I, n, 2 * I, H, n0, n1);
+      else if (isa)
         afd_rows512((const uint16_t *)xs + (size_t)p0 * H, w13[e], gu + (size_t)p0 * 2 * I, n,
                     2 * I, H, n0, n1);
       else
@@ -107,11 +128,22 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
           ((float *)act)[(size_t)p * I + j] = a;
       }
     }
+    if (amx) {
+#pragma omp for schedule(static)
+      for (int i = 0; i < held; i++) {
+        int e = units[i];
+        afd_amx_pack((const uint16_t *)act + (size_t)starts[e] * I, starts[e + 1] - starts[e], I,
+                     actp + at[e] * 16 * I);
+      }
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int u = 0; u < held * n2; u++) { /* y = a @ w2[e]^T */
       int e = units[u / n2], p0 = starts[e], n = starts[e + 1] - p0;
       int n0 = u % n2 * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < H ? n0 + ROWS_PER_UNIT : H;
-      if (isa)
+      if (amx)
+        afd_rows_amx((const uint16_t *)act + (size_t)p0 * I, actp + at[e] * 16 * I, w2[e],
+                     ys + (size_t)p0 * H, n, H, I, n0, n1);
+      else if (isa)
         afd_rows512((const uint16_t *)act + (size_t)p0 * I, w2[e], ys + (size_t)p0 * H, n, H, I,
                     n0, n1);
       else
@@ -126,7 +158,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
             to_bf16(afd_biased(bf16_value(ys[(size_t)p * H + k]), bias, k) * weights[p]);
     }
   }
-  free(xs), free(gu), free(act), free(wt), free(units);
+  free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
   float *acc = (float *)malloc((size_t)T * H * sizeof(float));
   if (!acc) {
     free(ys);

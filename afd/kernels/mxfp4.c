@@ -289,7 +289,7 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
   if (K % 32) return -1;
   init_scales();
   const int G = K / 32, groups = G / 2;
-  const int wide = isa == 1 && !f32;
+  const int wide = isa >= ISA_AVX512 && !f32;
   /* x in the weights' scrambled order: fp32 (AVX2) or bf16 words (AVX-512) plus the odd
    * block's fp32 */
   float *xp = wide ? NULL : (float *)malloc((size_t)M * K * sizeof(float));

@@ -37,7 +37,7 @@ static void activate(const float *gu, const uint16_t *bias, int I, int act, floa
 /* x [T, H] bf16; ids [T, topk] int32 (global expert ids) and gate [T, topk] fp32 as routed;
  * this shard holds experts first .. first + E - 1: b13[e], s13[e] the blocks and scales of
  * w13 [2I, H] (gate rows, then up rows), b2[e], s2[e] those of w2 [H, I]; bias13[e] [2I] and
- * bias2[e] [H] bf16, or NULL arrays for none. act and its limit and alpha as above; isa 1:
+ * bias2[e] [H] bf16, or NULL arrays for none. act and its limit and alpha as above; isa 1 or 2:
  * AVX-512 BF16. out [T, H] bf16, accumulated into. Returns 0, -1 for H or I not a multiple of
  * 32 or bad sizes, -2 when memory is short. */
 int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int topk, int first,
@@ -56,7 +56,7 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
     afd_pairs_free(&pairs);
     return 0;
   }
-  const int wide = isa == 1, G13 = H / 32, G2 = I / 32;
+  const int wide = isa >= ISA_AVX512, G13 = H / 32, G2 = I / 32;
   const size_t nx = wide ? (size_t)(G13 / 2) * 64 : (size_t)H;  /* per row: x for w13 */
   const size_t na = wide ? (size_t)(G2 / 2) * 64 : (size_t)I;   /* per row: a for w2 */
   int *held = malloc((size_t)E * sizeof(int));

@@ -1,6 +1,10 @@
 """Which kernels carry the bf16 compute: the registry of kernel paths and the one switch that
-picks one, AFD_KERNELS=auto|avx512bf16|avx2|onednn|torch.
+picks one, AFD_KERNELS=auto|amx|avx512bf16|avx2|onednn|torch.
 
+- amx: afd's kernels with every matmul on AMX tiles (amx.c: TDPBF16PS, 16 x 32 by 32 x 16 bf16
+  per instruction) on the weights as loaded, at every batch size (it beats oneDNN's matmul at
+  each size measured, and a row's result is then the same bits at every batch size); the
+  rest as avx512bf16. Intel Sapphire Rapids and later.
 - avx512bf16: afd's kernels (gemm512.c: vdpbf16ps) on the weights as loaded, for the batches
   where they beat oneDNN; oneDNN's matmul (torch's F.linear) on the same weights above that
   (onednn_from_rows, measured here once); afd's fused layer, experts, attention, norms, RoPE.
@@ -9,7 +13,7 @@ picks one, AFD_KERNELS=auto|avx512bf16|avx2|onednn|torch.
 - onednn: every matmul through oneDNN on weights it re-lays out once; the rest in torch.
 - torch: torch alone (F.linear and its ops), the reference path.
 
-`auto` takes the first runnable of avx512bf16, avx2, onednn, torch and logs the choice. A
+`auto` takes the first runnable of amx, avx512bf16, avx2, onednn, torch and logs the choice. A
 model's weights are laid out for the path active when it is loaded (ops.Linear), so a process
 runs one path; `use` switches it for what is built inside (tests, benchmarks).
 """
@@ -57,7 +61,7 @@ def onednn_bf16() -> bool:
 @dataclass(frozen=True)
 class KernelPath:
     name: str
-    matmul: str  # who multiplies: "avx512bf16", "avx2" (afd's kernels), "onednn", "torch"
+    matmul: str  # who multiplies: "amx", "avx512bf16", "avx2" (afd's kernels), "onednn", "torch"
     native: bool  # afd's fused layer, fused experts, paged attention, norms and RoPE run
     runnable: Callable[[], bool]
 
@@ -65,6 +69,7 @@ class KernelPath:
 PATHS: dict[str, KernelPath] = {
     p.name: p
     for p in (
+        KernelPath("amx", "amx", True, gemm.amx),
         KernelPath("avx512bf16", "avx512bf16", True, gemm.avx512bf16),
         KernelPath("avx2", "avx2", True, gemm.available),
         KernelPath("onednn", "onednn", False, onednn_bf16),

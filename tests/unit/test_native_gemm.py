@@ -1,8 +1,10 @@
-"""afd's bf16 matmuls (afd/kernels/gemm.c for AVX2, gemm512.c for AVX-512 BF16), each on every
-machine that runs it, against an fp32 matmul of the same bf16 values: every path of the kernels
-(1 and 2 rows of x, chunks of up to 6 rows, the AVX2 fp32-tile path from 13 rows with its
-2-row blocks and the odd last row, weight rows not a multiple of 4, K not a multiple of 32, one and
-two threads); and ops.Linear on every kernel path (AFD_KERNELS)."""
+"""afd's bf16 matmuls (afd/kernels/gemm.c for AVX2, gemm512.c for AVX-512 BF16, amx.c for AMX),
+each on every machine that runs it, against an fp32 matmul of the same bf16 values: every path
+of the kernels (1 and 2 rows of x, chunks of up to 6 rows, the AVX2 fp32-tile path from 13 rows
+with its 2-row blocks and the odd last row, weight rows not a multiple of 4, K not a multiple of
+32; AMX's one and two blocks of 16 rows of x, a last block of 16 weight rows alone and the
+weight rows past the last whole tile; one and two threads); and ops.Linear on every kernel path
+(AFD_KERNELS)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def laid_out(w: torch.Tensor, isa: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 12, 13, 14, 33, 70])
-@pytest.mark.parametrize("n,k", [(13, 24), (256, 512), (1030, 1000)])
+@pytest.mark.parametrize("n,k", [(13, 24), (256, 512), (1030, 1000), (1046, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_fp32_matmul_to_bf16_rounding(native_path, m, n, k, threads):
     g = torch.Generator().manual_seed(m * 1000 + n)
