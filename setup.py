@@ -62,6 +62,7 @@ def _kernels() -> list[Extension]:
                     "indexer",
                     "mxfp4",
                     "mxfp4_moe",
+                    "mxfp4_amx",
                     "experts",
                     "bitmask",
                 )

@@ -12,6 +12,7 @@ rows into a compute dtype (the online conversion the expert workspace keeps).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ BLOCK = 32  # values per scale
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E2M1_MAX = 6.0
 SCALE_BIAS = 127
+# Scale bytes for which every e2m1 value times the scale is a normal bf16 number (0.5 and 6 have
+# exponents -1 and 2), so a kernel may fold the scale into the values exactly (mxfp4_amx.c)
+FOLDABLE_SCALES = (2, 252)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,12 @@ class MXFP4:
         w = torch.ldexp(vals.view(n, g, BLOCK), exp.unsqueeze(-1)).view(n, g * BLOCK)
         return w.to(dtype)
 
+    @cached_property
+    def foldable(self) -> bool:
+        """Every scale within FOLDABLE_SCALES (checked once per weight)."""
+        lo, hi = FOLDABLE_SCALES
+        return bool(((self.scales >= lo) & (self.scales <= hi)).all())
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ W.T -> [..., N], reading the 4-bit values directly where afd's kernel
         runs (bf16 or float32 on an AVX2 CPU), else through a dequantized copy."""
@@ -87,7 +97,7 @@ class MXFP4:
 
         kernel_dtype = x.dtype in (torch.bfloat16, torch.float32)
         if kernel_dtype and x.device.type == "cpu" and native.usable():
-            return native.linear(x, self.blocks, self.scales)
+            return native.linear(x, self.blocks, self.scales, self.foldable)
         return F.linear(x, self.dequantize(x.dtype))
 
 

@@ -13,12 +13,12 @@
  *
  * Linux grants the tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM),
  * which afd_cpu_amx makes (the entry points ask it before any tile instruction: an
- * instruction without the grant is SIGILL); the tile configuration is per thread and other libraries (oneDNN)
- * load their own on the same OpenMP threads, so each call loads ours and releases it. */
+ * instruction without the grant is SIGILL). The tile configuration is per thread and other
+ * libraries (oneDNN) load their own on the same OpenMP threads, so each call loads ours and
+ * releases it. */
 #include <cpuid.h>
 #include <omp.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -49,14 +49,14 @@ typedef struct {
   uint8_t rows[16];
 } __attribute__((packed, aligned(64))) tile_config;
 
-static AMX void configure(void) {
-  tile_config c;
-  memset(&c, 0, sizeof c);
-  c.palette = 1;
-  for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
-  _tile_loadconfig(&c);
-}
+/* A constant in memory, not built on the stack: GCC 12's _tile_loadconfig tells the compiler
+ * it reads only the first 8 bytes, so stores of the rest could be dropped as dead (seen: a
+ * SIGILL at the first tile instruction). */
+static const tile_config CONFIG = {.palette = 1,
+                                   .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                   .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
 
+static AMX void configure(void) { _tile_loadconfig(&CONFIG); }
 
 /* x [M, K] -> xp: for each block of 16 rows, for each step s of 32 values of K, 16 pairs
  * (values 32s + 2p, 32s + 2p + 1) of each of the 16 rows; rows past M are zero. xp holds
@@ -69,27 +69,32 @@ void afd_amx_pack(const uint16_t *x, int M, int K, uint16_t *xp) {
       int m = mb * 16 + i;
       const uint32_t *row = (const uint32_t *)(x + (size_t)m * K);
       for (int s = 0; s < S; s++)
-        for (int p = 0; p < 16; p++) out[((size_t)s * 16 + p) * 16 + i] = m < M ? row[s * 16 + p] : 0;
+        for (int p = 0; p < 16; p++)
+          out[((size_t)s * 16 + p) * 16 + i] = m < M ? row[s * 16 + p] : 0;
     }
   }
 }
 
+/* to_bf16 on 16 fp32 lanes (round to nearest even, NaN kept quiet): the bf16 bits, one a lane */
+static inline AMX __m512i bf16_bits16(__m512i u) {
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                          _mm512_set1_epi32(0x7f800000));
+  __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x400000));
+  return _mm512_srli_epi32(_mm512_mask_mov_epi32(r, nan, quiet), 16);
+}
+
 /* The tile of sums for weight rows n..n+15 and rows of x mb*16.. (c: [16 weight rows][16 rows
- * of x] fp32) -> y, transposed and rounded to bf16. */
+ * of x] fp32) -> y, transposed (a column of c gathered) and rounded to bf16. */
 static AMX void put(const float *c, uint16_t *y, int M, int N, int mb, int n) {
-  const __m512i by_row = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                             5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));
+  const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80,
+                                          64, 48, 32, 16, 0);
   const int rows = M - mb * 16 < 16 ? M - mb * 16 : 16;
   for (int i = 0; i < rows; i++) {
-    __m512i u = _mm512_castps_si512(_mm512_i32gather_ps(by_row, c + i, 4));
-    /* to_bf16 on 16 lanes: round to nearest even, NaN kept quiet */
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                            _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256((__m256i *)(y + (size_t)(mb * 16 + i) * N + n), _mm512_cvtepi32_epi16(r));
+    __m512i u = _mm512_castps_si512(_mm512_i32gather_ps(column, c + i, 4));
+    _mm256_storeu_si256((__m256i *)(y + (size_t)(mb * 16 + i) * N + n),
+                        _mm512_cvtepi32_epi16(bf16_bits16(u)));
   }
 }
 
@@ -174,11 +179,12 @@ AMX void afd_rows_amx(const uint16_t *x, const uint16_t *xp, const uint16_t *w, 
   _tile_release();
 }
 
-/* y = x @ W^T on the tiles where K % 32 == 0 and AMX runs (else gemm512.c); returns 0, or -1 for bad sizes
- * or no memory. */
+/* y = x @ W^T on the tiles where K % 32 == 0 and AMX runs (else gemm512.c); returns 0, or -1
+ * for bad sizes or no memory. */
 int afd_bf16_gemm_amx(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
                       int threads) {
-  if (K % 32 != 0 || !afd_cpu_amx()) return afd_bf16_gemm512(x, w, y, M, N, K, threads);
+  if (K % 32 != 0 || !afd_cpu_amx()) /* no whole tile of K, or no tiles */
+    return afd_bf16_gemm512(x, w, y, M, N, K, threads);
   if (M <= 0 || N <= 0) return -1;
   uint16_t *xp = (uint16_t *)aligned_alloc(64, afd_amx_elems(M, K) * sizeof(uint16_t));
   if (!xp) return -1;

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from afd.kernels import gemm, paths
+from afd.kernels import gemm
 from afd.kernels.decode_layer import NativeDecodeLayer
 from afd.kernels.moe import ACTS, NativeExperts
 from afd.kernels.mxfp4 import FusedExperts
+from afd.kernels.mxfp4 import isa as mxfp4_isa
 
 _POINTERS = (
     "attn_norm", "ffn_norm", "w_qkv", "q_norm", "k_norm", "inter_norm", "w_q", "w_o",
@@ -172,7 +173,7 @@ def _address(ptrs) -> int | None:
 def _experts_isa(e: NativeExperts | FusedExperts) -> int:
     """The instruction set the experts' own call would pass (moe.py, mxfp4.py)."""
     if isinstance(e, FusedExperts):
-        return gemm.ISAS.get(paths.active().matmul, 0)
+        return mxfp4_isa(e.foldable)
     return gemm.ISAS[e.isa]
 
 

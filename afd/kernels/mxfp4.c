@@ -291,7 +291,7 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
   const int G = K / 32, groups = G / 2;
   const int wide = isa >= ISA_AVX512 && !f32;
   /* x in the weights' scrambled order: fp32 (AVX2) or bf16 words (AVX-512) plus the odd
-   * block's fp32 */
+   * block's fp32 (ISA_AMX: mxfp4_amx.c below, the caller having checked the scales) */
   float *xp = wide ? NULL : (float *)malloc((size_t)M * K * sizeof(float));
   uint16_t *xb = wide ? (uint16_t *)malloc((size_t)M * groups * 64 * sizeof(uint16_t) + 64) : NULL;
   float *xtail = wide ? (float *)malloc((size_t)M * 32 * sizeof(float) + 64) : NULL;
@@ -299,6 +299,29 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
   if ((!wide && !xp) || (wide && (!xb || !xtail)) || !acc) {
     free(xp), free(xb), free(xtail), free(acc);
     return -2;
+  }
+  if (isa == ISA_AMX && !f32 && N % 16 == 0 && M >= MXFP4_AMX_FROM && afd_cpu_amx()) { /* tiles */
+    uint16_t *xa = (uint16_t *)aligned_alloc(64, afd_amx_elems(M, K) * sizeof(uint16_t));
+    const size_t per = afd_mxfp4_amx_scratch(G); /* a thread's: decoded codes, then shifts */
+    char *sh = (char *)aligned_alloc(64, (size_t)(threads > 1 ? threads : 1) * per);
+    if (!xa || !sh) {
+      free(xa), free(sh), free(xb), free(xtail), free(acc);
+      return -2;
+    }
+    afd_amx_pack((const uint16_t *)x, M, K, xa);
+#pragma omp parallel num_threads(threads)
+    {
+      char *mine = sh + (size_t)omp_get_thread_num() * per;
+#pragma omp for schedule(dynamic, 1)
+      for (int n0 = 0; n0 < N; n0 += AMX_NU)
+        afd_mxfp4_rows_amx(xa, blocks, scales, acc, M, N, G, n0,
+                           n0 + AMX_NU < N ? n0 + AMX_NU : N,
+                           (uint32_t *)(mine + (size_t)AMX_NU * G * 64), (uint16_t *)mine);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < (int64_t)M * N; i++) ((uint16_t *)y)[i] = to_bf16(acc[i]);
+    }
+    free(xa), free(sh), free(xb), free(xtail), free(acc);
+    return 0;
   }
   int vmap[64]; /* element of the group at each scrambled position */
   afd_mxfp4_vmap(wide, vmap);

@@ -16,4 +16,22 @@ void afd_mxfp4_prepare_row(const void *x, int f32, int wide, const int vmap[64],
 void afd_mxfp4_rows(const float *xp, const uint16_t *xb, const float *xtail, int wide,
                     const uint8_t *blocks, const uint8_t *scales, float *acc, int M, int N, int G,
                     int n0, int n1);
+#define AMX_NU 64 /* weight rows per work unit on the AMX route */
+
+/* From how many rows of x (per expert, on average, in mxfp4_moe.c) ISA_AMX takes the AMX
+ * route. A tile instruction lowers the core's clock for the vector code around it, decoding
+ * included (measured on an Intel Xeon: the decode loop 1.8x slower after one TDPBF16PS), so at
+ * one row the AVX-512 route, which uses no tiles, is faster (a layer of 16 MXFP4 experts
+ * [2048 x 1024] + [1024 x 1024]: 0.40 vs 0.61 ms at 1 token, 2.15 vs 2.05 at 4 tokens, 8.24 vs
+ * 3.97 at 32). */
+#define MXFP4_AMX_FROM 2
+
+/* The same on AMX tiles (mxfp4_amx.c): xp is x packed by afd_amx_pack; n0, n1 multiples of 16,
+ * n1 - n0 <= AMX_NU; a thread's scratch: shifts (AMX_NU G) and a (64-byte aligned,
+ * AMX_NU G 32 bf16: afd_mxfp4_amx_scratch bytes for both); only where afd_cpu_amx() and every
+ * scale byte of rows n0..n1 is 2..252. */
+void afd_mxfp4_rows_amx(const uint16_t *xp, const uint8_t *blocks, const uint8_t *scales,
+                        float *acc, int M, int N, int G, int n0, int n1, uint32_t *shifts,
+                        uint16_t *a);
+static inline size_t afd_mxfp4_amx_scratch(int G) { return (size_t)AMX_NU * G * (64 + 4); }
 #endif

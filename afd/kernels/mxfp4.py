@@ -29,9 +29,19 @@ def to_bf16(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def isa(foldable: bool) -> int:
+    """The kernels' isa argument on the active path for MXFP4 weights: AMX tiles only where
+    every scale can be folded into the bf16 values exactly (MXFP4.foldable), else AVX-512 BF16
+    (or AVX2)."""
+    code = gemm.ISAS.get(paths.active().matmul, 0)
+    return gemm.ISAS["avx512bf16"] if code == gemm.ISAS["amx"] and not foldable else code
+
+
+def linear(
+    x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, foldable: bool = False
+) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., N] in x's dtype (bf16 or float32), W [N, K] as MXFP4 blocks
-    and scales."""
+    and scales (foldable: MXFP4.foldable, which lets the AMX route take it)."""
     N, G, _ = blocks.shape
     K = G * 32
     x2 = x.reshape(-1, K)
@@ -39,11 +49,10 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch
         x2 = x2.contiguous()
     M = x2.shape[0]
     f32 = x.dtype == torch.float32
-    isa = gemm.ISAS.get(paths.active().matmul, 0)  # AVX-512 BF16 where the path runs it
     y = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype)
     if M and gemm._lib().afd_mxfp4_linear(
         x2.data_ptr(), blocks.data_ptr(), scales.data_ptr(), y.data_ptr(), M, N, K, int(f32),
-        isa, torch.get_num_threads(),
+        isa(foldable), torch.get_num_threads(),
     ):  # fmt: skip
         raise RuntimeError(f"afd_mxfp4_linear failed for x {tuple(x.shape)} @ w [{N}, {K}]")
     return y
@@ -66,6 +75,7 @@ class FusedExperts:
         self.act, self.limit, self.alpha = ACTS[act[0]], act[1], act[2]
         # the tensors stay referenced: the pointer arrays point into them
         self._keep = [m.blocks for m in (*w13, *w2)] + [m.scales for m in (*w13, *w2)]
+        self.foldable = all(m.foldable for m in (*w13, *w2))
         self._b13 = [b.to(torch.bfloat16).contiguous() for b in b13] if b13 else None
         self._b2 = [b.to(torch.bfloat16).contiguous() for b in b2] if b2 else None
 
@@ -105,8 +115,7 @@ class FusedExperts:
         rc = gemm._lib().afd_mxfp4_moe(
             x.data_ptr(), ids.data_ptr(), w.data_ptr(), ids.shape[1], first, *self._p,
             out.data_ptr(), out.shape[0], self.count, self.hidden, self.inter, self.act,
-            self.limit, self.alpha, torch.get_num_threads(),
-            gemm.ISAS.get(paths.active().matmul, 0),
+            self.limit, self.alpha, torch.get_num_threads(), isa(self.foldable),
         )  # fmt: skip
         if rc:
             raise RuntimeError(f"afd_mxfp4_moe failed ({rc}: out of memory?)")

@@ -37,8 +37,9 @@ static void activate(const float *gu, const uint16_t *bias, int I, int act, floa
 /* x [T, H] bf16; ids [T, topk] int32 (global expert ids) and gate [T, topk] fp32 as routed;
  * this shard holds experts first .. first + E - 1: b13[e], s13[e] the blocks and scales of
  * w13 [2I, H] (gate rows, then up rows), b2[e], s2[e] those of w2 [H, I]; bias13[e] [2I] and
- * bias2[e] [H] bf16, or NULL arrays for none. act and its limit and alpha as above; isa 1 or 2:
- * AVX-512 BF16. out [T, H] bf16, accumulated into. Returns 0, -1 for H or I not a multiple of
+ * bias2[e] [H] bf16, or NULL arrays for none. act and its limit and alpha as above; isa
+ * ISA_AVX512: AVX-512 BF16; ISA_AMX: AMX tiles (mxfp4_amx.c; the caller checked every scale
+ * byte is 2..252). out [T, H] bf16, accumulated into. Returns 0, -1 for H or I not a multiple of
  * 32 or bad sizes, -2 when memory is short. */
 int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int topk, int first,
                   const uint8_t *const *b13, const uint8_t *const *s13,
@@ -71,45 +72,88 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
   float *xt = wide ? malloc((size_t)P * 32 * sizeof(float) + 64) : NULL;
   float *at = wide ? malloc((size_t)P * 32 * sizeof(float) + 64) : NULL;
   float *acc = malloc((size_t)T * H * sizeof(float));
+  int nheld = 0;
+  for (int e = 0; held && e < E; e++) /* (held is checked with the rest below) */
+    if (starts[e + 1] > starts[e]) held[nheld++] = e;
+  /* AMX (from MXFP4_AMX_FROM rows an expert): each expert's rows of x and of its activations
+   * packed for the tiles (amx.c), from block bk[e] of 16 rows */
+  const int amx = isa == ISA_AMX && P >= MXFP4_AMX_FROM * nheld && afd_cpu_amx();
+  size_t *bk = amx ? malloc((size_t)(E + 1) * sizeof(size_t)) : NULL;
+  uint16_t *xpk = NULL, *apk = NULL;
+  const int G = G13 > G2 ? G13 : G2, nt = threads > 1 ? threads : 1;
+  const size_t per = afd_mxfp4_amx_scratch(G); /* a thread's: decoded codes, then shifts */
+  char *sh = amx ? aligned_alloc(64, (size_t)nt * per) : NULL;
+  if (bk) {
+    bk[0] = 0;
+    for (int e = 0; e < E; e++) bk[e + 1] = bk[e] + (size_t)(starts[e + 1] - starts[e] + 15) / 16;
+    xpk = aligned_alloc(64, afd_amx_elems(16 * (int)bk[E], H) * sizeof(uint16_t));
+    apk = aligned_alloc(64, afd_amx_elems(16 * (int)bk[E], I) * sizeof(uint16_t));
+  }
   int ok = held && xs && as && gu && ya && acc &&
-           (wide ? xb && ab && xt && at : xp && ap);
+           (wide ? xb && ab && xt && at : xp && ap) && (!amx || (bk && xpk && apk && sh));
   if (!ok) {
     free(held), free(xs), free(as), free(gu), free(ya), free(xp), free(ap), free(xb), free(ab);
-    free(xt), free(at), free(acc);
+    free(xt), free(at), free(acc), free(bk), free(xpk), free(apk), free(sh);
     afd_pairs_free(&pairs);
     return -2;
   }
-  int nheld = 0;
-  for (int e = 0; e < E; e++)
-    if (starts[e + 1] > starts[e]) held[nheld++] = e;
   for (int p = 0; p < P; p++) memcpy(xs + (size_t)p * H, x + tokens[p] * H, (size_t)H * 2);
+  if (amx)
+    for (int i = 0; i < nheld; i++) {
+      int e = held[i];
+      afd_amx_pack(xs + (size_t)starts[e] * H, starts[e + 1] - starts[e], H, xpk + bk[e] * 16 * H);
+    }
   int vmap[64];
   afd_mxfp4_vmap(wide, vmap);
-  const int u13 = (2 * I + NU - 1) / NU, u2 = (H + NU - 1) / NU;
+  const int nu = amx ? AMX_NU : NU; /* AMX: whole tiles of 16 weight rows (2I, H: multiples) */
+  const int u13 = (2 * I + nu - 1) / nu, u2 = (H + nu - 1) / nu;
   const int t = threads > 1 ? threads : 1;
 #pragma omp parallel num_threads(t) if (t > 1)
   {
+    char *mine = sh ? sh + (size_t)(t > 1 ? omp_get_thread_num() : 0) * per : NULL;
+    uint16_t *mine_a = (uint16_t *)mine;
+    uint32_t *mine_sh = mine ? (uint32_t *)(mine + (size_t)AMX_NU * G * 64) : NULL;
+    if (!amx) {
 #pragma omp for schedule(static)
-    for (int p = 0; p < P; p++) afd_mxfp4_prepare_row(xs, 0, wide, vmap, p, H, xp, xb, xt);
+      for (int p = 0; p < P; p++) afd_mxfp4_prepare_row(xs, 0, wide, vmap, p, H, xp, xb, xt);
+    }
 #pragma omp for schedule(guided)
     for (int u = 0; u < nheld * u13; u++) { /* gate|up sums of each expert's pairs */
       int e = held[u / u13], p0 = starts[e], n = starts[e + 1] - p0;
-      int n0 = u % u13 * NU, n1 = n0 + NU < 2 * I ? n0 + NU : 2 * I;
-      afd_mxfp4_rows(xp ? xp + p0 * nx : NULL, xb ? xb + p0 * nx : NULL, xt ? xt + p0 * 32 : NULL,
-                     wide, b13[e], s13[e], gu + (size_t)p0 * 2 * I, n, 2 * I, G13, n0, n1);
+      int n0 = u % u13 * nu, n1 = n0 + nu < 2 * I ? n0 + nu : 2 * I;
+      if (amx)
+        afd_mxfp4_rows_amx(xpk + bk[e] * 16 * H, b13[e], s13[e], gu + (size_t)p0 * 2 * I, n,
+                           2 * I, G13, n0, n1, mine_sh, mine_a);
+      else
+        afd_mxfp4_rows(xp ? xp + p0 * nx : NULL, xb ? xb + p0 * nx : NULL,
+                       xt ? xt + p0 * 32 : NULL, wide, b13[e], s13[e], gu + (size_t)p0 * 2 * I,
+                       n, 2 * I, G13, n0, n1);
     }
 #pragma omp for schedule(static)
     for (int p = 0; p < P; p++) {
       activate(gu + (size_t)p * 2 * I, bias13 ? bias13[expert[p]] : NULL, I, act, limit, alpha,
                as + (size_t)p * I);
-      afd_mxfp4_prepare_row(as, 0, wide, vmap, p, I, ap, ab, at);
+      if (!amx) afd_mxfp4_prepare_row(as, 0, wide, vmap, p, I, ap, ab, at);
+    }
+    if (amx) {
+#pragma omp for schedule(static)
+      for (int i = 0; i < nheld; i++) {
+        int e = held[i];
+        afd_amx_pack(as + (size_t)starts[e] * I, starts[e + 1] - starts[e], I,
+                     apk + bk[e] * 16 * I);
+      }
     }
 #pragma omp for schedule(guided)
     for (int u = 0; u < nheld * u2; u++) { /* down sums */
       int e = held[u / u2], p0 = starts[e], n = starts[e + 1] - p0;
-      int n0 = u % u2 * NU, n1 = n0 + NU < H ? n0 + NU : H;
-      afd_mxfp4_rows(ap ? ap + p0 * na : NULL, ab ? ab + p0 * na : NULL, at ? at + p0 * 32 : NULL,
-                     wide, b2[e], s2[e], ya + (size_t)p0 * H, n, H, G2, n0, n1);
+      int n0 = u % u2 * nu, n1 = n0 + nu < H ? n0 + nu : H;
+      if (amx)
+        afd_mxfp4_rows_amx(apk + bk[e] * 16 * I, b2[e], s2[e], ya + (size_t)p0 * H, n, H, G2,
+                           n0, n1, mine_sh, mine_a);
+      else
+        afd_mxfp4_rows(ap ? ap + p0 * na : NULL, ab ? ab + p0 * na : NULL,
+                       at ? at + p0 * 32 : NULL, wide, b2[e], s2[e], ya + (size_t)p0 * H, n, H,
+                       G2, n0, n1);
     }
   }
   /* ys = bf16(bf16(y [+ bias]) * weight), summed into out in pair order (index_add_) */
@@ -122,7 +166,7 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
   }
   for (size_t i = 0; i < (size_t)T * H; i++) out[i] = to_bf16(acc[i]);
   free(held), free(xs), free(as), free(gu), free(ya), free(xp), free(ap), free(xb), free(ab);
-  free(xt), free(at), free(acc);
+  free(xt), free(at), free(acc), free(bk), free(xpk), free(apk), free(sh);
   afd_pairs_free(&pairs);
   return 0;
 }

@@ -128,6 +128,32 @@ def test_the_native_kernels_match_the_dequantized_weights(kernel_path):
         torch.testing.assert_close(m.linear(xb), ref, rtol=1e-2, atol=1e-2)
 
 
+def test_the_amx_route_sums_what_the_dense_amx_matmul_sums():
+    """On AMX (from 2 rows of x: one row takes the AVX-512 route) a block's scale is folded
+    into its bf16 values (exact for scale bytes 2..252), so the MXFP4 matmul sums what the dense
+    AMX matmul sums for the dequantized weight, in its order: the same bits, for one and two
+    blocks of 16 rows of x and an odd block after pairs. A weight with a scale outside that
+    range is not foldable and takes the AVX-512 route, which still computes the product."""
+    from afd.kernels import gemm, paths
+
+    if "amx" not in paths.runnable():
+        pytest.skip("needs AMX (Intel Sapphire Rapids and later)")
+    torch.manual_seed(3)
+    m = MXFP4.from_checkpoint(*mxfp4_quantize(torch.randn(96, 160)))  # 6 tiles of rows, G = 5
+    assert m.foldable
+    dense = m.dequantize(torch.bfloat16)
+    with paths.use("amx"):
+        for rows in (2, 5, 17, 32, 70):
+            x = torch.randn(rows, 160).bfloat16()
+            assert torch.equal(m.linear(x), gemm.bf16_linear(x, dense, "amx")), rows
+        scales = m.scales.clone()
+        scales[3, 2] = 1
+        odd = MXFP4.from_checkpoint(m.blocks, scales)
+        assert not odd.foldable
+        want = (x.float() @ odd.dequantize(torch.float32).T).bfloat16()
+        torch.testing.assert_close(odd.linear(x), want, rtol=1e-2, atol=1e-2)
+
+
 def test_afd_quantizer_matches_the_format():
     """afd's writer (afd quantize --mxfp4): the independent test quantizer's codes where no
     value is a tie, ties to the even code, scales that fit each block's largest magnitude."""

@@ -1,0 +1,177 @@
+/* MXFP4 weights (mxfp4.c's layout: blocks [N, G, 16], scales [N, G]) times x on AMX tiles.
+ *
+ * One MXFP4 block is 32 values of a row, exactly one row of a bf16 A tile (16 rows x 32
+ * values): for each block column s, the 16 weight rows' codes become bf16 in a 1 KiB buffer in
+ * L1 and the tile multiplies them by x (packed as amx.c packs it) for every 16 rows of x at
+ * once. The block's scale is folded into the values: a code's bf16 pattern comes from a
+ * 32-word table (vpermw, the code in each word's low 4 bits) whose non-zero entries have the
+ * power of two added to their exponent first. That is exact where the scaled values stay
+ * normal bf16 numbers: scale bytes 2..252 (mxfp4.py checks a weight's scales once and keeps
+ * the other paths for one outside them; real checkpoints sit far inside). The tile then sums
+ * exactly what amx.c sums for the dequantized bf16 weight, in the same order: the same bits.
+ *
+ * Decoding costs a handful of instructions per 32 weights whatever the batch, and the products
+ * are the tile's: from a few rows of x this beats decoding for vdpbf16ps, whose products grow
+ * with the rows (mxfp4.c). At one row it does not: a tile instruction lowers the core's clock
+ * for the decoding around it (MXFP4_AMX_FROM, mxfp4.h). A unit's codes are decoded first,
+ * read front to back, then multiplied from L1/L2. */
+
+#include "bf16.h"
+#include "mxfp4.h"
+
+#define AMX                                                                                   \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+/* e2m1 code -> bf16 pattern (0, .5, 1, 1.5, 2, 3, 4, 6, then the negatives), twice: vpermw
+ * reads 5 bits of an index, and the unpacked codes carry junk in the fifth */
+static const uint16_t E2M1[32] __attribute__((aligned(64))) = {
+    0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+    0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+#define NONZERO 0xFEFEFEFEu /* the table's entries other than +0 and -0 */
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tile_config;
+
+/* tmm0-3: sums (fp32 16 x 16); tmm4-5: decoded weights (16 rows x 32); tmm6-7: x (16 pairs
+ * of K x 16 rows of x). Every tile 16 rows of 64 bytes. */
+/* A constant in memory, not built on the stack: GCC 12's _tile_loadconfig tells the compiler
+ * it reads only the first 8 bytes, so stores of the rest could be dropped as dead (seen: a
+ * SIGILL at the first tile instruction). */
+static const tile_config CONFIG = {.palette = 1,
+                                   .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                   .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+
+static AMX void configure(void) { _tile_loadconfig(&CONFIG); }
+
+/* The exponent shift of scale byte e as a bf16 bit pattern's increment, in both halves of a
+ * dword (so a broadcast of it is a plain load, not a shuffle). */
+static inline uint32_t shift_of(uint8_t e) {
+  uint32_t w = (uint16_t)(((int)e - 127) * 128);
+  return w | w << 16;
+}
+
+/* 16 weight rows (codes: the first row's blocks; shifts [16][G]: shift_of each row's scales)
+ * -> out [G][16][32] bf16, scaled: block column s is the A tile at out + s * 512. The codes
+ * are read front to back (the 16 rows are one run of memory), so the hardware prefetcher
+ * streams them; about two shuffles per 32 weights (the widening and vpermw). */
+static AMX void decode_group(const uint8_t *codes, const uint32_t *shifts, int G, uint16_t *out) {
+  const __m512i table = _mm512_load_si512((const void *)E2M1);
+  for (int r = 0; r < 16; r++)
+    for (int s = 0; s < G; s++) {
+      /* byte j's low nibble is element 2j, its high nibble 2j + 1: one dword per byte; with
+       * the dword shifted up 12 or-ed in, its low word still has the low nibble in bits 0-3
+       * (vpermw reads bits 0-4; the table repeats for bit 4) and its high word is the high
+       * nibble */
+      const uint8_t *b = codes + ((size_t)r * G + s) * 16;
+      __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+      __m512i idx = _mm512_or_si512(d, _mm512_slli_epi32(d, 12));
+      __m512i shift = _mm512_set1_epi32((int)shifts[(size_t)r * G + s]);
+      __m512i scaled = _mm512_mask_add_epi16(table, NONZERO, table, shift);
+      _mm512_store_si512((void *)(out + ((size_t)s * 16 + r) * 32),
+                         _mm512_permutexvar_epi16(idx, scaled));
+    }
+}
+
+/* A tile of sums c [16 weight rows][16 rows of x] -> acc[m * N + n + i], m from mb * 16. */
+static AMX void put_f32(const float *c, float *acc, int M, int N, int mb, int n) {
+  const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80,
+                                          64, 48, 32, 16, 0);
+  const int rows = M - mb * 16 < 16 ? M - mb * 16 : 16;
+  for (int i = 0; i < rows; i++)
+    _mm512_storeu_ps(acc + (size_t)(mb * 16 + i) * N + n, _mm512_i32gather_ps(column, c + i, 4));
+}
+
+/* The tile of sums t (a constant) -> acc rows of x mb*16.., weight rows n.. */
+#define PUT(t, mb, n)                \
+  do {                               \
+    _tile_stored(t, c, 64);          \
+    put_f32(c, acc, M, N, mb, n);    \
+  } while (0)
+
+/* acc[m * N + n] = x[m] . W[n] in fp32 for the M rows of x (xp: afd_amx_pack's layout of x
+ * [M, 32 G]) and n in n0..n1, both multiples of 16, n1 - n0 <= AMX_NU; shifts: scratch of
+ * AMX_NU G, a: of AMX_NU G 32 bf16, both this thread's, a 64-byte aligned. Call only where
+ * afd_cpu_amx() is true and every scale byte of these rows is 2..252.
+ *
+ * The rows' codes are decoded first (decode_group, into a, read by the tiles from L1 or L2),
+ * then multiplied. Each tile of sums depends on the one before it over the block columns, so
+ * one chain of TDPBF16PS waits on its latency: four chains run side by side, four groups of 16
+ * weight rows against one block of x, or two groups against two blocks. */
+AMX void afd_mxfp4_rows_amx(const uint16_t *xp, const uint8_t *blocks, const uint8_t *scales,
+                            float *acc, int M, int N, int G, int n0, int n1, uint32_t *shifts,
+                            uint16_t *a) {
+  const int MB = (M + 15) / 16, groups = (n1 - n0) / 16;
+  const size_t xblock = afd_amx_elems(1, 32 * G), ablock = (size_t)G * 512;
+  float c[16 * 16] __attribute__((aligned(64)));
+  for (int i = 0; i < 16 * groups * G; i++) shifts[i] = shift_of(scales[(size_t)n0 * G + i]);
+  for (int g = 0; g < groups; g++)
+    decode_group(blocks + (size_t)(n0 + 16 * g) * G * 16, shifts + (size_t)g * 16 * G, G,
+                 a + g * ablock);
+  configure();
+  int mb = 0;
+  for (; mb + 2 <= MB; mb += 2) { /* two blocks of x, two groups of W at a time */
+    const uint16_t *x0 = xp + (size_t)mb * xblock, *x1 = x0 + xblock;
+    for (int g = 0; g < groups; g += 2) {
+      const int two = g + 1 < groups;
+      const uint16_t *a0 = a + g * ablock, *a1 = a0 + ablock;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int s = 0; s < G; s++) {
+        _tile_loadd(6, x0 + (size_t)s * 512, 64);
+        _tile_loadd(7, x1 + (size_t)s * 512, 64);
+        _tile_loadd(4, a0 + (size_t)s * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, a1 + (size_t)s * 512, 64);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      const int n = n0 + 16 * g;
+      PUT(0, mb, n);
+      PUT(1, mb + 1, n);
+      if (two) {
+        PUT(2, mb, n + 16);
+        PUT(3, mb + 1, n + 16);
+      }
+    }
+  }
+  if (mb < MB) { /* one block of x, up to four groups of W */
+    const uint16_t *x0 = xp + (size_t)mb * xblock;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int s = 0; s < G; s++) {
+      const uint16_t *as = a + (size_t)s * 512;
+      _tile_loadd(6, x0 + (size_t)s * 512, 64);
+      _tile_loadd(4, as, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (groups > 1) {
+        _tile_loadd(5, as + ablock, 64);
+        _tile_dpbf16ps(1, 5, 6);
+      }
+      if (groups > 2) {
+        _tile_loadd(4, as + 2 * ablock, 64);
+        _tile_dpbf16ps(2, 4, 6);
+      }
+      if (groups > 3) {
+        _tile_loadd(5, as + 3 * ablock, 64);
+        _tile_dpbf16ps(3, 5, 6);
+      }
+    }
+    PUT(0, mb, n0);
+    if (groups > 1) PUT(1, mb, n0 + 16);
+    if (groups > 2) PUT(2, mb, n0 + 32);
+    if (groups > 3) PUT(3, mb, n0 + 48);
+  }
+  _tile_release();
+}
