@@ -22,7 +22,7 @@ def mixtral_dir(tmp_path_factory):
 
 @pytest.fixture(params=kernels.NATIVE or [pytest.param(None, marks=kernels.NO_NATIVE)])
 def native_path(request, monkeypatch):
-    """Each of afd's own kernel paths this machine runs (AVX2, AVX-512 BF16), active for the
+    """Each of afd's own kernel paths this machine runs (AVX2, AVX-512 BF16, AMX), active for the
     test, with afd's matmul at every batch size (oneDNN's takes none over), so a fused kernel
     and the per-op path it replaces run the same matmuls."""
     monkeypatch.setenv("AFD_ONEDNN_FROM_ROWS", "0")

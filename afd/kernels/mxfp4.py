@@ -12,8 +12,8 @@ from afd.kernels.moe import ACTS, ActSpec
 
 
 def usable() -> bool:
-    """afd's kernels run on the active path (AFD_KERNELS: avx2 or avx512bf16; an AVX2 CPU is
-    all these need); elsewhere MXFP4 goes through torch."""
+    """afd's kernels run on the active path (AFD_KERNELS: amx, avx512bf16 or avx2; an AVX2 CPU
+    is all these need); elsewhere MXFP4 goes through torch."""
     return paths.active().native
 
 

@@ -291,8 +291,8 @@ def add_parser(sub) -> None:
         "--kernels",
         nargs="+",
         default=["auto"],
-        help="afd kernel paths to measure (the first is the ratio's): auto, avx512bf16, avx2, "
-        "onednn, torch",
+        help="afd kernel paths to measure (the first is the ratio's): auto, amx, avx512bf16, "
+        "avx2, onednn, torch",
     )
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
     p.set_defaults(func=lambda a: print(json.dumps(run(a), indent=2)) or 0)
