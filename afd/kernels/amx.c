@@ -3,13 +3,15 @@
  * 16 times the products of a vdpbf16ps, so a batch of rows of x costs little more than one.
  *
  * The weight stays row-major, as for gemm512.c: a tile of 16 weight rows x 32 values is loaded
- * straight from it (the A operand, stride K), so no second copy of W is kept and the rows of x
- * below AMX_FROM, which cannot fill a tile's worth of work, still go through gemm512.c on the
- * same tensor. x is the B operand, which TDPBF16PS wants with pairs of K interleaved ("VNNI"):
- * afd_amx_pack lays 16 rows of x out that way once per call, zero past the last row. A tile's
- * sums are W rows x rows of x, so they land transposed; each element is its own dot product,
- * accumulated over K in the same order wherever its row of x sits in the tile, so a row's result
- * is the same bits alone or in a batch (among the batches of AMX_FROM rows or more).
+ * straight from it (the A operand, stride K), so no second copy of W is kept, and what the
+ * tiles do not cover (K not a multiple of 32, the weight rows past the last whole tile of 16)
+ * goes through gemm512.c on the same tensor. x is the B operand, which TDPBF16PS wants with
+ * pairs of K interleaved ("VNNI"): afd_amx_pack lays 16 rows of x out that way once per call,
+ * zero past the last row. A tile's sums are W rows x rows of x, so they land transposed; each
+ * element is its own dot product, accumulated over K in the same order wherever its row of x
+ * sits in the tile, so a row's result is the same bits alone or in a batch. Every batch size
+ * takes the tiles: one row included (in the engine the tiles beat gemm512.c's one-row loop,
+ * docs/benchmarks.md).
  *
  * Linux grants the tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM),
  * which afd_cpu_amx makes (the entry points ask it before any tile instruction: an
@@ -29,7 +31,6 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-
 
 /* Whether this CPU has AMX tiles with BF16 and the OS lets this process use them (asking once). */
 int afd_cpu_amx(void) {
