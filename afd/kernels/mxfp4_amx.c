@@ -38,10 +38,8 @@ typedef struct {
 } __attribute__((packed, aligned(64))) tile_config;
 
 /* tmm0-3: sums (fp32 16 x 16); tmm4-5: decoded weights (16 rows x 32); tmm6-7: x (16 pairs
- * of K x 16 rows of x). Every tile 16 rows of 64 bytes. */
-/* A constant in memory, not built on the stack: GCC 12's _tile_loadconfig tells the compiler
- * it reads only the first 8 bytes, so stores of the rest could be dropped as dead (seen: a
- * SIGILL at the first tile instruction). */
+ * of K x 16 rows of x). Every tile 16 rows of 64 bytes. A constant in memory, as in amx.c
+ * (GCC 12's _tile_loadconfig declares a read of 8 bytes only). */
 static const tile_config CONFIG = {.palette = 1,
                                    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
                                    .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
@@ -57,8 +55,8 @@ static inline uint32_t shift_of(uint8_t e) {
 
 /* 16 weight rows (codes: the first row's blocks; shifts [16][G]: shift_of each row's scales)
  * -> out [G][16][32] bf16, scaled: block column s is the A tile at out + s * 512. The codes
- * are read front to back (the 16 rows are one run of memory), so the hardware prefetcher
- * streams them; about two shuffles per 32 weights (the widening and vpermw). */
+ * are read front to back (the 16 rows are one run of memory); two shuffles per 32 weights
+ * (the widening and vpermw). */
 static AMX void decode_group(const uint8_t *codes, const uint32_t *shifts, int G, uint16_t *out) {
   const __m512i table = _mm512_load_si512((const void *)E2M1);
   for (int r = 0; r < 16; r++)
@@ -82,8 +80,10 @@ static AMX void put_f32(const float *c, float *acc, int M, int N, int mb, int n)
   const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80,
                                           64, 48, 32, 16, 0);
   const int rows = M - mb * 16 < 16 ? M - mb * 16 : 16;
-  for (int i = 0; i < rows; i++)
-    _mm512_storeu_ps(acc + (size_t)(mb * 16 + i) * N + n, _mm512_i32gather_ps(column, c + i, 4));
+  for (int i = 0; i < rows; i++) {
+    __m512 v = _mm512_i32gather_ps(column, c + i, 4);
+    _mm512_storeu_ps(acc + (size_t)(mb * 16 + i) * N + n, v);
+  }
 }
 
 /* The tile of sums t (a constant) -> acc rows of x mb*16.., weight rows n.. */
@@ -99,9 +99,9 @@ static AMX void put_f32(const float *c, float *acc, int M, int N, int mb, int n)
  * afd_cpu_amx() is true and every scale byte of these rows is 2..252.
  *
  * The rows' codes are decoded first (decode_group, into a, read by the tiles from L1 or L2),
- * then multiplied. Each tile of sums depends on the one before it over the block columns, so
- * one chain of TDPBF16PS waits on its latency: four chains run side by side, four groups of 16
- * weight rows against one block of x, or two groups against two blocks. */
+ * then multiplied: four tiles of sums side by side (each depends on the one before it over the
+ * block columns), four groups of 16 weight rows against one block of x, or two groups against
+ * two blocks. */
 AMX void afd_mxfp4_rows_amx(const uint16_t *xp, const uint8_t *blocks, const uint8_t *scales,
                             float *acc, int M, int N, int G, int n0, int n1, uint32_t *shifts,
                             uint16_t *a) {
