@@ -86,9 +86,15 @@ class MXFP4:
 
     @cached_property
     def foldable(self) -> bool:
-        """Every scale within FOLDABLE_SCALES (checked once per weight)."""
+        """Every block holding a nonzero value has its scale within FOLDABLE_SCALES (checked once
+        per weight). A block of zeros may have any scale (quantize gives it the smallest): the
+        fold leaves +-0 alone."""
         lo, hi = FOLDABLE_SCALES
-        return bool(((self.scales >= lo) & (self.scales <= hi)).all())
+        outside = (self.scales < lo) | (self.scales > hi)  # [N, G]
+        if not bool(outside.any()):
+            return True
+        nonzero = (self.blocks & 0x77).ne(0).any(-1)  # a code other than +-0 (0 and 8) in a block
+        return not bool((outside & nonzero).any())
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ W.T -> [..., N], reading the 4-bit values directly where afd's kernel

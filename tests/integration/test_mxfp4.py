@@ -132,14 +132,18 @@ def test_the_amx_route_sums_what_the_dense_amx_matmul_sums():
     """On AMX (from 2 rows of x: one row takes the AVX-512 route) a block's scale is folded
     into its bf16 values (exact for scale bytes 2..252), so the MXFP4 matmul sums what the dense
     AMX matmul sums for the dequantized weight, in its order: the same bits, for one and two
-    blocks of 16 rows of x and an odd block after pairs. A weight with a scale outside that
-    range is not foldable and takes the AVX-512 route, which still computes the product."""
+    blocks of 16 rows of x and an odd block after pairs, with a block of zeros (scale byte 0,
+    as the quantizer writes it) among them. A weight with a scale outside that range on a
+    nonzero block is not foldable and takes the AVX-512 route, which still computes the
+    product."""
     from afd.kernels import gemm, paths
 
     if "amx" not in paths.runnable():
         pytest.skip("needs AMX (Intel Sapphire Rapids and later)")
     torch.manual_seed(3)
-    m = MXFP4.from_checkpoint(*mxfp4_quantize(torch.randn(96, 160)))  # 6 tiles of rows, G = 5
+    blocks, scales = mxfp4_quantize(torch.randn(96, 160))  # 6 tiles of rows, G = 5
+    blocks[7, 1], scales[7, 1] = 0, 0  # a block of zeros, as afd quantize writes one
+    m = MXFP4.from_checkpoint(blocks, scales)
     assert m.foldable
     dense = m.dequantize(torch.bfloat16)
     with paths.use("amx"):
