@@ -25,8 +25,8 @@
  * out [T, H] accumulated into. All bf16 except as noted. reverse: visit the experts last to
  * first (the results do not change). isa: ISA_AVX2 for the AVX2 matmul on gemm.py's packed
  * weights, ISA_AVX512 for the AVX-512 BF16 one on row-major weights (gemm512.c), ISA_AMX for
- * AMX tiles on the same (amx.c; where H or I is not a multiple of 32, AVX-512). b13 [E] -> [2I] and b2 [E] -> [H]:
- * the experts' biases (gpt-oss), or NULL for none; act, limit, alpha: the activation
+ * AMX tiles on the same (amx.c; where H or I is not a multiple of 32, AVX-512). b13 [E] -> [2I]
+ * and b2 [E] -> [H]: the experts' biases (gpt-oss), or NULL for none; act, limit, alpha: the activation
  * (experts.h), SwiGLU above. Returns 0, or -1 when H or I is not a multiple of 8 or memory is
  * short. */
 int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, int topk,
