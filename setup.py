@@ -67,7 +67,7 @@ def _kernels() -> list[Extension]:
                     "bitmask",
                 )
             ],
-            depends=["afd/kernels/bf16.h", "afd/kernels/experts.h", "afd/kernels/mxfp4.h"],
+            depends=[f"afd/kernels/{h}.h" for h in ("amx", "bf16", "experts", "mxfp4")],
             # -mavx2/-mfma: gemm.py loads the library only where ATen dispatches AVX2 or above.
             # fp-contract=off: a*b + c in scalar code stays two roundings, as torch computes it.
             extra_compile_args=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],

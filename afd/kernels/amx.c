@@ -24,10 +24,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "amx.h"
 #include "bf16.h"
-
-#define AMX                                                                                   \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -41,23 +39,6 @@ int afd_cpu_amx(void) {
            (d >> 24 & 1) && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   return state = ok;
 }
-
-/* Every tile 16 rows of 64 bytes: C (fp32 16 x 16) in tmm0-3, W (bf16 16 x 32) in tmm4-5,
- * x (16 pairs of K x 16 rows of x) in tmm6-7. */
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} __attribute__((packed, aligned(64))) tile_config;
-
-/* A constant in memory, not built on the stack: GCC 12's _tile_loadconfig tells the compiler
- * it reads only the first 8 bytes, so stores of the rest could be dropped as dead (seen: a
- * SIGILL at the first tile instruction). */
-static const tile_config CONFIG = {.palette = 1,
-                                   .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-                                   .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
-
-static AMX void configure(void) { _tile_loadconfig(&CONFIG); }
 
 /* x [M, K] -> xp: for each block of 16 rows, for each step s of 32 values of K, 16 pairs
  * (values 32s + 2p, 32s + 2p + 1) of each of the 16 rows; rows past M are zero. xp holds
@@ -89,11 +70,9 @@ static inline AMX __m512i bf16_bits16(__m512i u) {
 /* The tile of sums for weight rows n..n+15 and rows of x mb*16.. (c: [16 weight rows][16 rows
  * of x] fp32) -> y, transposed (a column of c gathered) and rounded to bf16. */
 static AMX void put(const float *c, uint16_t *y, int M, int N, int mb, int n) {
-  const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80,
-                                          64, 48, 32, 16, 0);
   const int rows = M - mb * 16 < 16 ? M - mb * 16 : 16;
   for (int i = 0; i < rows; i++) {
-    __m512i u = _mm512_castps_si512(_mm512_i32gather_ps(column, c + i, 4));
+    __m512i u = _mm512_castps_si512(afd_amx_column(c, i));
     _mm256_storeu_si256((__m256i *)(y + (size_t)(mb * 16 + i) * N + n),
                         _mm512_cvtepi32_epi16(bf16_bits16(u)));
   }
@@ -110,17 +89,14 @@ AMX void afd_rows_amx(const uint16_t *x, const uint16_t *xp, const uint16_t *w, 
   if (n1 <= n0) return;
   const size_t ldw = (size_t)K * sizeof(uint16_t);
   float c[4][16 * 16] __attribute__((aligned(64)));
-  configure();
+  afd_amx_configure();
   int mb = 0;
   for (; mb + 2 <= MB; mb += 2) { /* two blocks of x, two of W: 4 products per 4 tile loads */
     const uint16_t *b0 = xp + (size_t)mb * afd_amx_elems(1, K), *b1 = b0 + afd_amx_elems(1, K);
     for (int n = n0; n < n1; n += 32) {
       const int two = n + 32 <= n1;
       const uint16_t *a0 = w + (size_t)n * K, *a1 = a0 + 16 * (size_t)K;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      afd_amx_zero_sums();
       for (int s = 0; s < S; s++) {
         _tile_loadd(6, b0 + (size_t)s * 512, 64);
         _tile_loadd(7, b1 + (size_t)s * 512, 64);
@@ -149,10 +125,7 @@ AMX void afd_rows_amx(const uint16_t *x, const uint16_t *xp, const uint16_t *w, 
       const int nb = (n1 - n) / 16 < 4 ? (n1 - n) / 16 : 4;
       const uint16_t *a = w + (size_t)n * K;
       const size_t step = 16 * (size_t)K;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      afd_amx_zero_sums();
       for (int s = 0; s < S; s++) {
         _tile_loadd(6, b0 + (size_t)s * 512, 64);
         _tile_loadd(4, a + 32 * s, ldw);

@@ -1,12 +1,12 @@
 /* MXFP4 weights (mxfp4.c's layout: blocks [N, G, 16], scales [N, G]) times x on AMX tiles.
  *
  * One MXFP4 block is 32 values of a row, exactly one row of a bf16 A tile (16 rows x 32
- * values): for each block column s, the 16 weight rows' codes become bf16 in a 1 KiB buffer in
- * L1 and the tile multiplies them by x (packed as amx.c packs it) for every 16 rows of x at
- * once. The block's scale is folded into the values: a code's bf16 pattern comes from a
+ * values): the 16 weight rows' codes of each block column become one bf16 tile in a buffer
+ * (L1 or L2), which the tiles multiply by x (packed as amx.c packs it) for every 16 rows of x
+ * at once. The block's scale is folded into the values: a code's bf16 pattern comes from a
  * 32-word table (vpermw, the code in each word's low 4 bits) whose non-zero entries have the
  * power of two added to their exponent first. That is exact where the scaled values stay
- * normal bf16 numbers: scale bytes 2..252 (mxfp4.py checks a weight's scales once and keeps
+ * normal bf16 numbers: scale bytes 2..252 (MXFP4.foldable checks a weight's scales once and keeps
  * the other paths for one outside them; real checkpoints sit far inside). The tile then sums
  * exactly what amx.c sums for the dequantized bf16 weight, in the same order: the same bits.
  *
@@ -16,11 +16,9 @@
  * for the decoding around it (MXFP4_AMX_FROM, mxfp4.h). A unit's codes are decoded first,
  * read front to back, then multiplied from L1/L2. */
 
+#include "amx.h"
 #include "bf16.h"
 #include "mxfp4.h"
-
-#define AMX                                                                                   \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 /* e2m1 code -> bf16 pattern (0, .5, 1, 1.5, 2, 3, 4, 6, then the negatives), twice: vpermw
  * reads 5 bits of an index, and the unpacked codes carry junk in the fifth */
@@ -30,21 +28,6 @@ static const uint16_t E2M1[32] __attribute__((aligned(64))) = {
     0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
     0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
 #define NONZERO 0xFEFEFEFEu /* the table's entries other than +0 and -0 */
-
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} __attribute__((packed, aligned(64))) tile_config;
-
-/* tmm0-3: sums (fp32 16 x 16); tmm4-5: decoded weights (16 rows x 32); tmm6-7: x (16 pairs
- * of K x 16 rows of x). Every tile 16 rows of 64 bytes. A constant in memory, as in amx.c
- * (GCC 12's _tile_loadconfig declares a read of 8 bytes only). */
-static const tile_config CONFIG = {.palette = 1,
-                                   .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-                                   .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
-
-static AMX void configure(void) { _tile_loadconfig(&CONFIG); }
 
 /* The exponent shift of scale byte e as a bf16 bit pattern's increment, in both halves of a
  * dword (so a broadcast of it is a plain load, not a shuffle). */
@@ -77,13 +60,9 @@ static AMX void decode_group(const uint8_t *codes, const uint32_t *shifts, int G
 
 /* A tile of sums c [16 weight rows][16 rows of x] -> acc[m * N + n + i], m from mb * 16. */
 static AMX void put_f32(const float *c, float *acc, int M, int N, int mb, int n) {
-  const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80,
-                                          64, 48, 32, 16, 0);
   const int rows = M - mb * 16 < 16 ? M - mb * 16 : 16;
-  for (int i = 0; i < rows; i++) {
-    __m512 v = _mm512_i32gather_ps(column, c + i, 4);
-    _mm512_storeu_ps(acc + (size_t)(mb * 16 + i) * N + n, v);
-  }
+  for (int i = 0; i < rows; i++)
+    _mm512_storeu_ps(acc + (size_t)(mb * 16 + i) * N + n, afd_amx_column(c, i));
 }
 
 /* The tile of sums t (a constant) -> acc rows of x mb*16.., weight rows n.. */
@@ -112,17 +91,14 @@ AMX void afd_mxfp4_rows_amx(const uint16_t *xp, const uint8_t *blocks, const uin
   for (int g = 0; g < groups; g++)
     decode_group(blocks + (size_t)(n0 + 16 * g) * G * 16, shifts + (size_t)g * 16 * G, G,
                  a + g * ablock);
-  configure();
+  afd_amx_configure();
   int mb = 0;
   for (; mb + 2 <= MB; mb += 2) { /* two blocks of x, two groups of W at a time */
     const uint16_t *x0 = xp + (size_t)mb * xblock, *x1 = x0 + xblock;
     for (int g = 0; g < groups; g += 2) {
       const int two = g + 1 < groups;
       const uint16_t *a0 = a + g * ablock, *a1 = a0 + ablock;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      afd_amx_zero_sums();
       for (int s = 0; s < G; s++) {
         _tile_loadd(6, x0 + (size_t)s * 512, 64);
         _tile_loadd(7, x1 + (size_t)s * 512, 64);
@@ -146,10 +122,7 @@ AMX void afd_mxfp4_rows_amx(const uint16_t *xp, const uint8_t *blocks, const uin
   }
   if (mb < MB) { /* one block of x, up to four groups of W */
     const uint16_t *x0 = xp + (size_t)mb * xblock;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    afd_amx_zero_sums();
     for (int s = 0; s < G; s++) {
       const uint16_t *as = a + (size_t)s * 512;
       _tile_loadd(6, x0 + (size_t)s * 512, 64);
