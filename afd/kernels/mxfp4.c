@@ -3,17 +3,18 @@
  *
  * afd_mxfp4_linear multiplies x [M, K] (bf16 or float32) by W.T reading the 4-bit codes
  * directly: a decode step streams 17 bytes per 32 weights instead of 64. Codes become bf16
- * bit patterns with two table lookups (vpshufb: the pattern's low and high byte) and one
- * interleave, 64 weights (two blocks) at a time, with no per-element conversion:
- *   - AVX2: a pair of bf16 words is one 32-bit lane; the even word shifted up and the odd word
- *     masked are its two fp32 values, multiplied by x in fp32;
- *   - AVX-512 BF16: vdpbf16ps multiplies the bf16 words by x in bf16 directly.
- * The interleave leaves the weights in a fixed scrambled order within each 64; x is copied
+ * bit patterns by table lookups, with no per-element conversion:
+ *   - AVX2: two lookups (vpshufb: the pattern's low and high byte) and one interleave, 64
+ *     weights (two blocks) at a time; a pair of bf16 words is one 32-bit lane, the even word
+ *     shifted up and the odd word masked are its two fp32 values, multiplied by x in fp32;
+ *   - AVX-512 BF16: one vpermw per 32 weights, 128 (four blocks) at a time; vdpbf16ps
+ *     multiplies the bf16 words by x in bf16 directly.
+ * The lookups leave the weights in a fixed scrambled order within each group; x is copied
  * into the same order once per call, so no weight is ever moved back. Every product is exact
  * in fp32 (both factors bf16); each block's sum is scaled by its power of two and
  * accumulated, so results differ from a matmul over the dequantized weights only in the fp32
  * summation order (and, on the AVX-512 path, products below fp32's normal range read as 0, as
- * vdpbf16ps does). An odd last block of a row takes the plain route (decode32).
+ * vdpbf16ps does). On AVX2 an odd last block of a row takes the plain route (decode32).
  * afd_mxfp4_to_bf16 expands rows into bf16 (exact: every MXFP4 value is a bf16 value), the
  * online conversion the FFN server's expert workspace keeps. */
 #include <math.h>
@@ -164,81 +165,96 @@ static void linear_avx2(const float *xp, const uint8_t *blocks, const uint8_t *s
   }
 }
 
-/* ---- AVX-512 BF16: a group of 64 weights as two vectors of 32 bf16 words ------------------
- * Vector z (0: low interleave, 1: high), 128-bit lane q, word t: the element
- * 2 * ((q % 2) * 16 + z * 8 + t) + q / 2 of the group; after vdpbf16ps, fp32 lanes 0..3 and
- * 8..11 hold the first block's sums, 4..7 and 12..15 the second's. */
-static inline int avx512_element(int z, int q, int t) {
-  return 2 * ((q % 2) * 16 + z * 8 + t) + q / 2;
-}
+/* ---- AVX-512 BF16: a quad of 128 weights (four blocks) as four vectors of 32 bf16 words -----
+ * The quad's 64 bytes read as 32 words; word i holds elements 4i..4i+3, element 4i + k in its
+ * nibble k. Vector k is nibble k of every word looked up by vpermw, which reads only an index's
+ * low 5 bits: from a table holding the 16 patterns twice, the word shifted right by 4k is its
+ * own index (no mask, no interleave: four lookups and three shifts per 128 weights). After
+ * vdpbf16ps, fp32 lane j holds words 2j and 2j + 1 of each vector, elements of block j / 4
+ * only, so the four products of a lane sum within one block and one vector of scales serves
+ * the quad. x is laid out in the same order (position 32k + i: element 4i + k), zero past K;
+ * a row's last quad may hold fewer than four blocks (the missing codes read as 0). */
+static inline int avx512_element(int k, int i) { return 4 * i + k; }
 
 #define MT5 8 /* rows of x per pass over a weight row (AVX-512) */
 
-INLINE AVX512BF16 void rows_avx512(const uint16_t *xb, const float *xtail, const uint8_t *wb,
-                                   const uint8_t *ws, float *out, int R, int N, int G) {
-  const int groups = G / 2;
-  const __m512i lut_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(LUT_LO));
-  const __m512i lut_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(LUT_HI));
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
-  __m512 acc[MT5];
-  __m256 acc_tail[MT5];
-  for (int m = 0; m < R; m++) {
-    acc[m] = _mm512_setzero_ps();
-    acc_tail[m] = _mm256_setzero_ps();
-  }
-  for (int g = 0; g < groups; g++) {
-    __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + (size_t)g * 32));
-    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-    __m512i codes = _mm512_and_si512(both, low4);
-    __m512i lo = _mm512_shuffle_epi8(lut_lo, codes), hi = _mm512_shuffle_epi8(lut_hi, codes);
-    __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
-    __m512bh w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
-    __m512 s = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(scale_of[ws[2 * g]]),
-                                    _mm512_set1_ps(scale_of[ws[2 * g + 1]]));
-    for (int m = 0; m < R; m++) {
-      const uint16_t *xg = xb + ((size_t)m * groups + g) * 64;
-      __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0,
-                                  (__m512bh)_mm512_loadu_si512((const void *)xg));
-      t = _mm512_dpbf16_ps(t, w1, (__m512bh)_mm512_loadu_si512((const void *)(xg + 32)));
-      acc[m] = _mm512_fmadd_ps(t, s, acc[m]);
-    }
-  }
-  if (G % 2) {
-    __m256 w[4];
-    decode32(wb + (size_t)(G - 1) * 16, w);
-    __m256 s = _mm256_set1_ps(half_scale_of[ws[G - 1]]);
-    for (int m = 0; m < R; m++) {
-      const float *xt = xtail + (size_t)m * 32;
-      __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));
-      t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), t);
-      t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), t);
-      t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), t);
-      acc_tail[m] = _mm256_fmadd_ps(t, s, acc_tail[m]);
-    }
-  }
-  for (int m = 0; m < R; m++)
-    out[(size_t)m * N] = _mm512_reduce_add_ps(acc[m]) + hsum(acc_tail[m]);
+/* Four scale bytes (a quad's, little-endian) -> lanes 4b..4b+3 = 2^(byte b - 127): the byte as
+ * an fp32 exponent, and byte 0 as 2^-127 (subnormal), as scale_of holds it. */
+INLINE AVX512BF16 __m512 quad_scales(uint32_t four) {
+  const __m512i pick = _mm512_set_epi32(
+      (int)0x80808003, (int)0x80808003, (int)0x80808003, (int)0x80808003,
+      (int)0x80808002, (int)0x80808002, (int)0x80808002, (int)0x80808002,
+      (int)0x80808001, (int)0x80808001, (int)0x80808001, (int)0x80808001,
+      (int)0x80808000, (int)0x80808000, (int)0x80808000, (int)0x80808000);
+  __m512i b = _mm512_shuffle_epi8(_mm512_set1_epi32((int)four), pick);
+  __m512i bits = _mm512_max_epu32(_mm512_slli_epi32(b, 23), _mm512_set1_epi32(0x00400000));
+  return _mm512_castsi512_ps(bits);
 }
 
-static AVX512BF16 void linear_avx512(const uint16_t *xb, const float *xtail,
-                                     const uint8_t *blocks, const uint8_t *scales, float *acc_out,
-                                     int M, int N, int G, int n0, int n1) {
-  const size_t row = (size_t)(G / 2) * 64;
+/* acc[m] += scale * (x[m]'s quad . the quad's weights) for R rows of x (the quad's x at xq,
+ * rows `stride` words apart) */
+INLINE AVX512BF16 void quad_rows(__m512i raw, __m512 s, const uint16_t *xq, size_t stride,
+                                 __m512 *acc, int R) {
+  const __m512i lut = _mm512_set_epi16(
+      (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
+      (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0,
+      (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
+      (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
+  __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(raw, lut);
+  __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), lut);
+  __m512bh w2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 8), lut);
+  __m512bh w3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 12), lut);
+  for (int m = 0; m < R; m++) {
+    const uint16_t *x = xq + (size_t)m * stride;
+    __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, (__m512bh)_mm512_loadu_si512(x));
+    t = _mm512_dpbf16_ps(t, w1, (__m512bh)_mm512_loadu_si512((const void *)(x + 32)));
+    t = _mm512_dpbf16_ps(t, w2, (__m512bh)_mm512_loadu_si512((const void *)(x + 64)));
+    t = _mm512_dpbf16_ps(t, w3, (__m512bh)_mm512_loadu_si512((const void *)(x + 96)));
+    acc[m] = _mm512_fmadd_ps(t, s, acc[m]);
+  }
+}
+
+INLINE AVX512BF16 void rows_avx512(const uint16_t *xb, const uint8_t *wb, const uint8_t *ws,
+                                   float *out, int R, int N, int G) {
+  const int quads = (G + 3) / 4, full = G / 4;
+  const size_t stride = (size_t)quads * 128;
+  __m512 acc[MT5];
+  for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
+  for (int q = 0; q < full; q++) {
+    uint32_t four;
+    memcpy(&four, ws + (size_t)q * 4, 4);
+    __m512i raw = _mm512_loadu_si512((const void *)(wb + (size_t)q * 64));
+    quad_rows(raw, quad_scales(four), xb + (size_t)q * 128, stride, acc, R);
+  }
+  if (full < quads) { /* 1..3 blocks left: read only theirs */
+    const int left = G - full * 4;
+    uint32_t four = 0;
+    memcpy(&four, ws + (size_t)full * 4, (size_t)left);
+    __m512i raw = _mm512_maskz_loadu_epi8((__mmask64)((1ULL << (16 * left)) - 1),
+                                          (const void *)(wb + (size_t)full * 64));
+    quad_rows(raw, quad_scales(four), xb + (size_t)full * 128, stride, acc, R);
+  }
+  for (int m = 0; m < R; m++) out[(size_t)m * N] = _mm512_reduce_add_ps(acc[m]);
+}
+
+static AVX512BF16 void linear_avx512(const uint16_t *xb, const uint8_t *blocks,
+                                     const uint8_t *scales, float *acc_out, int M, int N, int G,
+                                     int n0, int n1) {
+  const size_t row = (size_t)(G + 3) / 4 * 128;
   for (int n = n0; n < n1; n++) {
     const uint8_t *wb = blocks + (size_t)n * G * 16, *ws = scales + (size_t)n * G;
     for (int m0 = 0; m0 < M; m0 += MT5) {
       const uint16_t *x = xb + m0 * row;
-      const float *xt = xtail + (size_t)m0 * 32;
       float *o = acc_out + (size_t)m0 * N + n;
       switch (M - m0 < MT5 ? M - m0 : MT5) {
-        case 1: rows_avx512(x, xt, wb, ws, o, 1, N, G); break;
-        case 2: rows_avx512(x, xt, wb, ws, o, 2, N, G); break;
-        case 3: rows_avx512(x, xt, wb, ws, o, 3, N, G); break;
-        case 4: rows_avx512(x, xt, wb, ws, o, 4, N, G); break;
-        case 5: rows_avx512(x, xt, wb, ws, o, 5, N, G); break;
-        case 6: rows_avx512(x, xt, wb, ws, o, 6, N, G); break;
-        case 7: rows_avx512(x, xt, wb, ws, o, 7, N, G); break;
-        default: rows_avx512(x, xt, wb, ws, o, 8, N, G); break;
+        case 1: rows_avx512(x, wb, ws, o, 1, N, G); break;
+        case 2: rows_avx512(x, wb, ws, o, 2, N, G); break;
+        case 3: rows_avx512(x, wb, ws, o, 3, N, G); break;
+        case 4: rows_avx512(x, wb, ws, o, 4, N, G); break;
+        case 5: rows_avx512(x, wb, ws, o, 5, N, G); break;
+        case 6: rows_avx512(x, wb, ws, o, 6, N, G); break;
+        case 7: rows_avx512(x, wb, ws, o, 7, N, G); break;
+        default: rows_avx512(x, wb, ws, o, 8, N, G); break;
       }
     }
   }
@@ -248,38 +264,39 @@ static inline float x_at(const void *x, int f32, size_t i) {
   return f32 ? ((const float *)x)[i] : bf16_value(((const uint16_t *)x)[i]);
 }
 
-/* mxfp4.h: x in the weights' scrambled order, row m of M (see there) */
-void afd_mxfp4_vmap(int wide, int vmap[64]) {
-  for (int i = 0; i < 64; i++)
-    vmap[i] = wide ? avx512_element(i / 32, (i % 32) / 8, i % 8) : avx2_element(i / 8, i % 8);
-}
+size_t afd_mxfp4_row_len(int wide, int K) { return wide ? (size_t)(K + 127) / 128 * 128 : (size_t)K; }
 
-void afd_mxfp4_prepare_row(const void *x, int f32, int wide, const int vmap[64], int m, int K,
-                           float *xp, uint16_t *xb, float *xtail) {
+/* mxfp4.h: x in the weights' scrambled order, row m of M (see there) */
+void afd_mxfp4_prepare_row(const void *x, int f32, int wide, int m, int K, float *xp,
+                           uint16_t *xb) {
+  if (wide) { /* bf16 x: position 32k + i of a quad holds element 4i + k, zero past K */
+    const uint16_t *src = (const uint16_t *)x + (size_t)m * K;
+    const size_t len = afd_mxfp4_row_len(1, K);
+    uint16_t *dst = xb + (size_t)m * len;
+    for (size_t q = 0; q < len; q += 128)
+      for (int p = 0; p < 128; p++) {
+        size_t e = q + (size_t)avx512_element(p / 32, p % 32);
+        dst[q + p] = e < (size_t)K ? src[e] : 0;
+      }
+    return;
+  }
+  int vmap[64]; /* the element of a 64-weight group at each scrambled position */
+  for (int i = 0; i < 64; i++) vmap[i] = avx2_element(i / 8, i % 8);
   const int G = K / 32, groups = G / 2;
   for (int g = 0; g < groups; g++)
-    for (int i = 0; i < 64; i++) {
-      size_t src = (size_t)m * K + (size_t)g * 64 + vmap[i];
-      if (wide)
-        xb[((size_t)m * groups + g) * 64 + i] = ((const uint16_t *)x)[src];
-      else
-        xp[(size_t)m * K + (size_t)g * 64 + i] = x_at(x, f32, src);
-    }
+    for (int i = 0; i < 64; i++)
+      xp[(size_t)m * K + (size_t)g * 64 + i] = x_at(x, f32, (size_t)m * K + (size_t)g * 64 + vmap[i]);
   for (int i = 0; i < 32 * (G % 2); i++) {
-    size_t src = (size_t)m * K + (size_t)groups * 64 + i;
-    if (wide)
-      xtail[(size_t)m * 32 + i] = x_at(x, f32, src);
-    else
-      xp[(size_t)m * K + (size_t)groups * 64 + i] = x_at(x, f32, src);
+    size_t at = (size_t)m * K + (size_t)groups * 64 + i;
+    xp[at] = x_at(x, f32, at);
   }
 }
 
-void afd_mxfp4_rows(const float *xp, const uint16_t *xb, const float *xtail, int wide,
-                    const uint8_t *blocks, const uint8_t *scales, float *acc, int M, int N, int G,
-                    int n0, int n1) {
+void afd_mxfp4_rows(const float *xp, const uint16_t *xb, int wide, const uint8_t *blocks,
+                    const uint8_t *scales, float *acc, int M, int N, int G, int n0, int n1) {
   init_scales();
   if (wide)
-    linear_avx512(xb, xtail, blocks, scales, acc, M, N, G, n0, n1);
+    linear_avx512(xb, blocks, scales, acc, M, N, G, n0, n1);
   else
     linear_avx2(xp, blocks, scales, acc, M, N, G, n0, n1);
 }
@@ -288,24 +305,17 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
                      int N, int K, int f32, int isa, int threads) {
   if (K % 32) return -1;
   init_scales();
-  const int G = K / 32, groups = G / 2;
+  const int G = K / 32;
   const int wide = isa >= ISA_AVX512 && !f32;
-  /* x in the weights' scrambled order: fp32 (AVX2) or bf16 words (AVX-512) plus the odd
-   * block's fp32 (ISA_AMX: mxfp4_amx.c below, the caller having checked the scales) */
-  float *xp = wide ? NULL : (float *)malloc((size_t)M * K * sizeof(float));
-  uint16_t *xb = wide ? (uint16_t *)malloc((size_t)M * groups * 64 * sizeof(uint16_t) + 64) : NULL;
-  float *xtail = wide ? (float *)malloc((size_t)M * 32 * sizeof(float) + 64) : NULL;
   float *acc = (float *)malloc((size_t)M * N * sizeof(float));
-  if ((!wide && !xp) || (wide && (!xb || !xtail)) || !acc) {
-    free(xp), free(xb), free(xtail), free(acc);
-    return -2;
-  }
-  if (isa == ISA_AMX && !f32 && N % 16 == 0 && M >= MXFP4_AMX_FROM && afd_cpu_amx()) { /* tiles */
+  if (!acc) return -2;
+  if (isa == ISA_AMX && !f32 && N % 16 == 0 && M >= MXFP4_AMX_FROM && afd_cpu_amx()) {
+    /* tiles (mxfp4_amx.c; the caller has checked the scales) */
     uint16_t *xa = (uint16_t *)aligned_alloc(64, afd_amx_elems(M, K) * sizeof(uint16_t));
     const size_t per = afd_mxfp4_amx_scratch(G); /* a thread's: decoded codes, then shifts */
     char *sh = (char *)aligned_alloc(64, (size_t)(threads > 1 ? threads : 1) * per);
     if (!xa || !sh) {
-      free(xa), free(sh), free(xb), free(xtail), free(acc);
+      free(xa), free(sh), free(acc);
       return -2;
     }
     afd_amx_pack((const uint16_t *)x, M, K, xa);
@@ -320,15 +330,21 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < (int64_t)M * N; i++) ((uint16_t *)y)[i] = to_bf16(acc[i]);
     }
-    free(xa), free(sh), free(xb), free(xtail), free(acc);
+    free(xa), free(sh), free(acc);
     return 0;
   }
-  int vmap[64]; /* element of the group at each scrambled position */
-  afd_mxfp4_vmap(wide, vmap);
+  /* x in the weights' scrambled order: fp32 (AVX2) or bf16 words (AVX-512) */
+  const size_t len = afd_mxfp4_row_len(wide, K);
+  float *xp = wide ? NULL : (float *)malloc((size_t)M * len * sizeof(float));
+  uint16_t *xb = wide ? (uint16_t *)malloc((size_t)M * len * sizeof(uint16_t)) : NULL;
+  if (!xp && !xb) {
+    free(acc);
+    return -2;
+  }
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) afd_mxfp4_prepare_row(x, f32, wide, vmap, m, K, xp, xb, xtail);
+    for (int m = 0; m < M; m++) afd_mxfp4_prepare_row(x, f32, wide, m, K, xp, xb);
     /* Guided: each thread first takes a long contiguous run of rows, then shorter ones. With
      * units of NU rows handed out one by one (dynamic), a thread's stream jumped every few
      * KiB and the hardware prefetcher restarted at each jump; a cold [2048 x 1024] weight at
@@ -337,7 +353,7 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
 #pragma omp for schedule(guided)
     for (int n0 = 0; n0 < N; n0 += NU) {
       int n1 = n0 + NU < N ? n0 + NU : N;
-      afd_mxfp4_rows(xp, xb, xtail, wide, blocks, scales, acc, M, N, G, n0, n1);
+      afd_mxfp4_rows(xp, xb, wide, blocks, scales, acc, M, N, G, n0, n1);
     }
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < (int64_t)M * N; i++) {
@@ -347,6 +363,6 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
         ((uint16_t *)y)[i] = to_bf16(acc[i]);
     }
   }
-  free(xp), free(xb), free(xtail), free(acc);
+  free(xp), free(xb), free(acc);
   return 0;
 }

@@ -2,20 +2,20 @@
  * [N, K/32]; G = K / 32. `wide`: the AVX-512 BF16 route (bf16 x), else AVX2 (fp32 x). */
 #ifndef AFD_MXFP4_H
 #define AFD_MXFP4_H
+#include <stddef.h>
 #include <stdint.h>
 
-/* vmap[i]: the element of a 64-weight group that scrambled position i holds */
-void afd_mxfp4_vmap(int wide, int vmap[64]);
+/* Per row of x: the length of its prepared copy (floats for AVX2, bf16 words for AVX-512) */
+size_t afd_mxfp4_row_len(int wide, int K);
 
-/* Row m of x [M, K] (bf16, or float32 with f32 set) into the scrambled buffers: xp [M, K] fp32
- * (AVX2), or xb [M, (G/2) * 64] bf16 and xtail [M, 32] fp32 (wide). */
-void afd_mxfp4_prepare_row(const void *x, int f32, int wide, const int vmap[64], int m, int K,
-                           float *xp, uint16_t *xb, float *xtail);
+/* Row m of x [M, K] (bf16, or float32 with f32 set) into the weights' scrambled order: xp
+ * [M, K] fp32 (AVX2), or xb [M, afd_mxfp4_row_len(1, K)] bf16 (wide; zero past K). */
+void afd_mxfp4_prepare_row(const void *x, int f32, int wide, int m, int K, float *xp,
+                           uint16_t *xb);
 
 /* acc[m * N + n] = x[m] . W[n] in fp32 for the M prepared rows and n in n0..n1 */
-void afd_mxfp4_rows(const float *xp, const uint16_t *xb, const float *xtail, int wide,
-                    const uint8_t *blocks, const uint8_t *scales, float *acc, int M, int N, int G,
-                    int n0, int n1);
+void afd_mxfp4_rows(const float *xp, const uint16_t *xb, int wide, const uint8_t *blocks,
+                    const uint8_t *scales, float *acc, int M, int N, int G, int n0, int n1);
 #define AMX_NU 64 /* weight rows per work unit on the AMX route */
 
 /* From how many rows of x (per expert, on average, in mxfp4_moe.c) ISA_AMX takes the AMX

@@ -58,26 +58,25 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
     return 0;
   }
   const int wide = isa >= ISA_AVX512, G13 = H / 32, G2 = I / 32;
-  const size_t nx = wide ? (size_t)(G13 / 2) * 64 : (size_t)H;  /* per row: x for w13 */
-  const size_t na = wide ? (size_t)(G2 / 2) * 64 : (size_t)I;   /* per row: a for w2 */
+  const size_t nx = afd_mxfp4_row_len(wide, H); /* per row: prepared x for w13 */
+  const size_t na = afd_mxfp4_row_len(wide, I); /* per row: prepared a for w2 */
   int *held = malloc((size_t)E * sizeof(int));
   uint16_t *xs = malloc((size_t)P * H * sizeof(uint16_t));   /* x[tokens], by expert */
   uint16_t *as = malloc((size_t)P * I * sizeof(uint16_t));   /* activations */
   float *gu = malloc((size_t)P * 2 * I * sizeof(float));     /* w13 sums */
   float *ya = malloc((size_t)P * H * sizeof(float));         /* w2 sums */
-  float *xp = wide ? NULL : malloc((size_t)P * nx * sizeof(float));
-  float *ap = wide ? NULL : malloc((size_t)P * na * sizeof(float));
-  uint16_t *xb = wide ? malloc((size_t)P * nx * sizeof(uint16_t) + 64) : NULL;
-  uint16_t *ab = wide ? malloc((size_t)P * na * sizeof(uint16_t) + 64) : NULL;
-  float *xt = wide ? malloc((size_t)P * 32 * sizeof(float) + 64) : NULL;
-  float *at = wide ? malloc((size_t)P * 32 * sizeof(float) + 64) : NULL;
   float *acc = malloc((size_t)T * H * sizeof(float));
   int nheld = 0;
   for (int e = 0; held && e < E; e++) /* (held is checked with the rest below) */
     if (starts[e + 1] > starts[e]) held[nheld++] = e;
   /* AMX (from MXFP4_AMX_FROM rows an expert): each expert's rows of x and of its activations
-   * packed for the tiles (amx.c), from block bk[e] of 16 rows */
+   * packed for the tiles (amx.c), from block bk[e] of 16 rows; else in the weights' scrambled
+   * order (mxfp4.c) */
   const int amx = isa == ISA_AMX && P >= MXFP4_AMX_FROM * nheld && afd_cpu_amx();
+  float *xp = wide || amx ? NULL : malloc((size_t)P * nx * sizeof(float));
+  float *ap = wide || amx ? NULL : malloc((size_t)P * na * sizeof(float));
+  uint16_t *xb = wide && !amx ? malloc((size_t)P * nx * sizeof(uint16_t)) : NULL;
+  uint16_t *ab = wide && !amx ? malloc((size_t)P * na * sizeof(uint16_t)) : NULL;
   size_t *bk = amx ? malloc((size_t)(E + 1) * sizeof(size_t)) : NULL;
   uint16_t *xpk = NULL, *apk = NULL;
   const int G = G13 > G2 ? G13 : G2, nt = threads > 1 ? threads : 1;
@@ -90,10 +89,10 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
     apk = aligned_alloc(64, afd_amx_elems(16 * (int)bk[E], I) * sizeof(uint16_t));
   }
   int ok = held && xs && as && gu && ya && acc &&
-           (wide ? xb && ab && xt && at : xp && ap) && (!amx || (bk && xpk && apk && sh));
+           (amx ? bk && xpk && apk && sh : wide ? xb && ab : xp && ap);
   if (!ok) {
     free(held), free(xs), free(as), free(gu), free(ya), free(xp), free(ap), free(xb), free(ab);
-    free(xt), free(at), free(acc), free(bk), free(xpk), free(apk), free(sh);
+    free(acc), free(bk), free(xpk), free(apk), free(sh);
     afd_pairs_free(&pairs);
     return -2;
   }
@@ -103,8 +102,6 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
       int e = held[i];
       afd_amx_pack(xs + (size_t)starts[e] * H, starts[e + 1] - starts[e], H, xpk + bk[e] * 16 * H);
     }
-  int vmap[64];
-  afd_mxfp4_vmap(wide, vmap);
   const int nu = amx ? AMX_NU : NU; /* AMX: whole tiles of 16 weight rows (2I, H: multiples) */
   const int u13 = (2 * I + nu - 1) / nu, u2 = (H + nu - 1) / nu;
   const int t = threads > 1 ? threads : 1;
@@ -115,7 +112,7 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
     uint32_t *mine_sh = mine ? (uint32_t *)(mine + (size_t)AMX_NU * G * 64) : NULL;
     if (!amx) {
 #pragma omp for schedule(static)
-      for (int p = 0; p < P; p++) afd_mxfp4_prepare_row(xs, 0, wide, vmap, p, H, xp, xb, xt);
+      for (int p = 0; p < P; p++) afd_mxfp4_prepare_row(xs, 0, wide, p, H, xp, xb);
     }
 #pragma omp for schedule(guided)
     for (int u = 0; u < nheld * u13; u++) { /* gate|up sums of each expert's pairs */
@@ -125,15 +122,14 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
         afd_mxfp4_rows_amx(xpk + bk[e] * 16 * H, b13[e], s13[e], gu + (size_t)p0 * 2 * I, n,
                            2 * I, G13, n0, n1, mine_sh, mine_a);
       else
-        afd_mxfp4_rows(xp ? xp + p0 * nx : NULL, xb ? xb + p0 * nx : NULL,
-                       xt ? xt + p0 * 32 : NULL, wide, b13[e], s13[e], gu + (size_t)p0 * 2 * I,
-                       n, 2 * I, G13, n0, n1);
+        afd_mxfp4_rows(xp ? xp + p0 * nx : NULL, xb ? xb + p0 * nx : NULL, wide, b13[e],
+                       s13[e], gu + (size_t)p0 * 2 * I, n, 2 * I, G13, n0, n1);
     }
 #pragma omp for schedule(static)
     for (int p = 0; p < P; p++) {
       activate(gu + (size_t)p * 2 * I, bias13 ? bias13[expert[p]] : NULL, I, act, limit, alpha,
                as + (size_t)p * I);
-      if (!amx) afd_mxfp4_prepare_row(as, 0, wide, vmap, p, I, ap, ab, at);
+      if (!amx) afd_mxfp4_prepare_row(as, 0, wide, p, I, ap, ab);
     }
     if (amx) {
 #pragma omp for schedule(static)
@@ -151,9 +147,8 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
         afd_mxfp4_rows_amx(apk + bk[e] * 16 * I, b2[e], s2[e], ya + (size_t)p0 * H, n, H, G2,
                            n0, n1, mine_sh, mine_a);
       else
-        afd_mxfp4_rows(ap ? ap + p0 * na : NULL, ab ? ab + p0 * na : NULL,
-                       at ? at + p0 * 32 : NULL, wide, b2[e], s2[e], ya + (size_t)p0 * H, n, H,
-                       G2, n0, n1);
+        afd_mxfp4_rows(ap ? ap + p0 * na : NULL, ab ? ab + p0 * na : NULL, wide, b2[e], s2[e],
+                       ya + (size_t)p0 * H, n, H, G2, n0, n1);
     }
   }
   /* ys = bf16(bf16(y [+ bias]) * weight), summed into out in pair order (index_add_) */
@@ -166,7 +161,7 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
   }
   for (size_t i = 0; i < (size_t)T * H; i++) out[i] = to_bf16(acc[i]);
   free(held), free(xs), free(as), free(gu), free(ya), free(xp), free(ap), free(xb), free(ab);
-  free(xt), free(at), free(acc), free(bk), free(xpk), free(apk), free(sh);
+  free(acc), free(bk), free(xpk), free(apk), free(sh);
   afd_pairs_free(&pairs);
   return 0;
 }
