@@ -94,7 +94,9 @@ class BlockFP8:
         kernel = kernel or F.linear
         N, K = self.q.shape
         out = x.new_empty(*x.shape[:-1], N)
-        step = max(8, _SCRATCH_WEIGHTS // K // 8 * 8)  # whole 4-row groups (gemm.pack)
+        # whole groups of 4 rows (gemm.pack) and of 16 (pack_tiles): each run's rows sum as
+        # the dense weight's do
+        step = max(16, _SCRATCH_WEIGHTS // K // 16 * 16)
         buf = _scratch_buffer(step * K, x.dtype, x.device)
         for a in range(0, N, step):
             b = min(N, a + step)

@@ -39,7 +39,7 @@ class Linear:
     """y = x @ W.T for a fixed weight W [N, K], on the kernel path active when it is built
     (afd/kernels/paths.py); bf16 on the CPU:
 
-    - amx: afd's AMX kernel on W as it is, every batch size;
+    - amx: afd's AMX kernel on W re-laid out once in tiles (gemm.pack_tiles), every batch size;
     - avx512bf16: afd's kernel on W as it is, up to the rows of x from which oneDNN's matmul
       (F.linear, same W) is faster here (paths.onednn_from_rows);
     - avx2: afd's kernel on W re-laid out once (gemm.pack), every batch size;
@@ -81,10 +81,10 @@ class Linear:
         )
         if matmul == "onednn":
             self.w = _onednn_layout(w)
-        elif matmul == "avx2":
-            self.w = gemm.pack(w)
+        elif matmul in gemm.ISAS:
+            self.w = gemm.lay_out(w, matmul)
         else:
-            self.w = w.contiguous() if matmul in ("avx512bf16", "amx") else w
+            self.w = w
 
     @property
     def native(self) -> bool:
@@ -126,9 +126,7 @@ class Linear:
             torch.get_num_threads()
         ):
             return F.linear
-        if isa == "avx2":
-            return lambda x, w: gemm.bf16_linear(x, gemm.pack(w), isa)
-        return lambda x, w: gemm.bf16_linear(x, w, isa)
+        return lambda x, w: gemm.bf16_linear(x, gemm.lay_out(w, isa), isa)
 
 
 def _onednn_layout(w: torch.Tensor) -> torch.Tensor:

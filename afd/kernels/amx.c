@@ -2,12 +2,14 @@
  * later): one TDPBF16PS multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32 sums,
  * 16 times the products of a vdpbf16ps, so a batch of rows of x costs little more than one.
  *
- * The weight stays row-major, as for gemm512.c: a tile of 16 weight rows x 32 values is loaded
- * straight from it (the A operand, stride K), so no second copy of W is kept, and what the
- * tiles do not cover (K not a multiple of 32, the weight rows past the last whole tile of 16)
- * goes through gemm512.c on the same tensor. x is the B operand, which TDPBF16PS wants with
- * pairs of K interleaved ("VNNI"): afd_amx_pack lays 16 rows of x out that way once per call,
- * zero past the last row. A tile's sums are W rows x rows of x, so they land transposed; each
+ * The weight is laid out once in tiles (afd_amx_tiled, bf16.h): a tile of 16 weight rows x 32
+ * values (the A operand) is one run of 1 KiB, so the tiles stream W front to back; read
+ * row-major instead (stride K), 64 rows of a unit were 64 separate streams and DRAM delivered
+ * ~15% less (measured: docs/benchmarks.md). A weight whose shape has no whole tiles (K not a
+ * multiple of 32, N not of 16) stays row-major: its tiles are loaded with stride K, and what
+ * they do not cover goes through gemm512.c on the same tensor. x is the B operand, which
+ * TDPBF16PS wants with pairs of K interleaved ("VNNI"): afd_amx_pack lays 16 rows of x out
+ * that way once per call, zero past the last row. A tile's sums are W rows x rows of x, so they land transposed; each
  * element is its own dot product, accumulated over K in the same order wherever its row of x
  * sits in the tile, so a row's result is the same bits alone or in a batch. Every batch size
  * takes the tiles: one row included (in the engine the tiles beat gemm512.c's one-row loop,
@@ -87,7 +89,9 @@ AMX void afd_rows_amx(const uint16_t *x, const uint16_t *xp, const uint16_t *w, 
   if (whole < n1) afd_rows512(x, w, y, M, N, K, whole, n1);
   n1 = whole;
   if (n1 <= n0) return;
-  const size_t ldw = (size_t)K * sizeof(uint16_t);
+  /* a tile of W: 32 values on from a group's start (row-major: stride K) or a run of 512 */
+  const int tiled = afd_amx_tiled(N, K);
+  const size_t ldw = tiled ? 64 : (size_t)K * sizeof(uint16_t), step = tiled ? 512 : 32;
   float c[4][16 * 16] __attribute__((aligned(64)));
   afd_amx_configure();
   int mb = 0;
@@ -100,11 +104,11 @@ AMX void afd_rows_amx(const uint16_t *x, const uint16_t *xp, const uint16_t *w, 
       for (int s = 0; s < S; s++) {
         _tile_loadd(6, b0 + (size_t)s * 512, 64);
         _tile_loadd(7, b1 + (size_t)s * 512, 64);
-        _tile_loadd(4, a0 + 32 * s, ldw);
+        _tile_loadd(4, a0 + step * s, ldw);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {
-          _tile_loadd(5, a1 + 32 * s, ldw);
+          _tile_loadd(5, a1 + step * s, ldw);
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
         }
@@ -124,22 +128,22 @@ AMX void afd_rows_amx(const uint16_t *x, const uint16_t *xp, const uint16_t *w, 
     for (int n = n0; n < n1; n += 64) {
       const int nb = (n1 - n) / 16 < 4 ? (n1 - n) / 16 : 4;
       const uint16_t *a = w + (size_t)n * K;
-      const size_t step = 16 * (size_t)K;
+      const size_t group = 16 * (size_t)K;
       afd_amx_zero_sums();
       for (int s = 0; s < S; s++) {
         _tile_loadd(6, b0 + (size_t)s * 512, 64);
-        _tile_loadd(4, a + 32 * s, ldw);
+        _tile_loadd(4, a + step * s, ldw);
         _tile_dpbf16ps(0, 4, 6);
         if (nb > 1) {
-          _tile_loadd(5, a + step + 32 * s, ldw);
+          _tile_loadd(5, a + group + step * s, ldw);
           _tile_dpbf16ps(1, 5, 6);
         }
         if (nb > 2) {
-          _tile_loadd(4, a + 2 * step + 32 * s, ldw);
+          _tile_loadd(4, a + 2 * group + step * s, ldw);
           _tile_dpbf16ps(2, 4, 6);
         }
         if (nb > 3) {
-          _tile_loadd(5, a + 3 * step + 32 * s, ldw);
+          _tile_loadd(5, a + 3 * group + step * s, ldw);
           _tile_dpbf16ps(3, 5, 6);
         }
       }

@@ -118,9 +118,16 @@ static inline int chunk_rows(int left) {
 void afd_rows512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,
                  int n1);
 
+/* The AMX path's weight layout (gemm.py's pack_tiles): where N % 16 == 0 and K % 32 == 0, W
+ * [N, K] is stored tile by tile, each 16 rows x 32 values (the A operand of one TDPBF16PS, 1
+ * KiB) in one run, the tiles of a group of 16 rows in order of K, then the next group's: value
+ * (n, k) at ((n / 16 * K / 32 + k / 32) * 16 + n % 16) * 32 + k % 32. A group starts where its
+ * first row does in the row-major layout. Other shapes stay row-major. */
+static inline int afd_amx_tiled(int N, int K) { return N % 16 == 0 && K % 32 == 0; }
+
 /* The same on AMX tiles (amx.c): x packed by afd_amx_pack (xp, afd_amx_elems(M, K) values) and
- * as it is (x, for the rows of W past the last whole tile); K % 32 == 0, n0 a multiple of 16.
- * Call only where afd_cpu_amx() is true. */
+ * as it is (x, for the rows of W past the last whole tile); W as afd_amx_tiled lays it out; K %
+ * 32 == 0, n0 a multiple of 16. Call only where afd_cpu_amx() is true. */
 void afd_rows_amx(const uint16_t *x, const uint16_t *xp, const uint16_t *w, uint16_t *y, int M,
                   int N, int K, int n0, int n1);
 void afd_amx_pack(const uint16_t *x, int M, int K, uint16_t *xp);
@@ -129,7 +136,7 @@ int afd_cpu_avx512bf16(void);
 int afd_cpu_amx(void);
 
 /* The kernels' instruction sets (the isa argument): the AVX2 matmul on gemm.py's packed weights,
- * the AVX-512 BF16 one on row-major weights, and the AMX one on the same row-major weights. */
+ * the AVX-512 BF16 one on row-major weights, and the AMX one on tiles (afd_amx_tiled). */
 #define ISA_AVX2 0
 #define ISA_AVX512 1
 #define ISA_AMX 2

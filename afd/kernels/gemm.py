@@ -122,10 +122,28 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def pack_tiles(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] bf16 -> the AMX matmul's layout (bf16.h: afd_amx_tiled), same shape: where N %
+    16 == 0 and K % 32 == 0, each tile of 16 rows x 32 values as one run of 512, a group of 16
+    rows' tiles in order of K; other shapes row-major (contiguous)."""
+    n, k = w.shape
+    if n % 16 or k % 32:
+        return w.contiguous()
+    return w.reshape(n // 16, 16, k // 32, 32).transpose(1, 2).contiguous().view(n, k)
+
+
+def lay_out(w: torch.Tensor, isa: str) -> torch.Tensor:
+    """W [N, K] bf16 as the matmul of path `isa` reads it: avx2 pack, amx pack_tiles,
+    avx512bf16 row-major."""
+    if isa == "avx2":
+        return pack(w)
+    return pack_tiles(w) if isa == "amx" else w.contiguous()
+
+
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, isa: str = "avx2") -> torch.Tensor:
-    """x [..., K] bf16 @ W.T -> [..., N] bf16 for W [N, K] bf16: with isa "avx2", w = pack(W)
-    and K % 8 == 0; with "avx512bf16" (where avx512bf16()), w = W contiguous, K even; with "amx"
-    (where amx()), the same W as "avx512bf16"."""
+    """x [..., K] bf16 @ W.T -> [..., N] bf16 for W [N, K] bf16 laid out for `isa` (lay_out):
+    "avx2" needs K % 8 == 0; "avx512bf16" (where avx512bf16()) and "amx" (where amx()) an even
+    K."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():

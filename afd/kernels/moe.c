@@ -25,7 +25,8 @@
  * out [T, H] accumulated into. All bf16 except as noted. reverse: visit the experts last to
  * first (the results do not change). isa: ISA_AVX2 for the AVX2 matmul on gemm.py's packed
  * weights, ISA_AVX512 for the AVX-512 BF16 one on row-major weights (gemm512.c), ISA_AMX for
- * AMX tiles on the same (amx.c; where H or I is not a multiple of 32, AVX-512). b13 [E] -> [2I]
+ * AMX tiles on weights laid out for them (amx.c, afd_amx_tiled; a matrix whose K, H for w13 or I
+ * for w2, is not a multiple of 32 is row-major and takes AVX-512). b13 [E] -> [2I]
  * and b2 [E] -> [H]: the experts' biases (gpt-oss), or NULL for none; act, limit, alpha: the activation
  * (experts.h), SwiGLU above. Returns 0, or -1 when H or I is not a multiple of 8 or memory is
  * short. */
@@ -61,18 +62,22 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
   char *act = (char *)malloc((size_t)P * I * xsz);
   float *wt = (float *)malloc((size_t)t * 4 * K * sizeof(float)); /* afd_rows' scratch */
   int *units = (int *)malloc((size_t)E * sizeof(int)); /* the held experts */
-  /* AMX: each expert's rows of x and of its activations also packed for the tiles
-   * (afd_amx_pack), from block at[e] of 16 rows */
-  const int amx = isa == ISA_AMX && H % 32 == 0 && I % 32 == 0 && afd_cpu_amx();
+  /* AMX, per matrix (its K a multiple of 32): each expert's rows of x (w13) or of its
+   * activations (w2) also packed for the tiles (afd_amx_pack), from block at[e] of 16 rows */
+  const int amx = isa == ISA_AMX && (H % 32 == 0 || I % 32 == 0) && afd_cpu_amx();
+  const int amx13 = amx && H % 32 == 0, amx2 = amx && I % 32 == 0;
   size_t *at = amx ? (size_t *)malloc((size_t)(E + 1) * sizeof(size_t)) : NULL;
   uint16_t *xsp = NULL, *actp = NULL;
   if (at) {
     at[0] = 0;
     for (int e = 0; e < E; e++) at[e + 1] = at[e] + (size_t)(starts[e + 1] - starts[e] + 15) / 16;
-    xsp = (uint16_t *)aligned_alloc(64, afd_amx_elems(16 * (int)at[E], H) * sizeof(uint16_t));
-    actp = (uint16_t *)aligned_alloc(64, afd_amx_elems(16 * (int)at[E], I) * sizeof(uint16_t));
+    if (amx13)
+      xsp = (uint16_t *)aligned_alloc(64, afd_amx_elems(16 * (int)at[E], H) * sizeof(uint16_t));
+    if (amx2)
+      actp = (uint16_t *)aligned_alloc(64, afd_amx_elems(16 * (int)at[E], I) * sizeof(uint16_t));
   }
-  if (!xs || !gu || !act || !wt || !units || (amx && (!at || !xsp || !actp))) {
+  if (!xs || !gu || !act || !wt || !units ||
+      (amx && (!at || (amx13 && !xsp) || (amx2 && !actp)))) {
     free(ys), free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
     afd_pairs_free(&pairs);
     return -1;
@@ -92,7 +97,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     int e = reverse ? E - 1 - i : i;
     if (starts[e + 1] > starts[e]) units[held++] = e;
   }
-  if (amx)
+  if (amx13)
     for (int i = 0; i < held; i++) {
       int e = units[i];
       afd_amx_pack((const uint16_t *)xs + (size_t)starts[e] * H, starts[e + 1] - starts[e], H,
@@ -105,7 +110,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     for (int u = 0; u < held * n13; u++) { /* gate|up = x[tokens] @ w13[e]^T */
       int e = units[u / n13], p0 = starts[e], n = starts[e + 1] - p0;
       int n0 = u % n13 * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < 2 * I ? n0 + ROWS_PER_UNIT : 2 * I;
-      if (amx)
+      if (amx13)
         afd_rows_amx((const uint16_t *)xs + (size_t)p0 * H, xsp + at[e] * 16 * H, w13[e],
                      gu + (size_t)p0 * 2 * I, n, 2 * I, H, n0, n1);
       else if (isa)
@@ -128,7 +133,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
           ((float *)act)[(size_t)p * I + j] = a;
       }
     }
-    if (amx) {
+    if (amx2) {
 #pragma omp for schedule(static)
       for (int i = 0; i < held; i++) {
         int e = units[i];
@@ -140,7 +145,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     for (int u = 0; u < held * n2; u++) { /* y = a @ w2[e]^T */
       int e = units[u / n2], p0 = starts[e], n = starts[e + 1] - p0;
       int n0 = u % n2 * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < H ? n0 + ROWS_PER_UNIT : H;
-      if (amx)
+      if (amx2)
         afd_rows_amx((const uint16_t *)act + (size_t)p0 * I, actp + at[e] * 16 * I, w2[e],
                      ys + (size_t)p0 * H, n, H, I, n0, n1);
       else if (isa)

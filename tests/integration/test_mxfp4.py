@@ -147,7 +147,7 @@ def test_the_amx_route_sums_what_the_dense_amx_matmul_sums():
     blocks[7, 1], scales[7, 1] = 0, 0  # a block of zeros, as afd quantize writes one
     m = MXFP4.from_checkpoint(blocks, scales)
     assert m.foldable
-    dense = m.dequantize(torch.bfloat16)
+    dense = gemm.lay_out(m.dequantize(torch.bfloat16), "amx")  # the dense matmul's tiles
     with paths.use("amx"):
         for rows in (2, 5, 17, 32, 70):
             x = torch.randn(rows, 160).bfloat16()

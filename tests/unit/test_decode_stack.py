@@ -99,7 +99,7 @@ def _tie(layer: int):
     def prepare(eng):
         r = eng.model.layers[layer].router
         same = torch.randn(1, r.w.shape[1]).to(torch.bfloat16).expand(r.w.shape[0], -1)
-        r.w.copy_(gemm.pack(same) if r.isa == "avx2" else same)
+        r.w.copy_(gemm.lay_out(same, r.isa))
 
     return prepare
 

@@ -106,7 +106,7 @@ def test_a_tie_across_the_top_k_cut_is_left_to_torch(native_path, ckpt, request)
     lw = model.layers[layer]
     assert lw.fused.topk == cfg.top_k
     same = torch.randn(1, cfg.hidden_size).to(torch.bfloat16).expand(cfg.num_experts, -1)
-    lw.router.w.copy_(gemm.pack(same) if lw.router.isa == "avx2" else same)  # its layout
+    lw.router.w.copy_(gemm.lay_out(same, lw.router.isa))  # its layout
     if lw.router_bias is not None:  # the bias would break the tie: zero, here and in the call
         lw.router_bias.zero_()
         lw.fused._extra[3].zero_()

@@ -16,12 +16,8 @@ from afd.kernels import gemm, paths
 from afd.ops import Linear
 
 
-def laid_out(w: torch.Tensor, isa: str) -> torch.Tensor:
-    return gemm.pack(w) if isa == "avx2" else w.contiguous()
-
-
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 12, 13, 14, 33, 70])
-@pytest.mark.parametrize("n,k", [(13, 24), (256, 512), (1030, 1000), (1046, 64)])
+@pytest.mark.parametrize("n,k", [(13, 24), (256, 512), (1030, 1000), (1046, 64), (1040, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_fp32_matmul_to_bf16_rounding(native_path, m, n, k, threads):
     g = torch.Generator().manual_seed(m * 1000 + n)
@@ -30,7 +26,7 @@ def test_matches_fp32_matmul_to_bf16_rounding(native_path, m, n, k, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        y = gemm.bf16_linear(x, laid_out(w, native_path.matmul), native_path.matmul)
+        y = gemm.bf16_linear(x, gemm.lay_out(w, native_path.matmul), native_path.matmul)
     finally:
         torch.set_num_threads(before)
     ref = F.linear(x.float(), w.float())  # exact products, fp32 sums
@@ -54,13 +50,29 @@ def test_pack_lays_each_group_of_4_rows_out_as_one_run(n):
     assert torch.equal(p[4 * g :], w[4 * g :])  # the rows after the last group as they were
 
 
+@pytest.mark.parametrize("n,k", [(32, 64), (48, 96), (24, 64), (32, 48)])
+def test_pack_tiles_lays_each_tile_out_as_one_run(n, k):
+    w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
+    p = gemm.pack_tiles(w)
+    assert p.shape == w.shape and p.is_contiguous()
+    if n % 16 or k % 32:  # no whole tiles: row-major
+        assert torch.equal(p, w)
+        return
+    # tile (group g, step s): rows 16g..16g+15, values 32s..32s+31, row by row, one run of 512
+    runs = p.reshape(-1, 512)
+    for g in range(n // 16):
+        for s in range(k // 32):
+            tile = w[16 * g : 16 * g + 16, 32 * s : 32 * s + 32].reshape(-1)
+            assert torch.equal(runs[g * (k // 32) + s], tile), (g, s)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_rows_result_does_not_depend_on_the_batch_it_is_in(native_path, threads):
     """Every path (1, 2, pairs or chunks, fp32 tile, tail rows) sums a row's products in the
     same order, so a token gets the same bits at batch 1 as inside a batch of 70."""
     isa = native_path.matmul
     g = torch.Generator().manual_seed(7)
-    w = laid_out(torch.randn(1030, 256, generator=g).to(torch.bfloat16), isa)
+    w = gemm.lay_out(torch.randn(1030, 256, generator=g).to(torch.bfloat16), isa)
     x = torch.randn(70, 256, generator=g).to(torch.bfloat16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -85,7 +97,7 @@ def test_every_batch_size_adds_a_rows_products_in_k_order(native_path, m):
     x[:, 32], w[0, 32] = 1.0, 1.0
     x[:, 64], w[0, 64] = 2.0**12, -(2.0**12)
     w[1:] = torch.randn(7, k)
-    y = gemm.bf16_linear(x.to(torch.bfloat16), laid_out(w.to(torch.bfloat16), isa), isa)
+    y = gemm.bf16_linear(x.to(torch.bfloat16), gemm.lay_out(w.to(torch.bfloat16), isa), isa)
     assert torch.equal(y[:, 0].float(), torch.zeros(m))
 
 
@@ -93,7 +105,7 @@ def test_leading_dims_and_non_contiguous_input(native_path):
     isa = native_path.matmul
     w = torch.randn(64, 32).to(torch.bfloat16)
     x = torch.randn(32, 3, 5).to(torch.bfloat16).permute(1, 2, 0)  # [3, 5, 32], strided
-    y = gemm.bf16_linear(x, laid_out(w, isa), isa)
+    y = gemm.bf16_linear(x, gemm.lay_out(w, isa), isa)
     assert y.shape == (3, 5, 64)
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2**-8, atol=1e-3)
 
