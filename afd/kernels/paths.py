@@ -2,9 +2,9 @@
 picks one, AFD_KERNELS=auto|amx|avx512bf16|avx2|onednn|torch.
 
 - amx: afd's kernels with every matmul on AMX tiles (amx.c: TDPBF16PS, 16 x 32 by 32 x 16 bf16
-  per instruction) on the weights as loaded, at every batch size (it beats oneDNN's matmul at
-  each size measured, and a row's result is then the same bits at every batch size); the
-  rest as avx512bf16. Intel Sapphire Rapids and later.
+  per instruction) on weights re-laid out once in tiles (gemm.pack_tiles), at every batch size
+  (it beats oneDNN's matmul at each size measured, and a row's result is then the same bits at
+  every batch size); the rest as avx512bf16. Intel Sapphire Rapids and later.
 - avx512bf16: afd's kernels (gemm512.c: vdpbf16ps) on the weights as loaded, for the batches
   where they beat oneDNN; oneDNN's matmul (torch's F.linear) on the same weights above that
   (onednn_from_rows, measured here once); afd's fused layer, experts, attention, norms, RoPE.
