@@ -9,11 +9,11 @@
  * multiple of 32, N not of 16) stays row-major: its tiles are loaded with stride K, and what
  * they do not cover goes through gemm512.c on the same tensor. x is the B operand, which
  * TDPBF16PS wants with pairs of K interleaved ("VNNI"): afd_amx_pack lays 16 rows of x out
- * that way once per call, zero past the last row. A tile's sums are W rows x rows of x, so they land transposed; each
- * element is its own dot product, accumulated over K in the same order wherever its row of x
- * sits in the tile, so a row's result is the same bits alone or in a batch. Every batch size
- * takes the tiles: one row included (in the engine the tiles beat gemm512.c's one-row loop,
- * docs/benchmarks.md).
+ * that way once per call, zero past the last row. A tile's sums are W rows x rows of x, so
+ * they land transposed; each element is its own dot product, accumulated over K in the same
+ * order wherever its row of x sits in the tile, so a row's result is the same bits alone or in
+ * a batch. Every batch size takes the tiles: one row included (in the engine the tiles beat
+ * gemm512.c's one-row loop, docs/benchmarks.md).
  *
  * Linux grants the tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM),
  * which afd_cpu_amx makes (the entry points ask it before any tile instruction: an

@@ -271,7 +271,9 @@ static inline float x_at(const void *x, int f32, size_t i) {
   return f32 ? ((const float *)x)[i] : bf16_value(((const uint16_t *)x)[i]);
 }
 
-size_t afd_mxfp4_row_len(int wide, int K) { return wide ? (size_t)(K + 127) / 128 * 128 : (size_t)K; }
+size_t afd_mxfp4_row_len(int wide, int K) {
+  return wide ? (size_t)(K + 127) / 128 * 128 : (size_t)K;
+}
 
 /* mxfp4.h: x in the weights' scrambled order, row m of M (see there) */
 void afd_mxfp4_prepare_row(const void *x, int f32, int wide, int m, int K, float *xp,
@@ -290,9 +292,10 @@ void afd_mxfp4_prepare_row(const void *x, int f32, int wide, int m, int K, float
   int vmap[64]; /* the element of a 64-weight group at each scrambled position */
   for (int i = 0; i < 64; i++) vmap[i] = avx2_element(i / 8, i % 8);
   const int G = K / 32, groups = G / 2;
-  for (int g = 0; g < groups; g++)
-    for (int i = 0; i < 64; i++)
-      xp[(size_t)m * K + (size_t)g * 64 + i] = x_at(x, f32, (size_t)m * K + (size_t)g * 64 + vmap[i]);
+  for (int g = 0; g < groups; g++) {
+    const size_t at = (size_t)m * K + (size_t)g * 64;
+    for (int i = 0; i < 64; i++) xp[at + i] = x_at(x, f32, at + vmap[i]);
+  }
   for (int i = 0; i < 32 * (G % 2); i++) {
     size_t at = (size_t)m * K + (size_t)groups * 64 + i;
     xp[at] = x_at(x, f32, at);
