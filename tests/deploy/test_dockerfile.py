@@ -38,11 +38,13 @@ def test_install_steps_are_the_ci_install():
     torch = [i for i in ci if any(a.startswith("torch") for a in i)]
     assert torch == [["torch==2.13.0"]], ci  # the pin, exactly as .ci/run has it
     assert [i for i in docker if any(a.startswith("torch") for a in i)] == torch
-    # The project itself: .ci/run's editable install with the test extra; the image's plain one.
+    # The project itself: .ci/run's editable install with the test extra; the image's with the
+    # structured one (a served model's response_format needs xgrammar).
     (ci_project,) = [i for i in ci if i not in torch]
     (image_project,) = [i for i in docker if i not in torch]
     target = [a for a in ci_project if a != "-e"]
-    assert [re.sub(r"\[test\]$", "", a) for a in target] == image_project == ["."]
+    assert [re.sub(r"\[test\]$", "", a) for a in target] == ["."]
+    assert image_project == [".[structured]"]
     # Torch first, then the project, as in .ci/run (else pip resolves torch to a CUDA build).
     assert docker == [torch[0], image_project]
 
