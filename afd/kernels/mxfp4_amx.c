@@ -14,7 +14,8 @@
  * are the tile's: from a few rows of x this beats decoding for vdpbf16ps, whose products grow
  * with the rows (mxfp4.c). At one row it does not: a tile instruction lowers the core's clock
  * for the decoding around it (MXFP4_AMX_FROM, mxfp4.h). A unit's codes are decoded first,
- * read front to back, then multiplied from L1/L2. */
+ * read front to back and asked for ahead of the reads (the decoding otherwise waits on each
+ * cold line), then multiplied from L1/L2. */
 
 #include "amx.h"
 #include "bf16.h"
