@@ -177,11 +177,6 @@ static void linear_avx2(const float *xp, const uint8_t *blocks, const uint8_t *s
 static inline int avx512_element(int k, int i) { return 4 * i + k; }
 
 #define MT5 8 /* rows of x per pass over a weight row (AVX-512) */
-/* How far ahead of its reads the AVX-512 route asks for the codes (bytes). Decoding takes as long
- * as reading here, and the hardware's prefetcher alone did not overlap the two: a cold stream
- * of codes at one row of x took about twice as long as the same codes in cache (measured on an
- * Intel Xeon, one thread, C harness; 1-8 KiB ahead all helped, from 4 KiB by little more). */
-#define AHEAD 4096
 
 /* Four scale bytes (a quad's, little-endian) -> lanes 4b..4b+3 = 2^(byte b - 127): the byte as
  * an fp32 exponent, and byte 0 as 2^-127 (subnormal), as scale_of holds it. */
@@ -200,11 +195,7 @@ INLINE AVX512BF16 __m512 quad_scales(uint32_t four) {
  * rows `stride` words apart) */
 INLINE AVX512BF16 void quad_rows(__m512i raw, __m512 s, const uint16_t *xq, size_t stride,
                                  __m512 *acc, int R) {
-  const __m512i lut = _mm512_set_epi16(
-      (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
-      (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0,
-      (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
-      (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
+  const __m512i lut = _mm512_load_si512((const void *)AFD_E2M1_BF16);
   __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(raw, lut);
   __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), lut);
   __m512bh w2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 8), lut);
@@ -225,9 +216,10 @@ INLINE AVX512BF16 void rows_avx512(const uint16_t *xb, const uint8_t *wb, const 
   const size_t stride = (size_t)quads * 128;
   __m512 acc[MT5];
   for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
-  _mm_prefetch((const char *)ws + AHEAD / 16, _MM_HINT_T0); /* the scales: 1/16 of the bytes */
+  /* the scales, 1/16 of the codes' bytes, and the codes: MXFP4_AHEAD (mxfp4.h) says why */
+  _mm_prefetch((const char *)ws + MXFP4_AHEAD / 16, _MM_HINT_T0);
   for (int q = 0; q < full; q++) {
-    _mm_prefetch((const char *)wb + (size_t)q * 64 + AHEAD, _MM_HINT_T0);
+    _mm_prefetch((const char *)wb + (size_t)q * 64 + MXFP4_AHEAD, _MM_HINT_T0);
     uint32_t four;
     memcpy(&four, ws + (size_t)q * 4, 4);
     __m512i raw = _mm512_loadu_si512((const void *)(wb + (size_t)q * 64));

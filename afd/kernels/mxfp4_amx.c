@@ -21,15 +21,7 @@
 #include "bf16.h"
 #include "mxfp4.h"
 
-/* e2m1 code -> bf16 pattern (0, .5, 1, 1.5, 2, 3, 4, 6, then the negatives), twice: vpermw
- * reads 5 bits of an index, and the unpacked codes carry junk in the fifth */
-static const uint16_t E2M1[32] __attribute__((aligned(64))) = {
-    0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
-    0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
-#define NONZERO 0xFEFEFEFEu /* the table's entries other than +0 and -0 */
-#define AHEAD 4096 /* bytes of codes asked for ahead of the decoding (mxfp4.c says why) */
+#define NONZERO 0xFEFEFEFEu /* AFD_E2M1_BF16's entries other than +0 and -0 */
 
 /* The exponent shift of scale byte e as a bf16 bit pattern's increment, in both halves of a
  * dword (so a broadcast of it is a plain load, not a shuffle). */
@@ -43,7 +35,7 @@ static inline uint32_t shift_of(uint8_t e) {
  * are read front to back (the 16 rows are one run of memory); two shuffles per 32 weights
  * (the widening and vpermw). */
 static AMX void decode_group(const uint8_t *codes, const uint32_t *shifts, int G, uint16_t *out) {
-  const __m512i table = _mm512_load_si512((const void *)E2M1);
+  const __m512i table = _mm512_load_si512((const void *)AFD_E2M1_BF16);
   for (int r = 0; r < 16; r++)
     for (int s = 0; s < G; s++) {
       /* byte j's low nibble is element 2j, its high nibble 2j + 1: one dword per byte; with
@@ -51,7 +43,7 @@ static AMX void decode_group(const uint8_t *codes, const uint32_t *shifts, int G
        * (vpermw reads bits 0-4; the table repeats for bit 4) and its high word is the high
        * nibble */
       const uint8_t *b = codes + ((size_t)r * G + s) * 16;
-      if (s % 4 == 0) _mm_prefetch((const char *)b + AHEAD, _MM_HINT_T0);
+      if (s % 4 == 0) _mm_prefetch((const char *)b + MXFP4_AHEAD, _MM_HINT_T0);
       __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
       __m512i idx = _mm512_or_si512(d, _mm512_slli_epi32(d, 12));
       __m512i shift = _mm512_set1_epi32((int)shifts[(size_t)r * G + s]);
@@ -91,8 +83,8 @@ AMX void afd_mxfp4_rows_amx(const uint16_t *xp, const uint8_t *blocks, const uin
   const size_t xblock = afd_amx_elems(1, 32 * G), ablock = (size_t)G * 512;
   float c[16 * 16] __attribute__((aligned(64)));
   const char *codes = (const char *)(blocks + (size_t)n0 * G * 16);
-  const size_t head = (size_t)groups * 16 * G * 16 < AHEAD ? (size_t)groups * 16 * G * 16 : AHEAD;
-  for (size_t i = 0; i < head; i += 64) _mm_prefetch(codes + i, _MM_HINT_T0);
+  const size_t bytes = (size_t)groups * 16 * G * 16; /* the unit's codes */
+  for (size_t i = 0; i < bytes && i < MXFP4_AHEAD; i += 64) _mm_prefetch(codes + i, _MM_HINT_T0);
   for (int i = 0; i < 16 * groups * G; i++) shifts[i] = shift_of(scales[(size_t)n0 * G + i]);
   for (int g = 0; g < groups; g++)
     decode_group(blocks + (size_t)(n0 + 16 * g) * G * 16, shifts + (size_t)g * 16 * G, G,
