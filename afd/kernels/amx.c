@@ -42,19 +42,51 @@ int afd_cpu_amx(void) {
   return state = ok;
 }
 
+/* The 16 x 16 matrix of 32-bit values in r[0..15] (a row a register) transposed in place:
+ * pairs of rows interleaved by 32, then 64 bits, then 128-bit lanes twice. */
+static inline AMX void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
 /* x [M, K] -> xp: for each block of 16 rows, for each step s of 32 values of K, 16 pairs
  * (values 32s + 2p, 32s + 2p + 1) of each of the 16 rows; rows past M are zero. xp holds
- * ceil(M / 16) * 16 * K values. K % 32 == 0. */
-void afd_amx_pack(const uint16_t *x, int M, int K, uint16_t *xp) {
+ * ceil(M / 16) * 16 * K values. K % 32 == 0. A step's 16 pairs of 16 rows are a 16 x 16
+ * matrix of 32-bit values, transposed in registers (element by element, the stores 64 bytes
+ * apart made the pack a visible part of a batch-32 decode step). */
+AMX void afd_amx_pack(const uint16_t *x, int M, int K, uint16_t *xp) {
   const int MB = (M + 15) / 16, S = K / 32;
   for (int mb = 0; mb < MB; mb++) {
-    uint32_t *out = (uint32_t *)(xp + (size_t)mb * afd_amx_elems(1, K));
-    for (int i = 0; i < 16; i++) {
-      int m = mb * 16 + i;
-      const uint32_t *row = (const uint32_t *)(x + (size_t)m * K);
-      for (int s = 0; s < S; s++)
-        for (int p = 0; p < 16; p++)
-          out[((size_t)s * 16 + p) * 16 + i] = m < M ? row[s * 16 + p] : 0;
+    __m512i *out = (__m512i *)(xp + (size_t)mb * afd_amx_elems(1, K));
+    const int rows = M - mb * 16 < 16 ? M - mb * 16 : 16;
+    const uint16_t *base = x + (size_t)mb * 16 * K;
+    for (int s = 0; s < S; s++) {
+      __m512i r[16];
+      for (int i = 0; i < 16; i++)
+        r[i] = i < rows ? _mm512_loadu_si512(base + (size_t)i * K + 32 * s) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int p = 0; p < 16; p++) _mm512_storeu_si512(out + (size_t)s * 16 + p, r[p]);
     }
   }
 }

@@ -11,7 +11,8 @@
  * then out[token] += ys in pair order, summed in fp32 and rounded once, as index_add_ does: every
  * rounding step of the torch path in services/ffn/experts.py, so the two agree (bar a rare last-bit
  * difference of expf inside the activation). Each matmul is cut into units of ROWS_PER_UNIT weight rows,
- * every expert's units taken by whichever thread comes free (bf16.h); the sum is serial. */
+ * every expert's units taken by whichever thread comes free (bf16.h); the sum is split by
+ * columns, each summed in pair order. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -82,13 +83,6 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     afd_pairs_free(&pairs);
     return -1;
   }
-  for (int p = 0; p < P; p++) {
-    const uint16_t *src = x + (size_t)tokens[p] * H;
-    if (isa)
-      memcpy(xs + (size_t)p * H * xsz, src, (size_t)H * sizeof(uint16_t));
-    else
-      for (int k = 0; k < H; k += 8) _mm256_storeu_ps((float *)xs + (size_t)p * H + k, load_bf16(src + k));
-  }
   /* The held experts in visiting order; each matmul cut into units of ROWS_PER_UNIT weight rows
    * that threads take as they come free: a layer's few experts at a small batch still spread
    * over every thread, and a thread preempted by another process holds up one unit. */
@@ -97,15 +91,34 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     int e = reverse ? E - 1 - i : i;
     if (starts[e + 1] > starts[e]) units[held++] = e;
   }
-  if (amx13)
-    for (int i = 0; i < held; i++) {
-      int e = units[i];
-      afd_amx_pack((const uint16_t *)xs + (size_t)starts[e] * H, starts[e + 1] - starts[e], H,
-                   xsp + at[e] * 16 * H);
-    }
+  float *acc = (float *)malloc((size_t)T * H * sizeof(float)); /* the sum's, below */
+  if (!acc) {
+    free(ys), free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
+    afd_pairs_free(&pairs);
+    return -1;
+  }
+  /* Everything but the sort runs on every thread: at a batch of 32 the serial copies and
+   * packs left the other core idle for a tenth of a decode step. */
 #pragma omp parallel num_threads(t) if (t > 1)
   {
     float *mine = wt + (size_t)(t > 1 ? omp_get_thread_num() : 0) * 4 * K;
+#pragma omp for schedule(static)
+    for (int p = 0; p < P; p++) { /* each held pair's row of x */
+      const uint16_t *src = x + (size_t)tokens[p] * H;
+      if (isa)
+        memcpy(xs + (size_t)p * H * xsz, src, (size_t)H * sizeof(uint16_t));
+      else
+        for (int k = 0; k < H; k += 8)
+          _mm256_storeu_ps((float *)xs + (size_t)p * H + k, load_bf16(src + k));
+    }
+    if (amx13) {
+#pragma omp for schedule(dynamic, 1)
+      for (int i = 0; i < held; i++) {
+        int e = units[i];
+        afd_amx_pack((const uint16_t *)xs + (size_t)starts[e] * H, starts[e + 1] - starts[e], H,
+                     xsp + at[e] * 16 * H);
+      }
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int u = 0; u < held * n13; u++) { /* gate|up = x[tokens] @ w13[e]^T */
       int e = units[u / n13], p0 = starts[e], n = starts[e + 1] - p0;
@@ -162,22 +175,23 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
         ys[(size_t)p * H + k] =
             to_bf16(afd_biased(bf16_value(ys[(size_t)p * H + k]), bias, k) * weights[p]);
     }
+    /* index_add_ on bf16 sums in fp32 and rounds once: the same, pair by pair in order, each
+     * thread over its own columns */
+#pragma omp for schedule(static)
+    for (int c0 = 0; c0 < H; c0 += 64) {
+      const int c1 = c0 + 64 < H ? c0 + 64 : H;
+      for (int r = 0; r < T; r++)
+        for (int k = c0; k < c1; k++) acc[(size_t)r * H + k] = bf16_value(out[(size_t)r * H + k]);
+      for (int p = 0; p < P; p++) {
+        float *o = acc + (size_t)tokens[p] * H;
+        const uint16_t *src = ys + (size_t)p * H;
+        for (int k = c0; k < c1; k++) o[k] += bf16_value(src[k]);
+      }
+      for (int r = 0; r < T; r++)
+        for (int k = c0; k < c1; k++) out[(size_t)r * H + k] = to_bf16(acc[(size_t)r * H + k]);
+    }
   }
   free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
-  float *acc = (float *)malloc((size_t)T * H * sizeof(float));
-  if (!acc) {
-    free(ys);
-    afd_pairs_free(&pairs);
-    return -1;
-  }
-  /* index_add_ on bf16 sums in fp32 and rounds once: the same, pair by pair in order. */
-  for (size_t i = 0; i < (size_t)T * H; i++) acc[i] = bf16_value(out[i]);
-  for (int p = 0; p < P; p++) {
-    float *o = acc + (size_t)tokens[p] * H;
-    const uint16_t *src = ys + (size_t)p * H;
-    for (int k = 0; k < H; k++) o[k] += bf16_value(src[k]);
-  }
-  for (size_t i = 0; i < (size_t)T * H; i++) out[i] = to_bf16(acc[i]);
   free(acc), free(ys);
   afd_pairs_free(&pairs);
   return 0;
