@@ -65,6 +65,7 @@ def _kernels() -> list[Extension]:
                     "mxfp4_amx",
                     "experts",
                     "bitmask",
+                    "argmax",
                 )
             ],
             depends=[f"afd/kernels/{h}.h" for h in ("amx", "bf16", "experts", "mxfp4")],

@@ -96,12 +96,6 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
     afd_pairs_free(&pairs);
     return -2;
   }
-  for (int p = 0; p < P; p++) memcpy(xs + (size_t)p * H, x + tokens[p] * H, (size_t)H * 2);
-  if (amx)
-    for (int i = 0; i < nheld; i++) {
-      int e = held[i];
-      afd_amx_pack(xs + (size_t)starts[e] * H, starts[e + 1] - starts[e], H, xpk + bk[e] * 16 * H);
-    }
   const int nu = amx ? AMX_NU : NU; /* AMX: whole tiles of 16 weight rows (2I, H: multiples) */
   const int u13 = (2 * I + nu - 1) / nu, u2 = (H + nu - 1) / nu;
   const int t = threads > 1 ? threads : 1;
@@ -110,6 +104,17 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
     char *mine = sh ? sh + (size_t)(t > 1 ? omp_get_thread_num() : 0) * per : NULL;
     uint16_t *mine_a = (uint16_t *)mine;
     uint32_t *mine_sh = mine ? (uint32_t *)(mine + (size_t)AMX_NU * G * 64) : NULL;
+    /* the copies, packs and the sum on every thread too: serial, they idled the other core */
+#pragma omp for schedule(static)
+    for (int p = 0; p < P; p++) memcpy(xs + (size_t)p * H, x + tokens[p] * H, (size_t)H * 2);
+    if (amx) {
+#pragma omp for schedule(dynamic, 1)
+      for (int i = 0; i < nheld; i++) {
+        int e = held[i];
+        afd_amx_pack(xs + (size_t)starts[e] * H, starts[e + 1] - starts[e], H,
+                     xpk + bk[e] * 16 * H);
+      }
+    }
     if (!amx) {
 #pragma omp for schedule(static)
       for (int p = 0; p < P; p++) afd_mxfp4_prepare_row(xs, 0, wide, p, H, xp, xb);
@@ -150,16 +155,24 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
         afd_mxfp4_rows(ap ? ap + p0 * na : NULL, ab ? ab + p0 * na : NULL, wide, b2[e], s2[e],
                        ya + (size_t)p0 * H, n, H, G2, n0, n1);
     }
+    /* ys = bf16(bf16(y [+ bias]) * weight), summed into out in pair order (index_add_), each
+     * thread over its own columns */
+#pragma omp for schedule(static)
+    for (int c0 = 0; c0 < H; c0 += 64) {
+      const int c1 = c0 + 64 < H ? c0 + 64 : H;
+      for (int r = 0; r < T; r++)
+        for (int k = c0; k < c1; k++) acc[(size_t)r * H + k] = bf16_value(out[(size_t)r * H + k]);
+      for (int p = 0; p < P; p++) {
+        float *o = acc + tokens[p] * H;
+        const float *y = ya + (size_t)p * H;
+        const uint16_t *bias = bias2 ? bias2[expert[p]] : NULL;
+        for (int k = c0; k < c1; k++)
+          o[k] += bf16_round(afd_biased(bf16_round(y[k]), bias, k) * weights[p]);
+      }
+      for (int r = 0; r < T; r++)
+        for (int k = c0; k < c1; k++) out[(size_t)r * H + k] = to_bf16(acc[(size_t)r * H + k]);
+    }
   }
-  /* ys = bf16(bf16(y [+ bias]) * weight), summed into out in pair order (index_add_) */
-  for (size_t i = 0; i < (size_t)T * H; i++) acc[i] = bf16_value(out[i]);
-  for (int p = 0; p < P; p++) {
-    float *o = acc + tokens[p] * H;
-    const float *y = ya + (size_t)p * H;
-    const uint16_t *bias = bias2 ? bias2[expert[p]] : NULL;
-    for (int k = 0; k < H; k++) o[k] += bf16_round(afd_biased(bf16_round(y[k]), bias, k) * weights[p]);
-  }
-  for (size_t i = 0; i < (size_t)T * H; i++) out[i] = to_bf16(acc[i]);
   free(held), free(xs), free(as), free(gu), free(ya), free(xp), free(ap), free(xb), free(ab);
   free(acc), free(bk), free(xpk), free(apk), free(sh);
   afd_pairs_free(&pairs);

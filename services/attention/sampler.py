@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from afd.control import Logprob, SamplingParams
+from afd.kernels import argmax
 from services.attention import penalties
 
 
@@ -37,11 +38,11 @@ def sample(
     penalties.ban_(logits, banned)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == B and not want:  # the common decode case
-        return logits.argmax(dim=-1).tolist(), [None] * B
+        return _argmax(logits).tolist(), [None] * B
     tokens = torch.empty(B, dtype=torch.long, device=dev)
     if greedy:
         idx = torch.tensor(greedy, device=dev)
-        tokens[idx] = logits[idx].argmax(dim=-1)
+        tokens[idx] = _argmax(logits[idx])
     rest = [i for i, p in enumerate(params) if not p.greedy]
     if rest:
         # every sampled row filtered at once; one multinomial for the rows without a seed,
@@ -71,6 +72,11 @@ def sample(
             alts = list(zip(top_ids[row][:n], top_lps[row][:n], strict=True)) if n else []
             lps[i] = Logprob(out_tokens[i], chosen[row], alts)
     return out_tokens, lps
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+    """torch.argmax over the last dimension; the native one (argmax.c) where it runs."""
+    return argmax.rows(logits) if argmax.usable(logits) else logits.argmax(dim=-1)
 
 
 def _filtered(
