@@ -8,15 +8,22 @@
  * only by the fp32 summation order of the squares (a last-bit difference of the statistic,
  * rarely visible after the bf16 rounding). Loaded with ctypes (afd/kernels/norm_rope.py). */
 #include <math.h>
+#include <omp.h>
 
 #include "bf16.h"
+
+/* Rows split between threads from this many values: a batch's norms, not one token's (at a
+ * batch of 32 the serial norms left the other core idle for a visible part of a step). */
+#define PARALLEL_FROM 16384
 
 /* x viewed as [A, B, D] with strides (sa, sb, 1) in elements (a [T, heads, D] slice of a fused
  * projection, or plain rows with B = 1); y is contiguous [A, B, D]. D % 8 == 0. */
 int afd_bf16_rms_norm(const uint16_t *x, long sa, long sb, const uint16_t *w, uint16_t *y, int A,
-                      int B, int D, float eps) {
+                      int B, int D, float eps, int threads) {
   if (D % 8 != 0 || D <= 0) return -1;
   const float inv_d = 1.0f / (float)D; /* ATen's mean multiplies by 1/N */
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static) \
+    if (threads > 1 && (long)A * B * D >= PARALLEL_FROM)
   for (int a = 0; a < A; a++)
     for (int b = 0; b < B; b++) {
       const uint16_t *row = x + a * sa + b * sb;
@@ -45,13 +52,15 @@ int afd_bf16_rms_norm(const uint16_t *x, long sa, long sb, const uint16_t *w, ui
 /* x viewed as [T, H, D] with strides (st, D, 1); y contiguous [T, H, D] (may be x itself when
  * st == H * D). cos, sin: bf16 tables [P, D] (the two halves of a row equal); pos [T]. */
 int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, const uint16_t *cos,
-                  const uint16_t *sin, const int64_t *pos) {
+                  const uint16_t *sin, const int64_t *pos, int threads) {
   if (D % 16 != 0 || D <= 0) return -1;
   const int half = D / 2;
   const __m256 neg = _mm256_set1_ps(-0.0f);
-  for (int t = 0; t < T; t++) {
-    const uint16_t *c = cos + pos[t] * D, *s = sin + pos[t] * D;
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static) \
+    if (threads > 1 && (long)T * H * D >= PARALLEL_FROM)
+  for (int t = 0; t < T; t++)
     for (int h = 0; h < H; h++) {
+      const uint16_t *c = cos + pos[t] * D, *s = sin + pos[t] * D;
       const uint16_t *row = x + t * st + (long)h * D;
       uint16_t *out = y + ((size_t)t * H + h) * D;
       for (int k = 0; k < half; k += 8) {
@@ -65,6 +74,5 @@ int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, 
         store8(out + half + k, round8(_mm256_add_ps(a2, b2)));
       }
     }
-  }
   return 0;
 }

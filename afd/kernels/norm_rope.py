@@ -37,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=torch.bfloat16)
     w = weight.contiguous()
     rc = gemm._lib().afd_bf16_rms_norm(
-        x.data_ptr(), sa, sb, w.data_ptr(), y.data_ptr(), A, B, D, eps
+        x.data_ptr(), sa, sb, w.data_ptr(), y.data_ptr(), A, B, D, eps, torch.get_num_threads()
     )
     if rc:
         raise RuntimeError(f"afd_bf16_rms_norm failed for {tuple(x.shape)}")
@@ -65,6 +65,7 @@ def rope(
         cos.data_ptr(),
         sin.data_ptr(),
         pos.data_ptr(),
+        torch.get_num_threads(),
     )
     if rc:
         raise RuntimeError(f"afd_bf16_rope failed for {tuple(x.shape)}")

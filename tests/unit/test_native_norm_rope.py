@@ -34,11 +34,12 @@ def test_rms_norm_matches_torch(shape):
 
 
 def test_rms_norm_reads_strided_heads_in_place():
-    """q and k are views into the fused qkv projection: [T, heads, D] with a token stride."""
+    """q and k are views into the fused qkv projection: [T, heads, D] with a token stride (q
+    here enough rows to be split between threads, k not)."""
     g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(6, (16 + 2 * 4) * 64, generator=g).to(torch.bfloat16)
-    q = qkv[:, : 16 * 64].view(6, 16, 64)
-    k = qkv[:, 16 * 64 : 20 * 64].view(6, 4, 64)
+    qkv = torch.randn(40, (16 + 2 * 4) * 64, generator=g).to(torch.bfloat16)
+    q = qkv[:, : 16 * 64].view(40, 16, 64)
+    k = qkv[:, 16 * 64 : 20 * 64].view(40, 4, 64)
     w = torch.randn(64, generator=g).to(torch.bfloat16)
     for view in (q, k):
         assert not view.is_contiguous()
@@ -54,12 +55,15 @@ def test_rms_norm_keeps_nan():
     assert torch.isnan(y[1]).all() and not torch.isnan(y[0]).any()
 
 
-@pytest.mark.parametrize("heads,d", [(16, 64), (1, 256), (4, 128), (2, 16)])
-def test_rope_is_bit_identical_to_torch(heads, d):
-    g = torch.Generator().manual_seed(heads * d)
+# (T = 33: a batch's rows, split between threads; the others serial)
+@pytest.mark.parametrize(
+    "heads,d,T", [(16, 64, 9), (1, 256, 9), (4, 128, 9), (2, 16, 9), (16, 64, 33)]
+)
+def test_rope_is_bit_identical_to_torch(heads, d, T):
+    g = torch.Generator().manual_seed(heads * d + T)
     rope = Rope(d, 10000.0, 512)
-    q = (torch.randn(9, heads, d, generator=g) * 2).to(torch.bfloat16)
-    pos = torch.randint(0, 512, (9,), generator=g)
+    q = (torch.randn(T, heads, d, generator=g) * 2).to(torch.bfloat16)
+    pos = torch.randint(0, 512, (T,), generator=g)
     cos, sin = rope.tables(torch.bfloat16)
     got = norm_rope.rope(q, cos, sin, pos)
     c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
