@@ -42,3 +42,31 @@ void afd_pairs_free(afd_pairs *pairs) {
   free(pairs->starts), free(pairs->tokens), free(pairs->expert), free(pairs->weights);
   pairs->starts = NULL, pairs->tokens = NULL, pairs->expert = NULL, pairs->weights = NULL;
 }
+
+/* Eight lanes of gate|up from one of the two sources, rounded to bf16 values, bias added. */
+static inline __m256 gate_up8(const uint16_t *gb, const float *gf, const uint16_t *bias, int j) {
+  __m256 h = gb ? load_bf16(gb + j) : round8(_mm256_loadu_ps(gf + j));
+  return bias ? round8(_mm256_add_ps(h, load_bf16(bias + j))) : h;
+}
+
+void afd_act_row(const uint16_t *gb, const float *gf, const uint16_t *bias, int I, int act,
+                 float limit, float alpha, uint16_t *ab, float *af) {
+  for (int j = 0; j < I; j += 8) {
+    __m256 a = afd_act8(gate_up8(gb, gf, bias, j), gate_up8(gb, gf, bias, I + j), act, limit,
+                        alpha);
+    if (ab)
+      store8(ab + j, a);
+    else
+      _mm256_storeu_ps(af + j, a);
+  }
+}
+
+/* afd_act_row over P rows of gate|up [P, 2I] bf16 into a [P, I] bf16, for the tests (against
+ * torch's activation). Returns 0, or -1 for I not a multiple of 8. */
+int afd_act_rows(const uint16_t *gu, int P, int I, int act, float limit, float alpha,
+                 uint16_t *a) {
+  if (I % 8 != 0 || I <= 0) return -1;
+  for (int p = 0; p < P; p++)
+    afd_act_row(gu + (size_t)p * 2 * I, NULL, NULL, I, act, limit, alpha, a + (size_t)p * I, NULL);
+  return 0;
+}

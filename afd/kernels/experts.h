@@ -18,18 +18,55 @@ static inline float afd_biased(float h, const uint16_t *bias, int j) {
   return bias ? bf16_round(h + bf16_value(bias[j])) : h;
 }
 
-/* One activation from a gate and an up value (bf16 values), as a bf16 value. The clamped
- * SwiGLU: gate = min(gate, limit), up = clamp(up, +-limit), then
- * bf16(bf16(up + 1) * bf16(gate * bf16(sigmoid(bf16(gate * alpha))))). expf may differ from
- * torch's in the last bit, which rarely moves a bf16 result by one ulp. */
-static inline float afd_act(float g, float u, int act, float limit, float alpha) {
-  if (act == ACT_SWIGLU) return bf16_round(bf16_round(g / (1.0f + expf(-g))) * u);
-  g = g > limit ? limit : g;
-  u = u > limit ? limit : (u < -limit ? -limit : u);
-  float ga = bf16_round(g * alpha);
-  float glu = bf16_round(g * bf16_round(1.0f / (1.0f + expf(-ga))));
-  return bf16_round(bf16_round(u + 1.0f) * glu);
+/* e^x on 8 lanes for any x (bf16.h's exp8 serves a softmax's x <= 0): above ln(FLT_MAX) +inf,
+ * below -87.3 flushed to 0 (1 + e^x is then 1 either way), NaN kept; 2^n in two factors so n =
+ * 128 (x just under the overflow) stays finite. The same series as exp8: within an ulp of expf. */
+static inline __m256 afd_exp8_any(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.7228394f);
+  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+  x = _mm256_min_ps(hi, _mm256_max_ps(lo, x)); /* operands in this order keep a NaN */
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+  __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+  y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), over);
+  return _mm256_andnot_ps(under, y);
 }
+
+/* One activation from a gate and an up value (bf16 values) on each of 8 lanes, as bf16 values:
+ * SwiGLU bf16(bf16(silu(gate)) * up) (F.silu then *, each rounded to bf16); the clamped SwiGLU
+ * (gpt-oss): gate = min(gate, limit), up = clamp(up, +-limit), then
+ * bf16(bf16(up + 1) * bf16(gate * bf16(sigmoid(bf16(gate * alpha))))). exp may differ from
+ * torch's in the last bit, which rarely moves a bf16 result by one ulp (measured in
+ * tests/unit/test_native_activation.py). */
+static inline __m256 afd_act8(__m256 g, __m256 u, int act, float limit, float alpha) {
+  const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+  if (act == ACT_SWIGLU) {
+    __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, afd_exp8_any(_mm256_xor_ps(g, neg))));
+    return round8(_mm256_mul_ps(round8(silu), u));
+  }
+  const __m256 lim = _mm256_set1_ps(limit);
+  g = _mm256_min_ps(lim, g); /* operands in this order keep a NaN, as the scalar compares do */
+  u = _mm256_max_ps(_mm256_xor_ps(lim, neg), _mm256_min_ps(lim, u));
+  __m256 ga = round8(_mm256_mul_ps(g, _mm256_set1_ps(alpha)));
+  __m256 sig = round8(_mm256_div_ps(one, _mm256_add_ps(one, afd_exp8_any(_mm256_xor_ps(ga, neg)))));
+  __m256 glu = round8(_mm256_mul_ps(g, sig));
+  return round8(_mm256_mul_ps(round8(_mm256_add_ps(u, one)), glu));
+}
+
 /* The (token, expert) pairs this shard holds (experts first .. first + E - 1 of ids [T, topk]),
  * sorted by expert and, within one, in t * topk + j order (the torch path's stable argsort):
  * pair q is token tokens[q] for local expert expert[q] with routing weight weights[q] (gate
@@ -47,4 +84,10 @@ typedef struct {
 int afd_pairs_sort(const int32_t *ids, const float *gate, int T, int topk, int first, int E,
                    afd_pairs *pairs);
 void afd_pairs_free(afd_pairs *pairs);
+
+/* One pair's activations (experts.c), afd_act8 eight at a time: a[j] = act(gate_j [+ bias_j],
+ * up_j [+ bias_{I+j}]) for j < I (I % 8 == 0), gate|up [2I] given as bf16 (gb) or as fp32 sums
+ * rounded to bf16 first (gf, gb NULL), a written as bf16 (ab) or fp32 (af, ab NULL). */
+void afd_act_row(const uint16_t *gb, const float *gf, const uint16_t *bias, int I, int act,
+                 float limit, float alpha, uint16_t *ab, float *af);
 #endif

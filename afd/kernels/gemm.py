@@ -77,6 +77,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_apply_bitmask.restype = i
     lib.afd_argmax_rows.argtypes = [p, i, i, p, i]
     lib.afd_argmax_rows.restype = i
+    lib.afd_act_rows.argtypes = [p, i, i, i, f, f, p]
+    lib.afd_act_rows.restype = i
     lib.afd_fp8_quantize.argtypes = [p, p, p, i, i, i]
     lib.afd_fp8_quantize.restype = i
     lib.afd_fp8_dequantize.argtypes = [p, p, p, i, i, i]

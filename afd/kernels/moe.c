@@ -134,18 +134,10 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
                  H, n0, n1, mine);
     }
 #pragma omp for schedule(static)
-    for (int p = 0; p < P; p++) { /* a = act(gate [+ bias], up [+ bias]) */
-      const uint16_t *bias = b13 ? b13[expert[p]] : NULL;
-      for (int j = 0; j < I; j++) {
-        float g = afd_biased(bf16_value(gu[(size_t)p * 2 * I + j]), bias, j);
-        float v = afd_biased(bf16_value(gu[(size_t)p * 2 * I + I + j]), bias, I + j);
-        float a = afd_act(g, v, act_kind, limit, alpha);
-        if (isa)
-          ((uint16_t *)act)[(size_t)p * I + j] = to_bf16(a);
-        else
-          ((float *)act)[(size_t)p * I + j] = a;
-      }
-    }
+    for (int p = 0; p < P; p++) /* a = act(gate [+ bias], up [+ bias]) */
+      afd_act_row(gu + (size_t)p * 2 * I, NULL, b13 ? b13[expert[p]] : NULL, I, act_kind, limit,
+                  alpha, isa ? (uint16_t *)act + (size_t)p * I : NULL,
+                  isa ? NULL : (float *)act + (size_t)p * I);
     if (amx2) {
 #pragma omp for schedule(static)
       for (int i = 0; i < held; i++) {

@@ -24,16 +24,6 @@
 
 #define NU 8 /* weight rows per work unit */
 
-/* One pair's activations from its fp32 gate|up sums [2I] (its expert's bias, if any) */
-static void activate(const float *gu, const uint16_t *bias, int I, int act, float limit,
-                     float alpha, uint16_t *a) {
-  for (int j = 0; j < I; j++) {
-    float g = afd_biased(bf16_round(gu[j]), bias, j);
-    float u = afd_biased(bf16_round(gu[I + j]), bias, I + j);
-    a[j] = to_bf16(afd_act(g, u, act, limit, alpha));
-  }
-}
-
 /* x [T, H] bf16; ids [T, topk] int32 (global expert ids) and gate [T, topk] fp32 as routed;
  * this shard holds experts first .. first + E - 1: b13[e], s13[e] the blocks and scales of
  * w13 [2I, H] (gate rows, then up rows), b2[e], s2[e] those of w2 [H, I]; bias13[e] [2I] and
@@ -132,8 +122,8 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
     }
 #pragma omp for schedule(static)
     for (int p = 0; p < P; p++) {
-      activate(gu + (size_t)p * 2 * I, bias13 ? bias13[expert[p]] : NULL, I, act, limit, alpha,
-               as + (size_t)p * I);
+      afd_act_row(NULL, gu + (size_t)p * 2 * I, bias13 ? bias13[expert[p]] : NULL, I, act, limit,
+                  alpha, as + (size_t)p * I, NULL);
       if (!amx) afd_mxfp4_prepare_row(as, 0, wide, p, I, ap, ab);
     }
     if (amx) {
