@@ -66,6 +66,7 @@ def _kernels() -> list[Extension]:
                     "experts",
                     "bitmask",
                     "argmax",
+                    "topk",
                 )
             ],
             depends=[f"afd/kernels/{h}.h" for h in ("amx", "bf16", "experts", "mxfp4")],

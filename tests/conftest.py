@@ -35,3 +35,20 @@ def kernel_path(request):
     """Every kernel path this machine runs, as AFD_KERNELS would force it."""
     with paths.use(request.param) as p:
         yield p
+
+
+@pytest.fixture(params=["ties_native", "ties_to_torch"])
+def tie_routing(request):
+    """Both ways a fused decode call meets a router top-k tie across the cut: routed in the
+    call by topk.c's replay of torch.topk (where afd/kernels/topk.py's check passed), or the
+    layer handed back to torch. Yields whether the call routes ties itself."""
+    from afd.kernels import topk
+
+    native = request.param == "ties_native"
+    if native and not topk.trust():
+        pytest.skip("topk.c does not pick among ties as this torch does")
+    topk.set_trusted(native)
+    try:
+        yield native
+    finally:
+        topk.set_trusted(topk.trust())

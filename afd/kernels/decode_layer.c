@@ -31,11 +31,18 @@
   ((isa == ISA_AMX ? afd_bf16_gemm_amx : isa ? afd_bf16_gemm512 : afd_bf16_gemm)(x, w, y, M, N, K, \
                                                                                 threads))
 
-/* The k largest of p [E], best first, into ids and w (taken [E]: scratch). Which they are is
- * decided by comparisons alone, so it is torch.topk's choice wherever that is unique; returns
- * 1 where the k-th is equal to one left out (torch's pick among equals cannot be known here),
- * else 0. */
-static int pick_topk(const float *p, char *taken, int E, int k, int32_t *ids, float *w) {
+/* topk.c: torch.topk's pick among equal scores, once checked against this process's torch */
+extern int afd_topk_trusted;
+int afd_topk_known(int E, int k);
+int afd_topk_as_torch(const float *p, int E, int k, int32_t *ids, float *w, void *q);
+
+/* The k largest of p [E], best first, into ids and w (taken [E] and q [E] pairs: scratch).
+ * Which they are is decided by comparisons alone, so it is torch.topk's choice wherever that is
+ * unique; where the k-th is equal to one left out, topk.c's replay of torch.topk where it has
+ * been checked (afd/kernels/topk.py), else 1 is returned (the caller leaves the row to torch);
+ * 0 otherwise. */
+static int pick_topk(const float *p, char *taken, void *q, int E, int k, int32_t *ids,
+                     float *w) {
   for (int e = 0; e < E; e++) taken[e] = 0;
   for (int j = 0; j < k; j++) {
     int best = -1;
@@ -46,20 +53,22 @@ static int pick_topk(const float *p, char *taken, int E, int k, int32_t *ids, fl
     w[j] = p[best];
   }
   for (int e = 0; e < E; e++)
-    if (!taken[e] && p[e] == w[k - 1]) return 1; /* a tie across the cut */
+    if (!taken[e] && p[e] == w[k - 1]) /* a tie across the cut */
+      return afd_topk_trusted && afd_topk_known(E, k) ? afd_topk_as_torch(p, E, k, ids, w, q) != 0
+                                                      : 1;
   return 0;
 }
 
 /* One row of moe_router.softmax_topk on bf16 logits l [E]: a float32 softmax over the row, its
  * k largest (best first), renormalised over the k when norm. */
 static int row_softmax_topk(const uint16_t *l, int E, int k, int norm, float *p, char *taken,
-                            int32_t *ids, float *w) {
+                            void *q, int32_t *ids, float *w) {
   float m = -INFINITY, s = 0.f;
   for (int e = 0; e < E; e++) m = fmaxf(m, bf16_value(l[e]));
   for (int e = 0; e < E; e++) s += p[e] = expf(bf16_value(l[e]) - m);
   if (!isfinite(s) || !(s > 0.f)) return 1; /* NaN or infinite logits: torch's rules, not ours */
   for (int e = 0; e < E; e++) p[e] /= s;
-  int rc = pick_topk(p, taken, E, k, ids, w);
+  int rc = pick_topk(p, taken, q, E, k, ids, w);
   float kept = 0.f;
   for (int j = 0; j < k; j++) kept += w[j];
   if (norm)
@@ -70,12 +79,12 @@ static int row_softmax_topk(const uint16_t *l, int E, int k, int norm, float *p,
 /* One row of moe_router.topk_softmax on bf16 logits l [E] (plus bias [E] float32 where given):
  * the k largest scores best first, then a float32 softmax over those k alone. */
 static int row_topk_softmax(const uint16_t *l, const float *bias, int E, int k, float *p,
-                            char *taken, int32_t *ids, float *w) {
+                            char *taken, void *q, int32_t *ids, float *w) {
   for (int e = 0; e < E; e++) {
     p[e] = bias ? bf16_value(l[e]) + bias[e] : bf16_value(l[e]);
     if (!isfinite(p[e])) return 1; /* NaN or infinite scores: torch's rules, not ours */
   }
-  int rc = pick_topk(p, taken, E, k, ids, w);
+  int rc = pick_topk(p, taken, q, E, k, ids, w);
   float m = w[0], s = 0.f;
   for (int j = 0; j < k; j++) s += w[j] = expf(w[j] - m);
   for (int j = 0; j < k; j++) w[j] /= s;
@@ -92,15 +101,16 @@ static int route_rows(const uint16_t *logits, const float *bias, int T, int E, i
   if (k <= 0 || k > E) return -1;
   float *p = (float *)malloc((size_t)E * sizeof(float));
   char *taken = (char *)malloc((size_t)E);
-  int rc = p && taken ? 0 : -1;
+  void *q = malloc((size_t)E * 8); /* topk.c's (score, index) pairs */
+  int rc = p && taken && q ? 0 : -1;
   for (int t = 0; t < T && !rc; t++) {
     const uint16_t *l = logits + (size_t)t * E;
     int32_t *it = ids + (size_t)t * k;
     float *wt = w + (size_t)t * k;
-    rc = route ? row_topk_softmax(l, bias, E, k, p, taken, it, wt)
-               : row_softmax_topk(l, E, k, norm, p, taken, it, wt);
+    rc = route ? row_topk_softmax(l, bias, E, k, p, taken, q, it, wt)
+               : row_softmax_topk(l, E, k, norm, p, taken, q, it, wt);
   }
-  free(p), free(taken);
+  free(p), free(taken), free(q);
   return rc;
 }
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from afd.kernels import gemm
+from afd.kernels import topk as topk_ties
 
 Routing = tuple[torch.Tensor, torch.Tensor]  # expert ids [T, k] int32, weights [T, k] float32
 ROUTES = {"softmax_topk": 0, "topk_softmax": 1}  # the router kinds the call computes
@@ -59,6 +60,8 @@ class NativeDecodeLayer:
         self.experts = w_router.shape[0] if w_router is not None else 0
         self.topk, self.norm_topk = (topk, norm_topk) if self.experts else (0, False)
         self.route = ROUTES[route]
+        if self.topk:
+            topk_ties.trust()  # tied tokens routed in the call where it picks as torch does
         # gpt-oss's additions, in the dtypes the per-op path applies them in: a Linear's bias
         # is added in the result's dtype, sinks and the router's bias in float32
         bf16 = torch.bfloat16

@@ -79,6 +79,12 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_argmax_rows.restype = i
     lib.afd_act_rows.argtypes = [p, i, i, i, f, f, p]
     lib.afd_act_rows.restype = i
+    lib.afd_topk_known.argtypes = [i, i]
+    lib.afd_topk_known.restype = i
+    lib.afd_topk_rows.argtypes = [p, i, i, i, p]
+    lib.afd_topk_rows.restype = i
+    lib.afd_topk_trust.argtypes = [i]
+    lib.afd_topk_trust.restype = None
     lib.afd_fp8_quantize.argtypes = [p, p, p, i, i, i]
     lib.afd_fp8_quantize.restype = i
     lib.afd_fp8_dequantize.argtypes = [p, p, p, i, i, i]

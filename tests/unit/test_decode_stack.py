@@ -105,11 +105,13 @@ def _tie(layer: int):
 
 
 @pytest.mark.parametrize("tied", [0, 1])
-def test_a_tie_leaves_the_layer_to_torch_and_the_rest_to_the_stack(
-    native_path, mixtral_dir, tied, monkeypatch
+def test_a_tied_layer_routes_as_torch_in_the_stack_or_in_torch(
+    native_path, tie_routing, mixtral_dir, tied, monkeypatch
 ):
-    """A layer whose logits all tie: the stack stops there, torch routes it and sends its
-    experts, and the stack goes on from the next layer (Mixtral's test model has two)."""
+    """A layer whose logits all tie: with topk.c's replay of torch.topk the stack routes it
+    itself and runs every layer; without, the stack stops there, torch routes it and sends its
+    experts, and the stack goes on from the next layer (Mixtral's test model has two). The
+    same tokens and logprobs as the layer loop either way."""
     from services.attention.dispatch import FFNDispatcher
 
     firsts: list[int] = []
@@ -125,6 +127,10 @@ def test_a_tie_leaves_the_layer_to_torch_and_the_rest_to_the_stack(
     want = _generate(mixtral_dir, False, _tie(tied))
     assert ran > 0 and tokens == want[0] and logprobs == want[1]
     assert torch.equal(load, want[2])
+    if tie_routing:
+        assert {len(s) for s in inline} == {2}, "each step: both layers in the stack"
+        assert set(firsts) == {0}
+        return
     assert {len(s) for s in inline} == {1}, "each step: one layer in the stack, one in torch"
     assert set(firsts) == {1 - tied}, "the stack did not run the layer that did not tie"
 
