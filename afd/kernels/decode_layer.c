@@ -93,8 +93,8 @@ static int row_topk_softmax(const uint16_t *l, const float *bias, int E, int k, 
 
 /* The router kind `route` (0: softmax-then-top-k, 1: top-k-then-softmax with bias) on bf16
  * logits [T, E] -> ids [T, k], weights [T, k]. Where a row's pick is not torch.topk's to make
- * here (a tie across the cut, non-finite scores) 1 is returned for the caller to route the
- * batch with torch. The weights are torch's to within an ulp (expf, not torch's vectorised
+ * here (a tie across the cut topk.c may not break, non-finite scores) 1 is returned for the
+ * caller to route the batch with torch. The weights are torch's to within an ulp (expf, not torch's vectorised
  * exp). Returns 0, 1, or -1. */
 static int route_rows(const uint16_t *logits, const float *bias, int T, int E, int k, int route,
                       int norm, int32_t *ids, float *w) {
@@ -133,8 +133,9 @@ static void add_bias(uint16_t *y, const uint16_t *b, int T, int n) {
  * _ext only: b_qkv [qin + 2 kvh D] and b_o [H] bf16 or NULL; sinks [nh] float32 or NULL;
  * window > 0: the last `window` positions only; route 0: softmax-then-top-k, 1: top-k-then-
  * softmax with router_bias [E] float32 (or NULL) added to the logits first.
- * Returns 0; 1 where the routing is left to the caller (a tie across the top-k cut; every
- * other output is written); -1 (bad sizes, memory short, a length past the block table). */
+ * Returns 0; 1 where the routing is left to the caller (a tie across the top-k cut, see
+ * pick_topk; every other output is written); -1 (bad sizes, memory short, a length past the
+ * block table). */
 int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const uint16_t *attn_norm, const uint16_t *ffn_norm,
                           const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,

@@ -11,7 +11,8 @@ each layer had been a message (FFNDispatcher.ran_inline), so the metrics read th
 It applies where every layer has the fused attention layer with its router's top-k in the call,
 the one shard computes each layer with its fused experts alone, the wire is bf16 and the batch
 is below oneDNN's crossover on both sides. A layer whose routing the call leaves to torch (a tie
-across the top-k cut) is routed and sent as usual, and the stack goes on from the next layer.
+across the top-k cut where afd/kernels/topk.py's check did not pass) is routed and sent as
+usual, and the stack goes on from the next layer.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class DecodeStack:
         layer's input -> (the next layer to run, its input h [T, H], the FFN work of the layer
         before it in flight or None); else None (the caller runs the layer). The call runs from
         `layer` to the stack's end: after a tie left one layer to torch, the stack goes on from
-        the next (at batch 32 most steps have a tie in some layer)."""
+        the next (without topk.c, at batch 32 most steps had a tie in some layer)."""
         found = self._within.get(layer)
         if found is None:
             return None
