@@ -84,7 +84,8 @@ AMX void afd_amx_pack(const uint16_t *x, int M, int K, uint16_t *xp) {
     for (int s = 0; s < S; s++) {
       __m512i r[16];
       for (int i = 0; i < 16; i++)
-        r[i] = i < rows ? _mm512_loadu_si512(base + (size_t)i * K + 32 * s) : _mm512_setzero_si512();
+        r[i] = i < rows ? _mm512_loadu_si512(base + (size_t)i * K + 32 * s)
+                        : _mm512_setzero_si512();
       transpose16(r);
       for (int p = 0; p < 16; p++) _mm512_storeu_si512(out + (size_t)s * 16 + p, r[p]);
     }

@@ -94,8 +94,8 @@ static int row_topk_softmax(const uint16_t *l, const float *bias, int E, int k, 
 /* The router kind `route` (0: softmax-then-top-k, 1: top-k-then-softmax with bias) on bf16
  * logits [T, E] -> ids [T, k], weights [T, k]. Where a row's pick is not torch.topk's to make
  * here (a tie across the cut topk.c may not break, non-finite scores) 1 is returned for the
- * caller to route the batch with torch. The weights are torch's to within an ulp (expf, not torch's vectorised
- * exp). Returns 0, 1, or -1. */
+ * caller to route the batch with torch. The weights are torch's to within an ulp (expf, not
+ * torch's vectorised exp). Returns 0, 1, or -1. */
 static int route_rows(const uint16_t *logits, const float *bias, int T, int E, int k, int route,
                       int norm, int32_t *ids, float *w) {
   if (k <= 0 || k > E) return -1;

@@ -82,8 +82,9 @@ static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamp
  * afd_bf16_decode_layer_ext's and the experts calls' arguments (I: the experts' intermediate
  * size).
  * Returns L when every layer ran; l < L where layer l's routing is left to the caller (a tie
- * across its top-k cut that topk.c may not break: h is then layer l's input); -1 where a layer's attention failed and -2
- * where its experts did (bad sizes, memory short), *at set to that layer. */
+ * across its top-k cut that topk.c may not break: h is then layer l's input); -1 where a
+ * layer's attention failed and -2 where its experts did (bad sizes, memory short), *at set to
+ * that layer. */
 int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t *h_attn,
                           uint16_t *x, uint16_t *logits, const int64_t *pos,
                           const int64_t *slots, const int64_t *blocks, const int64_t *lens, int T,

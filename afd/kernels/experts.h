@@ -39,8 +39,9 @@ static inline __m256 afd_exp8_any(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
   const __m256i bias = _mm256_set1_epi32(127);
+  const __m256i rest = _mm256_sub_epi32(ni, half);
   __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
-  __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+  __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
   __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, a), b);
   y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), over);
   return _mm256_andnot_ps(under, y);
