@@ -56,19 +56,15 @@ static inline void store8(uint16_t *p, __m256 v) {
   _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
 }
 
-/* e^x on 8 lanes, for the x <= 0 of a softmax after its max is subtracted (below -87.3 the
- * result is flushed to 0, where expf would give a denormal): x = n ln2 + r with |r| <= ln2/2,
- * e^r by its Taylor series to r^7 (truncation < 1e-8 relative), times 2^n through the
- * exponent bits. Within 1 ulp of glibc's expf over [-87, 0] (measured on every 64th float). */
-static inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.33654f);
-  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+/* e^x = 2^n e^r on 8 lanes (x already clamped to fp32's range): n = round(x / ln2), r = x - n
+ * ln2 with |r| <= ln2/2, e^r by its Taylor series to r^7 (truncation < 1e-8 relative). Returns
+ * e^r, n in *n. exp8 and experts.h's afd_exp8_any scale it by 2^n. */
+static inline __m256 exp8_series(__m256 x, __m256 *n) {
+  *n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   /* r = x - n ln2 in two steps (ln2 = 0.693359375 - 2.12194440e-4, the first exact in fp32) */
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 r = _mm256_fnmadd_ps(*n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(*n, _mm256_set1_ps(-2.12194440e-4f), r);
   __m256 p = _mm256_set1_ps(1.0f / 5040);
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
@@ -76,7 +72,16 @@ static inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  return _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+}
+
+/* e^x on 8 lanes, for the x <= 0 of a softmax after its max is subtracted (below -87.3 the
+ * result is flushed to 0, where expf would give a denormal): exp8_series times 2^n through the
+ * exponent bits. Within 1 ulp of glibc's expf over [-87, 0] (measured on every 64th float). */
+static inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), n;
+  __m256 p = exp8_series(_mm256_max_ps(x, lo), &n);
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }

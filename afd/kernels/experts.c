@@ -43,6 +43,24 @@ void afd_pairs_free(afd_pairs *pairs) {
   pairs->starts = NULL, pairs->tokens = NULL, pairs->expert = NULL, pairs->weights = NULL;
 }
 
+void afd_pairs_sum(const afd_pairs *pairs, const uint16_t *const *bias, const uint16_t *yb,
+                   const float *yf, int T, int H, float *acc, uint16_t *out, int c0, int c1) {
+  for (int r = 0; r < T; r++)
+    for (int k = c0; k < c1; k++) acc[(size_t)r * H + k] = bf16_value(out[(size_t)r * H + k]);
+  for (int p = 0; p < pairs->P; p++) {
+    float *o = acc + (size_t)pairs->tokens[p] * H;
+    const uint16_t *b = bias ? bias[pairs->expert[p]] : NULL;
+    const float w = pairs->weights[p];
+    const size_t row = (size_t)p * H;
+    for (int k = c0; k < c1; k++) {
+      float y = yb ? bf16_value(yb[row + k]) : bf16_round(yf[row + k]);
+      o[k] += bf16_round(afd_biased(y, b, k) * w);
+    }
+  }
+  for (int r = 0; r < T; r++)
+    for (int k = c0; k < c1; k++) out[(size_t)r * H + k] = to_bf16(acc[(size_t)r * H + k]);
+}
+
 /* Eight lanes of gate|up from one of the two sources, rounded to bf16 values, bias added. */
 static inline __m256 gate_up8(const uint16_t *gb, const float *gf, const uint16_t *bias, int j) {
   __m256 h = gb ? load_bf16(gb + j) : round8(_mm256_loadu_ps(gf + j));

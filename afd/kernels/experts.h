@@ -24,19 +24,7 @@ static inline float afd_biased(float h, const uint16_t *bias, int j) {
 static inline __m256 afd_exp8_any(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.7228394f);
   __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
-  x = _mm256_min_ps(hi, _mm256_max_ps(lo, x)); /* operands in this order keep a NaN */
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256 n, p = exp8_series(_mm256_min_ps(hi, _mm256_max_ps(lo, x)), &n); /* keeps a NaN */
   __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
   const __m256i bias = _mm256_set1_epi32(127);
   const __m256i rest = _mm256_sub_epi32(ni, half);
@@ -85,6 +73,14 @@ typedef struct {
 int afd_pairs_sort(const int32_t *ids, const float *gate, int T, int topk, int first, int E,
                    afd_pairs *pairs);
 void afd_pairs_free(afd_pairs *pairs);
+
+/* The pairs' results summed into out [T, H] bf16 over columns c0 .. c1 (experts.c), as the torch
+ * path's index_add_ on bf16 sums them: in fp32, pair by pair in order, rounded once. Pair p adds
+ * bf16(bf16(y_p [+ bias]) * weight_p), y [P, H] given as bf16 (yb) or as fp32 sums rounded to
+ * bf16 first (yf, yb NULL); bias[expert] [H], or NULL for none. acc [T, H] fp32: scratch (each
+ * caller's threads take their own columns). */
+void afd_pairs_sum(const afd_pairs *pairs, const uint16_t *const *bias, const uint16_t *yb,
+                   const float *yf, int T, int H, float *acc, uint16_t *out, int c0, int c1);
 
 /* One pair's activations (experts.c), afd_act8 eight at a time: a[j] = act(gate_j [+ bias_j],
  * up_j [+ bias_{I+j}]) for j < I (I % 8 == 0), gate|up [2I] given as bf16 (gb) or as fp32 sums

@@ -42,7 +42,6 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
   const int P = pairs.P;
   const int32_t *starts = pairs.starts, *expert = pairs.expert;
   const int64_t *tokens = pairs.tokens;
-  const float *weights = pairs.weights;
   if (P == 0) {
     afd_pairs_free(&pairs);
     return 0;
@@ -160,28 +159,10 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
         afd_rows((const float *)act + (size_t)p0 * I, w2[e], ys + (size_t)p0 * H, n, H, I, n0,
                  n1, mine);
     }
+    /* out += bf16((y [+ bias]) * weight) pair by pair (index_add_), threads by columns */
 #pragma omp for schedule(static)
-    for (int p = 0; p < P; p++) { /* ys = bf16((y [+ bias]) * weight) */
-      const uint16_t *bias = b2 ? b2[expert[p]] : NULL;
-      for (int k = 0; k < H; k++)
-        ys[(size_t)p * H + k] =
-            to_bf16(afd_biased(bf16_value(ys[(size_t)p * H + k]), bias, k) * weights[p]);
-    }
-    /* index_add_ on bf16 sums in fp32 and rounds once: the same, pair by pair in order, each
-     * thread over its own columns */
-#pragma omp for schedule(static)
-    for (int c0 = 0; c0 < H; c0 += 64) {
-      const int c1 = c0 + 64 < H ? c0 + 64 : H;
-      for (int r = 0; r < T; r++)
-        for (int k = c0; k < c1; k++) acc[(size_t)r * H + k] = bf16_value(out[(size_t)r * H + k]);
-      for (int p = 0; p < P; p++) {
-        float *o = acc + (size_t)tokens[p] * H;
-        const uint16_t *src = ys + (size_t)p * H;
-        for (int k = c0; k < c1; k++) o[k] += bf16_value(src[k]);
-      }
-      for (int r = 0; r < T; r++)
-        for (int k = c0; k < c1; k++) out[(size_t)r * H + k] = to_bf16(acc[(size_t)r * H + k]);
-    }
+    for (int c0 = 0; c0 < H; c0 += 64)
+      afd_pairs_sum(&pairs, b2, ys, NULL, T, H, acc, out, c0, c0 + 64 < H ? c0 + 64 : H);
   }
   free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
   free(acc), free(ys);

@@ -42,7 +42,6 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
   const int P = pairs.P;
   const int32_t *starts = pairs.starts, *expert = pairs.expert;
   const int64_t *tokens = pairs.tokens;
-  const float *weights = pairs.weights;
   if (P == 0) {
     afd_pairs_free(&pairs);
     return 0;
@@ -145,23 +144,10 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
         afd_mxfp4_rows(ap ? ap + p0 * na : NULL, ab ? ab + p0 * na : NULL, wide, b2[e], s2[e],
                        ya + (size_t)p0 * H, n, H, G2, n0, n1);
     }
-    /* ys = bf16(bf16(y [+ bias]) * weight), summed into out in pair order (index_add_), each
-     * thread over its own columns */
+    /* out += bf16(bf16(y [+ bias]) * weight) pair by pair (index_add_), threads by columns */
 #pragma omp for schedule(static)
-    for (int c0 = 0; c0 < H; c0 += 64) {
-      const int c1 = c0 + 64 < H ? c0 + 64 : H;
-      for (int r = 0; r < T; r++)
-        for (int k = c0; k < c1; k++) acc[(size_t)r * H + k] = bf16_value(out[(size_t)r * H + k]);
-      for (int p = 0; p < P; p++) {
-        float *o = acc + tokens[p] * H;
-        const float *y = ya + (size_t)p * H;
-        const uint16_t *bias = bias2 ? bias2[expert[p]] : NULL;
-        for (int k = c0; k < c1; k++)
-          o[k] += bf16_round(afd_biased(bf16_round(y[k]), bias, k) * weights[p]);
-      }
-      for (int r = 0; r < T; r++)
-        for (int k = c0; k < c1; k++) out[(size_t)r * H + k] = to_bf16(acc[(size_t)r * H + k]);
-    }
+    for (int c0 = 0; c0 < H; c0 += 64)
+      afd_pairs_sum(&pairs, bias2, NULL, ya, T, H, acc, out, c0, c0 + 64 < H ? c0 + 64 : H);
   }
   free(held), free(xs), free(as), free(gu), free(ya), free(xp), free(ap), free(xb), free(ab);
   free(acc), free(bk), free(xpk), free(apk), free(sh);
