@@ -112,7 +112,9 @@ INLINE void rows_avx2(const float *xp, const uint8_t *wb, const uint8_t *ws, flo
   const int groups = G / 2, row = G * 32;
   __m256 acc[MT2];
   for (int m = 0; m < R; m++) acc[m] = _mm256_setzero_ps();
+  _mm_prefetch((const char *)ws + MXFP4_AHEAD / 16, _MM_HINT_T0);
   for (int g = 0; g < groups; g++) {
+    _mm_prefetch((const char *)wb + (size_t)g * 32 + MXFP4_AHEAD, _MM_HINT_T0);
     __m256 w[8];
     decode64_f32(wb + (size_t)g * 32, w);
     __m256 s = _mm256_blend_ps(_mm256_set1_ps(scale_of[ws[2 * g]]),
