@@ -51,6 +51,7 @@ def build_gpt_oss(path: Path, seed: int = 0) -> Path:
 
 def run(args: argparse.Namespace) -> dict:
     from afd.config import CacheConfig, EngineConfig, ExpertConfig, ModelConfig, SchedulerConfig
+    from afd.kernels import paths
     from afd_cli.bench.engine import _afd_time, _cpu, _decode_tps, _prompts
     from afd_cli.bench.weights import resident as ffn_resident
     from afd_cli.local import local_engine
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": str(bf16),
         "mxfp4_model": str(mx),
         "cpu": _cpu(),
+        "kernels": paths.active().name,
         "threads": args.threads,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
