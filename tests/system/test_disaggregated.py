@@ -338,7 +338,8 @@ def test_streams_pause_across_an_ffn_restart_and_keep_transformers_tokens(qwen3_
         with ThreadPoolExecutor(len(prompts) + 1) as ex:
             futs = [ex.submit(consume, i) for i in range(len(prompts))]
             while len(got[0]) < 10:  # mid-stream: ~70 tokens still to come on every stream
-                assert not futs[0].done(), futs[0].result()
+                # a failure says how the stream ended (its last event, its tokens) and the log
+                assert not futs[0].done(), (futs[0].result(), ends[0], got[0], procs.log("att0"))
                 time.sleep(0.005)
             procs.stop("ffn1", sig=signal.SIGKILL)
             killed = time.monotonic()
