@@ -5,12 +5,13 @@
  * selection moves equal elements, and the torch path (and transformers) use torch.topk. Its CPU
  * kernel (ATen's TopKImpl.h, torch 2.x) puts (score, index) pairs in index order, and where
  * k * 64 > the row's length, calls std::nth_element for the k-th then std::sort on the k - 1
- * before it, comparing scores alone (a NaN above everything). Both are libstdc++'s algorithms,
- * done again here step for step: introselect (median-of-three pivot, an unguarded partition,
- * a heap select past its depth limit, insertion sort below four) and an insertion sort (std::
- * sort of up to 16 elements). afd/kernels/topk.py checks once per process that this matches
- * the torch it runs with, on rows full of ties; where it does not (or for k * 64 <= E, or k
- * > 17) the callers leave a tied row to torch, as before. */
+ * before it, else std::partial_sort, comparing scores alone (a NaN above everything). All are
+ * libstdc++'s algorithms, done again here step for step: introselect (median-of-three pivot,
+ * an unguarded partition, a heap select past its depth limit, insertion sort below four), an
+ * insertion sort (std::sort of up to 16 elements), and a heap select then a heap sort
+ * (partial_sort). afd/kernels/topk.py checks once per process that this matches the torch it
+ * runs with, on rows full of ties; where it does not (or for k > 17) the callers leave a tied
+ * row to torch, as before. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -49,7 +50,8 @@ static void insertion_sort(elem *first, elem *last) {
   }
 }
 
-/* the heap functions, as libstdc++'s __push_heap, __adjust_heap, __make_heap, __heap_select */
+/* the heap functions, as libstdc++'s __push_heap, __adjust_heap, __make_heap, __heap_select,
+ * __sort_heap */
 static void push_heap(elem *first, long hole, long top, elem val) {
   long parent = (hole - 1) / 2;
   while (hole > top && before(first + parent, &val)) {
@@ -90,6 +92,15 @@ static void heap_select(elem *first, elem *middle, elem *last) {
       *i = *first;
       adjust_heap(first, 0, len, val);
     }
+}
+
+static void sort_heap(elem *first, elem *last) {
+  while (last - first > 1) { /* __pop_heap(first, last - 1, last - 1) */
+    --last;
+    elem val = *last;
+    *last = *first;
+    adjust_heap(first, 0, last - first, val);
+  }
 }
 
 static void move_median_to_first(elem *result, elem *a, elem *b, elem *c) {
@@ -145,8 +156,9 @@ static void nth_element(elem *first, elem *nth, elem *last) {
 int afd_topk_trusted = 0;
 void afd_topk_trust(int on) { afd_topk_trusted = on; }
 
-/* Whether afd_topk_as_torch follows torch's path for this shape. */
-int afd_topk_known(int E, int k) { return k >= 1 && k <= E && k <= 17 && (long)k * 64 > E; }
+/* Whether afd_topk_as_torch follows torch's path for this shape (k <= 17: its std::sort of
+ * k - 1 elements is an insertion sort). */
+int afd_topk_known(int E, int k) { return k >= 1 && k <= E && k <= 17; }
 
 /* The k largest of p [E] in torch.topk's order (largest, sorted), ties as it breaks them: ids
  * and their scores w. q: scratch for E elements (8 bytes each). Returns 0, or -1 where the
@@ -155,8 +167,13 @@ int afd_topk_as_torch(const float *p, int E, int k, int32_t *ids, float *w, void
   if (!afd_topk_known(E, k)) return -1;
   elem *e = (elem *)q;
   for (int j = 0; j < E; j++) e[j].v = p[j], e[j].i = j;
-  nth_element(e, e + k - 1, e + E);
-  insertion_sort(e, e + k - 1); /* std::sort of k - 1 <= 16 elements */
+  if ((long)k * 64 <= E) { /* std::partial_sort */
+    heap_select(e, e + k, e + E);
+    sort_heap(e, e + k);
+  } else {
+    nth_element(e, e + k - 1, e + E);
+    insertion_sort(e, e + k - 1); /* std::sort of k - 1 <= 16 elements */
+  }
   for (int j = 0; j < k; j++) ids[j] = e[j].i, w[j] = e[j].v;
   return 0;
 }

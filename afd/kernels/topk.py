@@ -19,7 +19,11 @@ from afd.kernels import gemm
 log = logging.getLogger("afd.kernels")
 
 # (experts, k) the check covers: the router shapes of the families afd serves, and more
-_SHAPES = ((8, 2), (16, 4), (32, 4), (32, 8), (60, 4), (64, 6), (128, 8), (256, 8), (40, 17))
+# (the last four: std::partial_sort's path, k * 64 <= E)
+_SHAPES = (
+    (8, 2), (16, 4), (32, 4), (32, 8), (60, 4), (64, 6), (128, 8), (256, 8), (40, 17),
+    (64, 1), (128, 2), (256, 4), (1152, 17),
+)  # fmt: skip
 
 
 def known(experts: int, k: int) -> bool:

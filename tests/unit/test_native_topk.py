@@ -13,7 +13,9 @@ pytestmark = pytest.mark.skipif(
     not gemm.available(), reason="kernel not built or the CPU lacks AVX2/FMA"
 )
 
-SHAPES = [(8, 1), (8, 2), (16, 4), (32, 4), (32, 8), (60, 4), (64, 6), (128, 8), (256, 8), (40, 17)]
+# the last four: k * 64 <= E, where torch takes std::partial_sort
+SHAPES = [(8, 1), (8, 2), (16, 4), (32, 4), (32, 8), (60, 4), (64, 6), (128, 8), (256, 8), (40, 17),
+          (64, 1), (128, 2), (256, 4), (1100, 17)]  # fmt: skip
 
 
 @pytest.mark.parametrize("experts,k", SHAPES)
@@ -38,11 +40,11 @@ def test_ties_pick_what_torch_picks(experts, k):
 
 def test_shapes_torch_sorts_otherwise_are_not_followed():
     assert topk.known(32, 4) and topk.known(256, 8) and topk.known(40, 17)
-    assert not topk.known(256, 4)  # k * 64 <= E: torch takes std::partial_sort
+    assert topk.known(256, 4)  # k * 64 <= E: std::partial_sort, followed too
     assert not topk.known(64, 18)  # std::sort of more than 16 sorts differently
     assert not topk.known(4, 5)
     with pytest.raises(ValueError, match="does not follow torch"):
-        topk.rows(torch.zeros(2, 256), 4)
+        topk.rows(torch.zeros(2, 64), 18)
 
 
 def test_the_check_passes_with_this_torch():
