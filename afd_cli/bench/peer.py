@@ -187,13 +187,14 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _drive(port: int, concurrency: int, args: argparse.Namespace) -> dict:
-    """One `afd bench serve` run against the server on `port`; its JSON summary."""
+def _drive(port: int, concurrency: int, args: argparse.Namespace, seed: int = 0) -> dict:
+    """One `afd bench serve` run against the server on `port`; its JSON summary. seed: the
+    prompts' (each run its own, so neither server's prompt cache serves a measured prefill)."""
     cmd = [sys.executable, "-m", "afd_cli", "bench", "serve", "--json", "--ignore-eos"]
     cmd += ["--base-url", f"http://127.0.0.1:{port}/v1", "--concurrency", str(concurrency)]
     cmd += ["--num-requests", str(max(args.requests_per_stream * concurrency, 4))]
     cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-    cmd += ["--seed", "0"] + (["--logprobs", "1"] if args.logprobs else [])
+    cmd += ["--seed", str(seed)] + (["--logprobs", "1"] if args.logprobs else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"afd bench serve failed on port {port}: {done.stderr[-2000:]}")
@@ -225,9 +226,10 @@ def run(args: argparse.Namespace) -> dict:
         for name in _SERVERS:
             proc = _start(name, args, server, gguf, ckpt, args.port)
             try:
-                for c in args.concurrency:
-                    _drive(args.port, c, args)  # warm-up at this concurrency
-                    runs.setdefault((name, c), []).append(_drive(args.port, c, args))
+                for i, c in enumerate(args.concurrency):
+                    # prompts never sent before to this server (each concurrency its own)
+                    _drive(args.port, c, args, seed=2 * i + 1)  # warm-up at this concurrency
+                    runs.setdefault((name, c), []).append(_drive(args.port, c, args, 2 * i))
             finally:
                 _stop(proc)
     rows = []
@@ -236,12 +238,16 @@ def run(args: argparse.Namespace) -> dict:
         for name in _SERVERS:
             tps = [r["output_throughput"] for r in runs[(name, c)]]
             tpot = [r["tpot_s"]["mean"] * 1e3 for r in runs[(name, c)]]
+            ttft = [r["ttft_s"]["p50"] * 1e3 for r in runs[(name, c)]]
             row[name] = {
                 "output_tok_s": round(statistics.median(tps), 1),
                 "mean_tpot_ms": round(statistics.median(tpot), 2),
+                "p50_ttft_ms": round(statistics.median(ttft), 1),
                 "runs_tok_s": [round(v, 1) for v in tps],
             }
         row["ratio"] = round(row["afd"]["output_tok_s"] / row["llama.cpp"]["output_tok_s"], 2)
+        # llama.cpp's TTFT over afd's: above 1, afd answers first
+        row["ttft_ratio"] = round(row["llama.cpp"]["p50_ttft_ms"] / row["afd"]["p50_ttft_ms"], 2)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     return {
