@@ -74,8 +74,9 @@ int afd_pairs_sort(const int32_t *ids, const float *gate, int T, int topk, int f
                    afd_pairs *pairs);
 void afd_pairs_free(afd_pairs *pairs);
 
-/* The pairs' results summed into out [T, H] bf16 over columns c0 .. c1 (experts.c), as the torch
- * path's index_add_ on bf16 sums them: in fp32, pair by pair in order, rounded once. Pair p adds
+/* The pairs' results summed into out [T, H] bf16 over columns c0 .. c1 (multiples of 8;
+ * experts.c), as the torch path's index_add_ on bf16 sums them: in fp32, pair by pair in order,
+ * rounded once. Pair p adds
  * bf16(bf16(y_p [+ bias]) * weight_p), y [P, H] given as bf16 (yb) or as fp32 sums rounded to
  * bf16 first (yf, yb NULL); bias[expert] [H], or NULL for none. acc [T, H] fp32: scratch (each
  * caller's threads take their own columns). */
