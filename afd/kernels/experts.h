@@ -60,13 +60,16 @@ static inline __m256 afd_act8(__m256 g, __m256 u, int act, float limit, float al
  * sorted by expert and, within one, in t * topk + j order (the torch path's stable argsort):
  * pair q is token tokens[q] for local expert expert[q] with routing weight weights[q] (gate
  * rounded to bf16, as the torch path rounds it); expert e's pairs are starts[e] ..
- * starts[e + 1] - 1, P in all. */
+ * starts[e + 1] - 1, P in all. Token t's pairs, in that order: mine[t_starts[t]] ..
+ * mine[t_starts[t + 1] - 1]. */
 typedef struct {
   int P;
-  int32_t *starts; /* [E + 1] */
-  int64_t *tokens; /* [P] */
-  int32_t *expert; /* [P] */
-  float *weights;  /* [P] */
+  int32_t *starts;   /* [E + 1] */
+  int64_t *tokens;   /* [P] */
+  int32_t *expert;   /* [P] */
+  float *weights;    /* [P] */
+  int32_t *t_starts; /* [T + 1] */
+  int32_t *mine;     /* [P] */
 } afd_pairs;
 
 /* experts.c: a counting sort. Returns 0, or -1 when memory is short (nothing to free then). */
@@ -74,14 +77,13 @@ int afd_pairs_sort(const int32_t *ids, const float *gate, int T, int topk, int f
                    afd_pairs *pairs);
 void afd_pairs_free(afd_pairs *pairs);
 
-/* The pairs' results summed into out [T, H] bf16 over columns c0 .. c1 (multiples of 8;
- * experts.c), as the torch path's index_add_ on bf16 sums them: in fp32, pair by pair in order,
- * rounded once. Pair p adds
- * bf16(bf16(y_p [+ bias]) * weight_p), y [P, H] given as bf16 (yb) or as fp32 sums rounded to
- * bf16 first (yf, yb NULL); bias[expert] [H], or NULL for none. acc [T, H] fp32: scratch (each
- * caller's threads take their own columns). */
+/* The pairs' results summed into rows r0 .. r1 of out [T, H] bf16 (experts.c; H a multiple of
+ * 8), as the torch path's index_add_ on bf16 sums them: in fp32, pair by pair in order, rounded
+ * once (a row no pair adds to is left alone). Pair p adds bf16(bf16(y_p [+ bias]) * weight_p),
+ * y [P, H] given as bf16 (yb) or as fp32 sums rounded to bf16 first (yf, yb NULL);
+ * bias[expert] [H], or NULL for none. acc: H floats of the caller's thread's scratch. */
 void afd_pairs_sum(const afd_pairs *pairs, const uint16_t *const *bias, const uint16_t *yb,
-                   const float *yf, int T, int H, float *acc, uint16_t *out, int c0, int c1);
+                   const float *yf, int H, float *acc, uint16_t *out, int r0, int r1);
 
 /* One pair's activations (experts.c), afd_act8 eight at a time: a[j] = act(gate_j [+ bias_j],
  * up_j [+ bias_{I+j}]) for j < I (I % 8 == 0), gate|up [2I] given as bf16 (gb) or as fp32 sums

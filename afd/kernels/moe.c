@@ -90,7 +90,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     int e = reverse ? E - 1 - i : i;
     if (starts[e + 1] > starts[e]) units[held++] = e;
   }
-  float *acc = (float *)malloc((size_t)T * H * sizeof(float)); /* the sum's, below */
+  float *acc = (float *)malloc((size_t)t * H * sizeof(float)); /* the sum's: a row a thread */
   if (!acc) {
     free(ys), free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
     afd_pairs_free(&pairs);
@@ -159,10 +159,10 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
         afd_rows((const float *)act + (size_t)p0 * I, w2[e], ys + (size_t)p0 * H, n, H, I, n0,
                  n1, mine);
     }
-    /* out += bf16((y [+ bias]) * weight) pair by pair (index_add_), threads by columns */
+    /* out += bf16((y [+ bias]) * weight) pair by pair (index_add_), threads by tokens */
+    float *row = acc + (size_t)(t > 1 ? omp_get_thread_num() : 0) * H;
 #pragma omp for schedule(static)
-    for (int c0 = 0; c0 < H; c0 += 64)
-      afd_pairs_sum(&pairs, b2, ys, NULL, T, H, acc, out, c0, c0 + 64 < H ? c0 + 64 : H);
+    for (int r = 0; r < T; r++) afd_pairs_sum(&pairs, b2, ys, NULL, H, row, out, r, r + 1);
   }
   free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
   free(acc), free(ys);

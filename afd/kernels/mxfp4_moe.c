@@ -54,7 +54,7 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
   uint16_t *as = malloc((size_t)P * I * sizeof(uint16_t));   /* activations */
   float *gu = malloc((size_t)P * 2 * I * sizeof(float));     /* w13 sums */
   float *ya = malloc((size_t)P * H * sizeof(float));         /* w2 sums */
-  float *acc = malloc((size_t)T * H * sizeof(float));
+  float *acc = malloc((size_t)(threads > 1 ? threads : 1) * H * sizeof(float)); /* a row a thread */
   int nheld = 0;
   for (int e = 0; held && e < E; e++) /* (held is checked with the rest below) */
     if (starts[e + 1] > starts[e]) held[nheld++] = e;
@@ -144,10 +144,10 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
         afd_mxfp4_rows(ap ? ap + p0 * na : NULL, ab ? ab + p0 * na : NULL, wide, b2[e], s2[e],
                        ya + (size_t)p0 * H, n, H, G2, n0, n1);
     }
-    /* out += bf16(bf16(y [+ bias]) * weight) pair by pair (index_add_), threads by columns */
+    /* out += bf16(bf16(y [+ bias]) * weight) pair by pair (index_add_), threads by tokens */
+    float *row = acc + (size_t)(t > 1 ? omp_get_thread_num() : 0) * H;
 #pragma omp for schedule(static)
-    for (int c0 = 0; c0 < H; c0 += 64)
-      afd_pairs_sum(&pairs, bias2, NULL, ya, T, H, acc, out, c0, c0 + 64 < H ? c0 + 64 : H);
+    for (int r = 0; r < T; r++) afd_pairs_sum(&pairs, bias2, NULL, ya, H, row, out, r, r + 1);
   }
   free(held), free(xs), free(as), free(gu), free(ya), free(xp), free(ap), free(xb), free(ab);
   free(acc), free(bk), free(xpk), free(apk), free(sh);
