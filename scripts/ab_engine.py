@@ -8,7 +8,9 @@ Each revision is checked out into a git worktree and its native library built th
 round runs BEFORE then AFTER in a fresh process each (`afd bench engine`'s engine: the
 reference checkpoint, bf16, 2 threads, the default kernel path), decode tok/s as that command
 computes it; `--model` another checkpoint (e.g. `afd bench mxfp4`'s gpt-oss model or its MXFP4
-copy, with the expert path of `--expert-compute`). With `--serve STREAMS`: each side's `afd
+copy, with the expert path of `--expert-compute`). With `--prefill LEN`: prefill instead of
+decode, prompt tok/s of `--batch` new prompts of LEN tokens each (one output token; the median
+of three calls, each with prompts the engine has not seen). With `--serve STREAMS`: each side's `afd
 serve` instead, started fresh for every run and driven through the API by `afd bench serve`
 (both revisions need afd_cli.bench.peer).
 Prints JSON: the runs, the medians and AFTER / BEFORE. Not part of CI.
@@ -40,13 +42,14 @@ from afd_cli.bench.engine import _decode_tps, _prompts, build_checkpoint
 from afd_cli.local import local_engine
 
 batch, new, threads, cache = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-model, compute = sys.argv[5], sys.argv[6]
+model, compute, prefill = sys.argv[5], sys.argv[6], int(sys.argv[7])
 torch.set_num_threads(threads)
 path = Path(model) if model else build_checkpoint(Path(cache) / "bench-qwen3moe-ref")
 cfg = EngineConfig(model=ModelConfig.from_hf(path), dtype="bfloat16", a2f_dtype="bf16",
                    micro_batches=1, decode_stack=True, threads=threads,
                    cache=CacheConfig(block_size=16, kv_cache_memory_gb=1.0),
-                   scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
+                   scheduler=SchedulerConfig(max_num_seqs=64,
+                                             max_num_batched_tokens=max(4096, batch * prefill)),
                    experts=ExpertConfig(compute=compute))
 with local_engine(cfg, 1, progress=False) as eng:
     prompts = _prompts(batch, 16, cfg.model.vocab_size, batch)
@@ -55,7 +58,13 @@ with local_engine(cfg, 1, progress=False) as eng:
         eng.generate(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         return time.perf_counter() - t0
     timed(prompts, 2)
-    print(json.dumps({"tok_s": _decode_tps(timed, prompts, new)}))
+    if prefill:  # fresh prompts every call: prefix caching serves none of them
+        timed(_prompts(batch, prefill, cfg.model.vocab_size, 1000), 1)
+        t = sorted(timed(_prompts(batch, prefill, cfg.model.vocab_size, 1001 + i), 1)
+                   for i in range(3))[1]
+        print(json.dumps({"tok_s": batch * prefill / t}))
+    else:
+        print(json.dumps({"tok_s": _decode_tps(timed, prompts, new)}))
 """
 
 
@@ -106,7 +115,7 @@ def _run(tree: Path, args: argparse.Namespace) -> float:
     else:
         code = _TIMING
         argv = [str(args.batch), str(args.new_tokens), str(args.threads), args.cache_dir]
-        argv += [args.model or "", args.expert_compute]
+        argv += [args.model or "", args.expert_compute, str(args.prefill)]
     out = subprocess.run(
         [sys.executable, "-c", code, *argv],
         cwd=tree, env=env, capture_output=True, text=True,
@@ -129,6 +138,13 @@ def main() -> int:
         metavar="STREAMS",
         help="instead of the engine: each side's `afd serve` (default flags), driven by "
         "`afd bench serve` at this many streams (6 requests each)",
+    )
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        metavar="LEN",
+        help="measure the engine's prefill of --batch prompts of LEN tokens instead of decode",
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", help="the engine's checkpoint (default: the reference model)")
@@ -155,7 +171,8 @@ def main() -> int:
         "benchmark": "ab_engine",
         "cpu": _cpu(),
         "revisions": shas,
-        "measured": "afd serve" if args.serve else "engine",
+        "measured": "afd serve" if args.serve else "engine prefill" if args.prefill else "engine",
+        **({"prompt_len": args.prefill} if args.prefill and not args.serve else {}),
         **({"streams": args.serve} if args.serve else {"batch": args.batch}),
         **({"model": args.model, "expert_compute": args.expert_compute} if args.model else {}),
         "new_tokens": args.new_tokens,
