@@ -128,8 +128,10 @@ def _attend(
     else:
         v = gather(v_cache, scales[1], 1, idx, q.dtype).view(kvh * B, L, Dv)
     qg = q.view(B, n, kvh, g, D).permute(2, 0, 3, 1, 4).reshape(kvh * B, g * n, D)
-    scores = bmm(qg, k.transpose(1, 2)).float().view(kvh, B, g, n, L) * scale
-    scores = scores + bias.view(1, B, 1, -1, L)
+    # one pass for the fp32 upcast, the scale and the mask: bias + scale * s is scale * s
+    # rounded once (bias is 0) or -inf, as the three separate ops give it
+    scores = bmm(qg, k.transpose(1, 2)).view(kvh, B, g, n, L)
+    scores = torch.add(bias.view(1, B, 1, -1, L), scores, alpha=scale)
     if sinks is None:
         probs = torch.softmax(scores, dim=-1)
     else:  # the sink joins each softmax's denominator and takes no value
