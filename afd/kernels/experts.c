@@ -65,7 +65,8 @@ void afd_pairs_sum(const afd_pairs *pairs, const uint16_t *const *bias, const ui
   /* a token at a time, its pairs' rows read front to back (by columns, each pair's few columns
    * were a strided read that missed the cache: 14% of a prefill); eight columns at a time */
   for (int r = r0; r < r1; r++) {
-    const int32_t *q = pairs->mine + pairs->t_starts[r], n = pairs->t_starts[r + 1] - pairs->t_starts[r];
+    const int32_t *q = pairs->mine + pairs->t_starts[r];
+    const int n = pairs->t_starts[r + 1] - pairs->t_starts[r];
     if (n == 0) continue;
     uint16_t *o = out + (size_t)r * H;
     for (int k = 0; k < H; k += 8) _mm256_storeu_ps(acc + k, load_bf16(o + k));

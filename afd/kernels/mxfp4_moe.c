@@ -54,7 +54,7 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
   uint16_t *as = malloc((size_t)P * I * sizeof(uint16_t));   /* activations */
   float *gu = malloc((size_t)P * 2 * I * sizeof(float));     /* w13 sums */
   float *ya = malloc((size_t)P * H * sizeof(float));         /* w2 sums */
-  float *acc = malloc((size_t)(threads > 1 ? threads : 1) * H * sizeof(float)); /* a row a thread */
+  float *acc = malloc((size_t)(threads > 1 ? threads : 1) * H * sizeof(float)); /* a thread's row */
   int nheld = 0;
   for (int e = 0; held && e < E; e++) /* (held is checked with the rest below) */
     if (starts[e + 1] > starts[e]) held[nheld++] = e;
