@@ -67,8 +67,7 @@ def paged_attention(
     nd = meta.num_decode
     fused = native() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
     fused = fused and Dv == D and k_cache.is_contiguous() and v_cache.is_contiguous()
-    fused = fused and k_cache.device.type == "cpu"
-    if nd and fused:
+    if nd and fused and k_cache.device.type == "cpu":
         lens = meta.decode_lens
         out[:nd] = decode_attention(
             q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale, sinks, window
@@ -86,16 +85,6 @@ def paged_attention(
         out[:nd] = o.reshape(nd, -1)
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
-        if fused:
-            # each new token as a decode row over its sequence's first positions (causal by
-            # length): a row's result depends on its own keys only, so a prompt gives the same
-            # bits prefilled at once, in chunks or after a cached prefix
-            table = p.blocks.unsqueeze(0).expand(p.q_len, -1)
-            lens = meta.positions[rows] + 1
-            out[rows] = decode_attention(
-                q[rows], k_cache, v_cache, table, lens, scale, sinks, window
-            )
-            continue
         qs = q[rows].unsqueeze(0)  # [1, n, nh, D]
         bias = _windowed(p.bias, meta.positions[rows], window).unsqueeze(0)
         o = _attend(qs, k_cache, v_cache, p.blocks.unsqueeze(0), bias, scale, sinks, scales)
