@@ -18,6 +18,7 @@
  * the prefetches (below) change no bits. Per-layer figures: docs/benchmarks.md. */
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -220,4 +221,45 @@ int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const 
                               int threads) {
   return afd_bf16_decode_attention_ext(q, k_cache, v_cache, blocks, lens, out, B, kvh, g, D, NB,
                                        bs, nb, scale, NULL, 0, threads);
+}
+
+/* The softmax of a prefill's scores, between the torch path's two bmms (services/attention/
+ * paged_attention.py: _attend): s [kvh * g * n, L] bf16, the bf16 bmm's q . k of one sequence's
+ * n new tokens (row (h * g + j) * n + i: K/V head h, its query head j, token i); token i sees
+ * keys lo[i] .. hi[i] - 1. p (the same shape, bf16) <- bf16(softmax(scale * s)) over those keys
+ * (softmax_rows: the decode kernel's steps), 0 elsewhere. Each row reads only its visible keys,
+ * so its bits do not depend on how many masked ones the call holds (a prompt prefilled at once,
+ * in chunks or after a cached prefix: the same rows). sinks: NULL or [kvh * g]. Replaces the
+ * torch ops' scale, mask, softmax and bf16 copy, several passes over fp32 scores, with one.
+ * Returns 0, or -1 for a bad range or no memory. */
+int afd_bf16_prefill_softmax(const uint16_t *s, int kvh, int g, int n, int L, const int32_t *lo,
+                             const int32_t *hi, float scale, const float *sinks, uint16_t *p,
+                             int threads) {
+  for (int i = 0; i < n; i++)
+    if (lo[i] < 0 || hi[i] <= lo[i] || hi[i] > L) return -1;
+  int failed = 0, t = threads > 1 ? threads : 1;
+  const int R = kvh * g * n;
+#pragma omp parallel num_threads(t) if (t > 1)
+  {
+    float *x = (float *)malloc(((size_t)L + 8) * sizeof(float));
+    if (!x) failed = 1;
+#pragma omp for schedule(static)
+    for (int r = 0; r < R; r++) {
+      if (!x) continue;
+      const int i = r % n, head = r / n, a = lo[i], len = hi[i] - lo[i];
+      const uint16_t *sr = s + (size_t)r * L + a;
+      uint16_t *pr = p + (size_t)r * L;
+      const __m256 vscale = _mm256_set1_ps(scale);
+      int l = 0;
+      for (; l + 8 <= len; l += 8) _mm256_storeu_ps(x + l, _mm256_mul_ps(load_bf16(sr + l), vscale));
+      for (; l < len; l++) x[l] = bf16_value(sr[l]) * scale;
+      softmax_rows(x, len, 1, sinks ? sinks + head : NULL);
+      memset(pr, 0, (size_t)a * sizeof(uint16_t));
+      for (l = 0; l + 8 <= len; l += 8) store8(pr + a + l, _mm256_loadu_ps(x + l));
+      for (; l < len; l++) pr[a + l] = to_bf16(x[l]);
+      memset(pr + a + len, 0, (size_t)(L - a - len) * sizeof(uint16_t));
+    }
+    free(x);
+  }
+  return failed ? -1 : 0;
 }

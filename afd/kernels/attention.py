@@ -47,3 +47,26 @@ def decode_attention(
     if rc:
         raise RuntimeError(f"afd_bf16_decode_attention failed (lengths {lens.tolist()})")
     return out
+
+
+def prefill_softmax(
+    s: torch.Tensor,  # [kvh, g * n, L] bf16: one sequence's q . k, rows (head, query head, token)
+    lo: torch.Tensor,  # [n] int32: token i sees keys lo[i] .. hi[i] - 1
+    hi: torch.Tensor,  # [n] int32
+    scale: float,
+    sinks: torch.Tensor | None = None,  # [kvh * g] float32: a logit per head that takes no value
+) -> torch.Tensor:  # [kvh, g * n, L] bf16: the probabilities, 0 outside each row's keys
+    """softmax(scale * s) over each row's visible keys only, rounded to bf16 (attention.c)."""
+    kvh, gn, L = s.shape
+    n = lo.shape[0]
+    s = s.contiguous()
+    lo, hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+    sinks = None if sinks is None else sinks.float().contiguous()
+    p = torch.empty_like(s)
+    rc = gemm._lib().afd_bf16_prefill_softmax(
+        s.data_ptr(), kvh, gn // n, n, L, lo.data_ptr(), hi.data_ptr(), scale,
+        None if sinks is None else sinks.data_ptr(), p.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise RuntimeError(f"afd_bf16_prefill_softmax failed for scores {tuple(s.shape)}")
+    return p

@@ -10,7 +10,7 @@ from functools import cached_property
 import torch
 
 from afd.kernels import cuda_attention
-from afd.kernels.attention import decode_attention
+from afd.kernels.attention import decode_attention, prefill_softmax
 from afd.ops import bmm, native
 from services.attention.kv_cache import gather
 
@@ -67,7 +67,8 @@ def paged_attention(
     nd = meta.num_decode
     fused = native() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
     fused = fused and Dv == D and k_cache.is_contiguous() and v_cache.is_contiguous()
-    if nd and fused and k_cache.device.type == "cpu":
+    fused = fused and k_cache.device.type == "cpu"
+    if nd and fused:
         lens = meta.decode_lens
         out[:nd] = decode_attention(
             q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale, sinks, window
@@ -87,7 +88,12 @@ def paged_attention(
         rows = slice(p.q_start, p.q_start + p.q_len)
         qs = q[rows].unsqueeze(0)  # [1, n, nh, D]
         bias = _windowed(p.bias, meta.positions[rows], window).unsqueeze(0)
-        o = _attend(qs, k_cache, v_cache, p.blocks.unsqueeze(0), bias, scale, sinks, scales)
+        visible = None
+        if fused:  # each token's keys: the softmax in one native pass, row by row
+            hi = meta.positions[rows] + 1
+            visible = ((hi - window).clamp(min=0) if window else torch.zeros_like(hi), hi)
+        o = _attend(qs, k_cache, v_cache, p.blocks.unsqueeze(0), bias, scale, sinks, scales,
+                    visible)  # fmt: skip
         out[rows] = o.reshape(p.q_len, -1)
     return out
 
@@ -111,6 +117,7 @@ def _attend(
     scale: float,
     sinks: torch.Tensor | None = None,  # [nh] float32
     scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),  # an FP8 cache's
+    visible: tuple[torch.Tensor, torch.Tensor] | None = None,  # [n] each token's keys lo..hi-1
 ) -> torch.Tensor:  # [B, n, nh, Dv]
     """Softmax attention as batched matmuls over (K/V head, sequence) pairs; the g query heads
     of a K/V head and the n query tokens of a sequence share one matmul."""
@@ -128,6 +135,10 @@ def _attend(
     else:
         v = gather(v_cache, scales[1], 1, idx, q.dtype).view(kvh * B, L, Dv)
     qg = q.view(B, n, kvh, g, D).permute(2, 0, 3, 1, 4).reshape(kvh * B, g * n, D)
+    if visible is not None:  # one sequence (B = 1), bf16 on afd's CPU kernels: attention.c
+        probs = prefill_softmax(bmm(qg, k.transpose(1, 2)), visible[0], visible[1], scale, sinks)
+        o = bmm(probs, v)  # [kvh, g*n, Dv]
+        return o.view(kvh, B, g, n, Dv).permute(1, 3, 0, 2, 4).reshape(B, n, nh, Dv)
     # one pass for the fp32 upcast, the scale and the mask: bias + scale * s is scale * s
     # rounded once (bias is 0) or -inf, as the three separate ops give it
     scores = bmm(qg, k.transpose(1, 2)).view(kvh, B, g, n, L)
