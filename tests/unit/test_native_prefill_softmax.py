@@ -1,0 +1,106 @@
+"""The prefill attention's native softmax (attention.c afd_bf16_prefill_softmax, called by
+services/attention/paged_attention.py's _attend on afd's CPU kernels): against torch's ops it
+replaces (scale and mask in fp32, softmax, bf16), with sink logits and sliding windows; a row's
+bits do not depend on the masked keys around it (chunked prefill, cached prefixes); and the
+whole prefill attention against the torch path's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd.kernels import gemm
+
+pytestmark = pytest.mark.skipif(
+    not gemm.available(), reason="kernel not built or the CPU lacks AVX2/FMA"
+)
+
+
+def _torch_probs(s, lo, hi, scale, sinks):
+    """The torch path's steps on [kvh, g * n, L] bf16 scores."""
+    kvh, gn, L = s.shape
+    n = lo.shape[0]
+    g = gn // n
+    cols = torch.arange(L).view(1, -1)
+    bias = torch.zeros(n, L).masked_fill_(
+        (cols < lo.view(-1, 1)) | (cols >= hi.view(-1, 1)), -torch.inf
+    )
+    x = torch.add(bias.view(1, 1, n, L), s.view(kvh, g, n, L), alpha=scale)
+    if sinks is None:
+        p = torch.softmax(x, -1)
+    else:
+        sink = sinks.float().view(kvh, g, 1, 1).expand(kvh, g, n, 1)
+        p = torch.softmax(torch.cat([x, sink], -1), -1)[..., :L]
+    return p.to(torch.bfloat16).reshape(kvh, gn, L)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("kvh,g,n,L", [(4, 4, 37, 48), (1, 8, 5, 80), (2, 1, 64, 64)])
+def test_matches_torchs_ops(kvh, g, n, L, window, with_sinks):
+    from afd.kernels.attention import prefill_softmax
+
+    gen = torch.Generator().manual_seed(kvh * 1000 + g * 100 + n)
+    s = (torch.randn(kvh, g * n, L, generator=gen) * 4).to(torch.bfloat16)
+    hi = torch.arange(L - n, L) + 1  # the sequence's last n positions, causal
+    lo = (hi - window).clamp(min=0) if window else torch.zeros(n, dtype=torch.long)
+    sinks = torch.randn(kvh * g, generator=gen) if with_sinks else None
+    got = prefill_softmax(s, lo, hi, 0.125, sinks)
+    want = _torch_probs(s, lo, hi, 0.125, sinks)
+    # the same bf16 values but for exp's last bits (attention.c's exp, not Sleef's)
+    assert (got.float() - want.float()).abs().max() <= 2**-8
+    assert (got != want).float().mean() < 0.01
+    outside = (torch.arange(L).view(1, -1) < lo.view(-1, 1)) | (torch.arange(L) >= hi.view(-1, 1))
+    assert not got.view(kvh, g, n, L)[:, :, outside].any()
+
+
+def test_a_rows_bits_do_not_depend_on_the_masked_keys_around_it():
+    """The last tokens alone (a later chunk) and the first ones over fewer keys (an earlier
+    chunk, or a prefix another request cached) give the rows of the whole prefill."""
+    from afd.kernels.attention import prefill_softmax
+
+    gen = torch.Generator().manual_seed(7)
+    kvh, g, n, L = 2, 4, 45, 48
+    s = (torch.randn(kvh, g * n, L, generator=gen) * 4).to(torch.bfloat16).view(kvh, g, n, L)
+    hi = torch.arange(L - n, L) + 1
+    lo = torch.zeros(n, dtype=torch.long)
+    whole = prefill_softmax(s.reshape(kvh, g * n, L), lo, hi, 0.3).view(kvh, g, n, L)
+    tail = prefill_softmax(s[:, :, -5:].reshape(kvh, g * 5, L), lo[-5:], hi[-5:], 0.3)
+    assert torch.equal(tail.view(kvh, g, 5, L), whole[:, :, -5:])
+    keys = int(hi[9])
+    head = prefill_softmax(s[:, :, :10, :keys].reshape(kvh, g * 10, keys), lo[:10], hi[:10], 0.3)
+    assert torch.equal(head.view(kvh, g, 10, keys), whole[:, :, :10, :keys])
+
+
+def test_rejects_an_empty_or_out_of_range_row():
+    from afd.kernels.attention import prefill_softmax
+
+    s = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="prefill_softmax"):
+        prefill_softmax(s, torch.tensor([0, 0]), torch.tensor([9, 3]), 1.0)
+    with pytest.raises(RuntimeError, match="prefill_softmax"):
+        prefill_softmax(s, torch.tensor([2, 0]), torch.tensor([2, 3]), 1.0)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_the_prefill_attention_matches_the_torch_path(window):
+    """_attend with each token's keys given (afd's CPU kernels) against the torch ops on a
+    shuffled block table, GQA, with sinks: the same to bf16 rounding."""
+    from services.attention.paged_attention import _attend, _windowed
+
+    gen = torch.Generator().manual_seed(11)
+    kvh, nh, D, bs, NB, n, start = 2, 8, 32, 16, 12, 20, 13
+    L = -(-(start + n) // bs) * bs
+    k_cache = torch.randn(kvh, NB, bs, D, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(kvh, NB, bs, D, generator=gen).to(torch.bfloat16)
+    blocks = torch.randperm(NB, generator=gen)[: L // bs].unsqueeze(0)
+    q = torch.randn(1, n, nh, D, generator=gen).to(torch.bfloat16)
+    pos = torch.arange(start, start + n)
+    bias = torch.zeros(n, L).masked_fill_(torch.arange(L).view(1, -1) > pos.view(-1, 1), -torch.inf)
+    bias = _windowed(bias, pos, window).unsqueeze(0)
+    sinks = torch.randn(nh, generator=gen)
+    hi = pos + 1
+    lo = (hi - window).clamp(min=0) if window else torch.zeros(n, dtype=torch.long)
+    want = _attend(q, k_cache, v_cache, blocks, bias, D**-0.5, sinks)
+    got = _attend(q, k_cache, v_cache, blocks, bias, D**-0.5, sinks, visible=(lo, hi))
+    assert (got.float() - want.float()).abs().max() <= 2 * 2**-8 * want.float().abs().max()
