@@ -87,11 +87,12 @@ def paged_attention(
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         qs = q[rows].unsqueeze(0)  # [1, n, nh, D]
-        bias = _windowed(p.bias, meta.positions[rows], window).unsqueeze(0)
-        visible = None
-        if fused:  # each token's keys: the softmax in one native pass, row by row
+        bias, visible = None, None
+        if fused:  # each token's keys: the softmax in one native pass, row by row, no mask
             hi = meta.positions[rows] + 1
             visible = ((hi - window).clamp(min=0) if window else torch.zeros_like(hi), hi)
+        else:
+            bias = _windowed(p.bias, meta.positions[rows], window).unsqueeze(0)
         o = _attend(qs, k_cache, v_cache, p.blocks.unsqueeze(0), bias, scale, sinks, scales,
                     visible)  # fmt: skip
         out[rows] = o.reshape(p.q_len, -1)
@@ -113,7 +114,8 @@ def _attend(
     k_cache: torch.Tensor,  # [kvh, NB, bs, D]
     v_cache: torch.Tensor,  # [kvh, NB, bs, Dv]
     blocks: torch.Tensor,  # [B, nb] long: each sequence's block table (padded)
-    bias: torch.Tensor,  # [B, n or 1, L] float32, L = nb * bs: 0 visible, -inf masked
+    bias: torch.Tensor | None,  # [B, n or 1, L] float32, L = nb * bs: 0 visible, -inf masked
+    # (None where `visible` gives the keys)
     scale: float,
     sinks: torch.Tensor | None = None,  # [nh] float32
     scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),  # an FP8 cache's
