@@ -24,7 +24,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 log = logging.getLogger("afd.demo")
 
-DEMO_NAME = "demo-step3-v1"  # bump the suffix whenever the weights or tokenizer change
+DEMO_NAME = "demo-step3-v2"  # bump the suffix whenever the weights or tokenizer change
 SERVED_NAME = "afd-demo-step3"  # the demo model's name in the API
 DEMO_SEED = 0
 DEMO_INIT_STD = 0.06
@@ -54,15 +54,28 @@ def _round_up(n: int, multiple: int) -> int:
 DEMO_VOCAB_SIZE = _round_up(TOKENIZER_SIZE, 64)
 
 # The role tokens are hard-coded (not `bos_token`) so a plain jinja2 renderer, without the
-# variables transformers injects, renders the same string.
+# variables transformers injects, renders the same string. Tools, when a request lists them,
+# are a system turn of one JSON definition per line, and an assistant's tool calls are written
+# in the Hermes format that Qwen's templates use (`afd serve --tool-call-parser hermes`).
 CHAT_TEMPLATE = (
     "{{- '<|begin|>' -}}"
+    "{%- if tools -%}"
+    "{{- '<|system|>You may call these tools. To call one, answer "
+    '<tool_call>{"name": <name>, "arguments": <arguments as JSON>}</tool_call>.' + "' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '<|end|>' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{{- '<|' + message['role'] + '|>' -}}"
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{%- set args = call['function']['arguments'] -%}"
+    "{{- '<tool_call>{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' -}}"
+    "{{- (args if args is string else args | tojson) + '}</tool_call>' -}}"
+    "{%- endfor -%}"
     "{{- '<|end|>' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"

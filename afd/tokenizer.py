@@ -5,6 +5,12 @@ directory, not trusted code), with a budget: a time limit checked on the templat
 (every loop iteration of compiled template code is a line, so no loop escapes it), a cap on the
 text it produces, and no string or list repetition past that cap. A template that loops
 forever or blows up is a RequestError, never a hung gateway.
+
+Templates see what `transformers`' apply_chat_template gives them, so a model's prompt is the
+same text here as there: `messages`, `tools`, `documents`, `add_generation_prompt`, the
+special tokens, any extra variables (vLLM's `chat_template_kwargs`), the globals
+`raise_exception` and `strftime_now`, a `tojson` that does not escape HTML, and `break` /
+`continue` in loops.
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ from __future__ import annotations
 import json
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2.exceptions import SecurityError
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -41,6 +49,34 @@ class _BudgetedSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson escapes <, >, & and ' for HTML; transformers' (the templates'
+    # reference) does not, and a tool description with a "<" must render the same here
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+# what the template itself receives; a request's extra variables may not replace them
+TEMPLATE_NAMES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"}
+)
+
+
 class ModelTokenizer:
     def __init__(self, model_dir: str | Path):
         d = Path(model_dir)
@@ -59,7 +95,12 @@ class ModelTokenizer:
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         # Sandboxed: a chat template is data from the model directory, not trusted code.
-        self._env = _BudgetedSandbox(trim_blocks=True, lstrip_blocks=True)
+        self._env = _BudgetedSandbox(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
+        self._env.filters["tojson"] = _tojson
+        self._env.globals["raise_exception"] = _raise_exception
+        self._env.globals["strftime_now"] = _strftime_now
         self._template = None  # compiled on first use
 
     @property
@@ -77,15 +118,24 @@ class ModelTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         time_limit_s: float | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> str:
         """The rendered prompt; with `time_limit_s`, a render that takes longer raises
-        RequestError (so does one longer than MAX_TEMPLATE_CHARS, always)."""
+        RequestError (so does one longer than MAX_TEMPLATE_CHARS, always). `tools`: OpenAI
+        tool definitions ({"type": "function", "function": {...}}); `extra`: more variables."""
         if not self.chat_template:
             raise ConfigError("this model has no chat template; use a completion prompt")
+        clash = sorted(TEMPLATE_NAMES & set(extra or ()))
+        if clash:
+            raise RequestError(f"the chat template's own variables cannot be replaced: {clash}")
         if self._template is None:
             self._template = self._env.from_string(self.chat_template)
         chunks = self._template.generate(
+            **(extra or {}),
             messages=messages,
+            tools=tools,
+            documents=None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
