@@ -40,6 +40,7 @@ from services.gateway.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from services.gateway.tool_parsers import PARSERS
 
 log = logging.getLogger("afd.gateway")
 
@@ -79,6 +80,10 @@ class GatewayConfig:
     startup_wait_s: float = 60.0
     security: Security = field(default_factory=Security)  # TLS to the attention servers
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    # vLLM's two flags: tool_choice "auto" (the default with tools) reads calls out of the
+    # text with this parser, and only when enabled
+    tool_call_parser: str = ""
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         check(bool(self.attention), "at least one attention server address is needed")
@@ -92,6 +97,14 @@ class GatewayConfig:
         check(self.template_timeout_s > 0, "the template timeout must be > 0")
         check(self.max_tokens_limit >= 0, "the max_tokens limit must be >= 0 (0: none)")
         check(self.startup_wait_s >= 0, "the start-up wait must be >= 0")
+        check(
+            self.tool_call_parser in ("", *PARSERS),
+            f"no tool-call parser {self.tool_call_parser!r}; known: {', '.join(PARSERS)}",
+        )
+        check(
+            bool(self.tool_call_parser) or not self.enable_auto_tool_choice,
+            "--enable-auto-tool-choice needs a --tool-call-parser",
+        )
 
 
 def build_state(cfg: GatewayConfig) -> h.GatewayState:
@@ -122,6 +135,7 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
         template_timeout_s=cfg.template_timeout_s,
         max_tokens_limit=cfg.max_tokens_limit,
         startup_wait_s=cfg.startup_wait_s,
+        tool_parser=cfg.tool_call_parser if cfg.enable_auto_tool_choice else "",
     )
 
     @asynccontextmanager
@@ -166,6 +180,7 @@ def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> None:
     async def chat(request: Request):
         req = await h.parse(request, ChatCompletionRequest)
         h.check_model(state, req.model)
+        h.check_tools(state, req)
         prompt = [(await h.chat_prompt(state, req), "")]
         specs = await h.plan(state, req, prompt, request.state.request_id)
         return await h.respond(state, request, req, specs)
@@ -235,7 +250,10 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
         req = await h.parse(request, TokenizeRequest)
         if req.messages is not None:
             chat = ChatCompletionRequest(
-                messages=req.messages, add_generation_prompt=req.add_generation_prompt
+                messages=req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                tools=req.tools,
+                chat_template_kwargs=req.chat_template_kwargs,
             )
             ids = await h.chat_prompt(state, chat)
         else:

@@ -13,6 +13,7 @@ from afd.flags import build, option
 from services.gateway.app import GatewayConfig
 from services.gateway.latency import SLA
 from services.gateway.routing import POLICIES, RoutingConfig
+from services.gateway.tool_parsers import PARSERS
 
 API_KEY_ENV = "AFD_API_KEY"  # the key from the environment keeps it out of the process list
 API_KEY_FILE_ENV = "AFD_API_KEY_FILE"  # or from a file: a mounted Secret
@@ -49,6 +50,23 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "startup_wait_s",
             help="a request that arrives while the cluster is starting waits this long for an "
             "attention server to be ready (then a 503 'starting'), s",
+        ),
+        option(
+            g,
+            "--tool-call-parser",
+            c,
+            "tool_call_parser",
+            choices=["", *PARSERS],
+            help="how tool calls are read out of the model's text (vLLM's names: hermes for "
+            "Qwen 2.5, Qwen3, Hermes)",
+        ),
+        option(
+            g,
+            "--enable-auto-tool-choice",
+            c,
+            "enable_auto_tool_choice",
+            help='let the model decide to call tools (tool_choice "auto", the default when a '
+            "request lists tools); needs --tool-call-parser",
         ),
         option(g, "--sla-ttft", SLA, "ttft_s", help="TTFT target, s, for goodput (0: none)"),
         option(

@@ -8,7 +8,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +32,7 @@ from services.gateway.responses import (
     usage,
 )
 from services.gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from services.gateway.tool_calls import CallStream, merge
 
 _INT64 = 2**63
 
@@ -51,6 +52,9 @@ class GatewayState:
     max_tokens_limit: int = 0  # max_tokens, at most (0: whatever the context leaves)
     startup_wait_s: float = 0.0  # a request while the cluster starts waits this long for it
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # draining on SIGTERM
+    # tool_choice "auto" reads calls with this parser (services/gateway/tool_parsers.py);
+    # "": auto tool choice is off
+    tool_parser: str = ""
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -88,6 +92,8 @@ async def chat_prompt(state: GatewayState, req: ChatCompletionRequest) -> list[i
             messages,
             req.add_generation_prompt,
             state.template_timeout_s,
+            req.tool_dicts,
+            req.chat_template_kwargs,
         )
     except AfdError as e:  # no template, a time or size limit
         raise invalid(f"cannot apply the chat template: {e}", param="messages") from None
@@ -98,6 +104,26 @@ async def chat_prompt(state: GatewayState, req: ChatCompletionRequest) -> list[i
             param="messages",
         ) from None
     return state.tokenizer.encode(text)
+
+
+def check_tools(state: GatewayState, req: ChatCompletionRequest) -> None:
+    """A tool_choice this server can honour (before anything runs)."""
+    if req.tool_mode == "auto" and not state.tool_parser:
+        raise invalid(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to '
+            'be set; or ask for tool_choice "required", "none" or a named function',
+            "tool_choice",
+        )
+
+
+def _call_streams(
+    state: GatewayState, req: ChatCompletionRequest | CompletionRequest, n: int
+) -> list[CallStream] | None:
+    """Each choice's tool-call reader; None when the answer is plain content."""
+    if not isinstance(req, ChatCompletionRequest) or req.tool_mode == "none":
+        return None
+    mode, name, parallel = req.tool_mode, req.called_tool, req.parallel_tool_calls
+    return [CallStream(mode, state.tool_parser, name, parallel) for _ in range(n)]
 
 
 def completion_prompts(state: GatewayState, req: CompletionRequest) -> list[tuple[list[int], str]]:
@@ -248,6 +274,7 @@ async def respond(
     streams = ChoiceStreams(runs, req.n)
     streams.start(lambda: _disconnected(request))
     with_lp = req.num_logprobs is not None
+    calls = _call_streams(state, req, len(specs))
     if req.stream:
         try:
             first = await streams.next()  # an error before any byte is sent gets its status
@@ -255,7 +282,7 @@ async def respond(
             await streams.close()
             raise
         return StreamingResponse(
-            _sse(streams, fmt, first, with_lp, chat, req.include_usage),
+            _sse(streams, fmt, first, with_lp, chat, req.include_usage, calls),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -264,6 +291,10 @@ async def respond(
         return Response(status_code=499)  # nobody is listening any more
     use = usage(streams.prompt_tokens, streams.completion_tokens, streams.cached_tokens)
     _count_finished(streams)
+    if calls is not None:
+        assert isinstance(fmt, ChatFormatter)
+        choices, called = _read_calls(choices, calls)
+        return JSONResponse(fmt.response(choices, with_lp, use, called))
     body = fmt.response(choices, with_lp, use)
     if isinstance(req, CompletionRequest) and req.prompt_logprobs is not None:
         assert isinstance(fmt, CompletionFormatter)
@@ -290,6 +321,26 @@ async def _collect(
     return [("".join(texts[i]), lps[i], finish[i]) for i in range(n)], prompt_lps
 
 
+def _read_calls(
+    choices: list[tuple[str, list, str]], calls: list[CallStream]
+) -> tuple[list[tuple[str, list, str]], list[list[dict]]]:
+    """Whole answers -> (content, logprobs, finish reason) and each one's tool calls."""
+    out, called = [], []
+    for (text, lps, finish), reader in zip(choices, calls, strict=True):
+        content, deltas = reader.feed(text, final=True)
+        out.append((content, lps, reader.finish_reason(finish)))
+        called.append(merge(deltas))
+    return out, called
+
+
+def _calls_of(reader: CallStream, d: Delta) -> tuple[Delta, list[dict]]:
+    """A streamed delta -> its content and tool-call deltas."""
+    final = d.finish_reason is not None
+    content, deltas = reader.feed(d.text, final)
+    finish = reader.finish_reason(d.finish_reason) if final else None
+    return replace(d, text=content, finish_reason=finish), deltas
+
+
 async def _sse(
     streams: ChoiceStreams,
     fmt: ChatFormatter | CompletionFormatter,
@@ -297,6 +348,7 @@ async def _sse(
     with_lp: bool,
     chat: bool,
     include_usage: bool,
+    calls: list[CallStream] | None = None,
 ) -> AsyncIterator[bytes]:
     try:
         if chat:
@@ -304,7 +356,12 @@ async def _sse(
                 yield sse(fmt.role_chunk(i))
         d = first
         while d is not None:
-            yield sse(fmt.chunk(d, with_lp))
+            if calls is not None:
+                assert isinstance(fmt, ChatFormatter)
+                d, deltas = _calls_of(calls[d.index], d)
+                yield sse(fmt.chunk(d, with_lp, deltas))
+            else:
+                yield sse(fmt.chunk(d, with_lp))
             d = await streams.next()
         if streams.disconnected:
             return

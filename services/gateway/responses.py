@@ -88,25 +88,35 @@ class ChatFormatter(_Formatter):
             self.chunk_name, [{**choice, "logprobs": None, "finish_reason": None}]
         )
 
-    def chunk(self, d: Delta, with_logprobs: bool) -> dict[str, Any]:
+    def chunk(
+        self, d: Delta, with_logprobs: bool, tool_calls: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": d.text} if d.text else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {
             "index": d.index,
-            "delta": {"content": d.text} if d.text else {},
+            "delta": delta,
             "logprobs": self.logprobs(d.logprobs) if with_logprobs and d.logprobs else None,
             "finish_reason": d.finish_reason,
         }
         return self._envelope(self.chunk_name, [choice])
 
     def response(
-        self, choices: list[tuple[str, list[Logprob], str]], with_logprobs: bool, use: dict
+        self,
+        choices: list[tuple[str, list[Logprob], str]],
+        with_logprobs: bool,
+        use: dict,
+        tool_calls: list[list[dict[str, Any]]] | None = None,
     ) -> dict[str, Any]:
-        """`choices`: (text, logprobs, finish_reason) in index order."""
+        """`choices`: (text, logprobs, finish_reason) in index order; `tool_calls`: each
+        choice's calls (a message that called and wrote nothing else has null content)."""
         body = self._envelope(
             self.object_name,
             [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": text},
+                    "message": self._message(text, tool_calls[i] if tool_calls else []),
                     "logprobs": self.logprobs(lps) if with_logprobs else None,
                     "finish_reason": finish,
                 }
@@ -114,6 +124,12 @@ class ChatFormatter(_Formatter):
             ],
         )
         return {**body, "usage": use, "system_fingerprint": None}
+
+    @staticmethod
+    def _message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        if not calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": text or None, "tool_calls": calls}
 
 
 class CompletionFormatter(_Formatter):

@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from afd.control import LOGIT_BIAS_LIMIT, MAX_CACHE_SALT, MAX_GUIDE, MAX_LOGIT_BIAS
+from services.gateway import tool_calls
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -26,6 +27,7 @@ MAX_STOP = 16  # stop strings
 MAX_STOP_LEN = 256  # characters in one stop string
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOOLS = 128
 INT64 = 2**63 - 1
 
 Int = StrictInt
@@ -129,8 +131,8 @@ class _SamplingRequest(_Model):
         found = self._guides()
         if len(found) > 1:
             raise ValueError(
-                "only one of response_format, structured_outputs and guided_* may constrain "
-                f"the output; got {len(found)}"
+                "only one of response_format, structured_outputs, guided_* and a tool_choice "
+                f"of required or a named function may constrain the output; got {len(found)}"
             )
         if found and len(found[0][1]) > MAX_GUIDE:
             raise ValueError(f"the output's guide is longer than {MAX_GUIDE} characters")
@@ -194,10 +196,48 @@ class ContentPart(_Model):
     text: str | None = None
 
 
+# OpenAI's rule for function names
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class FunctionDefinition(_Model):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: Bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionRef(_Model):
+    name: FunctionName
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: FunctionRef
+
+
+class CalledFunction(_Model):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends the JSON text; a template wants the object
+
+
+class ToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     @model_validator(mode="after")
     def _text_only(self) -> ChatMessage:
@@ -207,16 +247,48 @@ class ChatMessage(_Model):
                     raise ValueError(
                         f"content part of type {part.type!r} is not supported; only text parts"
                     )
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"a {self.role} message cannot carry tool_calls; only an assistant's")
+        for call in self.tool_calls or ():
+            args = call.function.arguments
+            if isinstance(args, str) and not isinstance(_json_or_none(args), dict):
+                raise ValueError(
+                    f"the arguments of the call to {call.function.name!r} are not a JSON object"
+                )
         return self
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it (no None fields)."""
+        """The message as the chat template sees it (no None fields). Calls' arguments are
+        objects, as vLLM gives them to templates (which write them with tojson)."""
         d: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if isinstance(self.content, list):
             d["content"] = [{"type": "text", "text": p.text} for p in self.content]
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            d["tool_calls"] = [
+                {
+                    **({"id": c.id} if c.id is not None else {}),
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": c.function.arguments
+                        if isinstance(c.function.arguments, dict)
+                        else json.loads(c.function.arguments),
+                    },
+                }
+                for c in self.tool_calls
+            ]
         return d
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -225,12 +297,58 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: Bool = False
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: Bool = True  # vLLM extra
+    # vLLM extra: more variables for the chat template (Qwen3's enable_thinking, say)
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool = True
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two tools have the same name")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
         return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named: what the answer may or must call."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template and the guides take them."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def called_tool(self) -> str:
+        """The function a named tool_choice forces; "" otherwise."""
+        c = self.tool_choice
+        return c.function.name if isinstance(c, NamedToolChoice) else ""
+
+    def _guides(self) -> list[tuple[str, str]]:
+        out = super()._guides()
+        if self.tool_mode in ("required", "named") and self.tools:
+            schema = tool_calls.guide_schema(
+                self.tool_dicts or [], self.called_tool, self.parallel_tool_calls
+            )
+            if schema is not None:
+                out.append(("json", json.dumps(schema)))
+        return out
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -305,6 +423,8 @@ class TokenizeRequest(_Model):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_generation_prompt: Bool = True
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one(self) -> TokenizeRequest:

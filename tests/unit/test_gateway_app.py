@@ -24,9 +24,19 @@ class FakeClient:
     """Answers Generate with the bytes of TEXT, one token per event."""
 
     def __init__(
-        self, address="fake:1", error=None, error_after=0, ready=True, load=0, text=TEXT, cached=0
+        self,
+        address="fake:1",
+        error=None,
+        error_after=0,
+        ready=True,
+        load=0,
+        text=TEXT,
+        cached=0,
+        finish="length",
+        context=64,
     ):
-        self.address, self.text, self.cached = address, text, cached
+        self.address, self.text, self.cached, self.finish = address, text, cached, finish
+        self.context = context  # the model's context length, as Health reports it
         self.error, self.error_after = error, error_after
         self.ready, self.load = ready, load
         self.calls = []
@@ -44,7 +54,7 @@ class FakeClient:
                 await asyncio.sleep(0)
                 want = params.logprobs is not None
                 lps = [Logprob(t, -0.5, [(t, -0.5)] * params.logprobs)] if want else []
-                finish = "length" if k == len(ids) else ""
+                finish = self.finish if k == len(ids) else ""
                 done = bool(finish)
                 yield TokenEvent(
                     request_id,
@@ -60,7 +70,7 @@ class FakeClient:
                 self.closed_early.append(request_id)
 
     async def health(self):
-        return Health(True, self.ready, "" if self.ready else "FFN down", "m", 64)
+        return Health(True, self.ready, "" if self.ready else "FFN down", "m", self.context)
 
     async def stats(self):
         return Stats(running=self.load, waiting=0, kv_usage=0.0)

@@ -1,0 +1,133 @@
+"""Tool calls read out of a choice's text (services/gateway/tool_parsers.py, tool_calls.py):
+the same content and calls whether the text comes whole, in two pieces split anywhere, or a
+character at a time; what is not a call stays content, as the model wrote it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.tool_calls import CallStream, guide_schema, merge
+from services.gateway.tool_parsers import HermesParser, ParsedCall
+
+W = '{"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}}'
+CASES = [
+    # (text, content, [(name, arguments)])
+    ("plain text, no call <b>tag</b> <tool", "plain text, no call <b>tag</b> <tool", []),
+    (f"<tool_call>{W}</tool_call>", "", [("get_weather", {"city": "Zürich", "days": 2})]),
+    (
+        f"Let me look.\n<tool_call>\n{W}\n</tool_call>\n<tool_call>"
+        '{"name": "noop", "arguments": "{}"}</tool_call>\n',
+        "Let me look.",
+        [("get_weather", {"city": "Zürich", "days": 2}), ("noop", {})],
+    ),
+    (f"<tool_call>{W}</tool_call>\n\nDone, thanks.", "Done, thanks.", [("get_weather", None)]),
+    ("<tool_call>not json</tool_call> then text", "<tool_call>not json</tool_call> then text", []),
+    ('<tool_call>["a list"]</tool_call>', '<tool_call>["a list"]</tool_call>', []),
+    (f"cut off <tool_call>{W}", "cut off", [("get_weather", None)]),  # max_tokens
+    ('cut off <tool_call>{"name": "get_w', 'cut off <tool_call>{"name": "get_w', []),
+    ("trailing blanks stay  \n", "trailing blanks stay  \n", []),
+    ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', "", [("f", {"x": 1})]),
+]
+
+
+def _run(parser: HermesParser, pieces: list[str]) -> tuple[str, list[ParsedCall]]:
+    content, calls = [], []
+    for p in pieces:
+        c, k = parser.feed(p)
+        content.append(c)
+        calls += k
+    c, k = parser.finish()
+    return "".join(content) + c, calls + k
+
+
+def _splits(text: str):
+    yield [text]
+    yield list(text)
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_hermes_reads_the_same_calls_however_the_text_is_split(text, content, calls):
+    for pieces in _splits(text):
+        got_content, got_calls = _run(HermesParser(), pieces)
+        assert got_content == content, pieces
+        assert [c.name for c in got_calls] == [n for n, _ in calls], pieces
+        for c, (_, args) in zip(got_calls, calls, strict=True):
+            if args is not None:
+                assert json.loads(c.arguments) == args
+
+
+def test_hermes_holds_back_only_what_may_become_a_call():
+    p = HermesParser()
+    assert p.feed("Hello <to") == ("Hello", [])  # the blank and "<to" may be a call's
+    assert p.feed("ol> is a word") == (" <tool> is a word", [])
+    assert p.feed("\n") == ("", [])
+    assert p.finish() == ("\n", [])
+
+
+def _stream(mode: str, pieces: list[str], **kw) -> tuple[str, list[dict], list[list[dict]], str]:
+    s = CallStream(mode, "hermes", **kw)
+    content, deltas, chunks = "", [], []
+    for i, piece in enumerate(pieces):
+        c, d = s.feed(piece, final=i == len(pieces) - 1)
+        content += c
+        deltas += d
+        chunks.append(d)
+    return content, merge(deltas), chunks, s.finish_reason("stop")
+
+
+def test_auto_numbers_calls_and_ends_with_tool_calls():
+    text = f"<tool_call>{W}</tool_call><tool_call>{W}</tool_call>"
+    content, calls, _, finish = _stream("auto", [text[:30], text[30:], ""])
+    assert content == "" and finish == "tool_calls" and len(calls) == 2
+    assert calls[0]["id"] != calls[1]["id"] and calls[0]["id"].startswith("call_")
+    assert calls[1]["function"]["name"] == "get_weather"
+    _, calls, _, _ = _stream("auto", [text, ""], parallel=False)
+    assert len(calls) == 1  # parallel_tool_calls false: the first call only
+    content, calls, _, finish = _stream("auto", ["no calls", ""])
+    assert (content, calls, finish) == ("no calls", [], "stop")
+
+
+def test_named_streams_the_arguments_as_they_come():
+    content, calls, chunks, finish = _stream("named", ['{"city"', "", ': "Oslo"}', ""], name="f")
+    assert content == "" and finish == "stop"  # OpenAI keeps "stop" for a named function
+    assert calls == [
+        {
+            "id": calls[0]["id"],
+            "type": "function",
+            "function": {"name": "f", "arguments": '{"city": "Oslo"}'},
+        }
+    ]
+    assert chunks[0][0]["function"]["name"] == "f" and chunks[1] == []
+    assert chunks[2] == [{"index": 0, "function": {"arguments": ': "Oslo"}'}}]
+    _, calls, _, _ = _stream("named", [""], name="f")  # nothing generated: still one call
+    assert calls[0]["function"] == {"name": "f", "arguments": ""}
+
+
+def test_required_reads_the_guided_array_at_the_end():
+    text = '[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]'
+    content, calls, chunks, finish = _stream("required", [text[:10], text[10:]])
+    assert chunks[0] == [] and content == "" and finish == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("a", {"x": 1}),
+        ("b", {}),
+    ]
+    content, calls, _, finish = _stream("required", ['[{"name": "a", "argu'])
+    assert content == '[{"name": "a", "argu' and calls == [] and finish == "stop"
+
+
+def test_guide_schemas():
+    tools = [
+        {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "b"}},
+    ]
+    assert guide_schema(tools, "a", True) == {"type": "object"}
+    assert guide_schema(tools, "c", True) is None
+    s = guide_schema(tools, "", False)
+    assert s["maxItems"] == 1 and s["minItems"] == 1
+    names = [i["properties"]["name"]["enum"] for i in s["items"]["anyOf"]]
+    assert names == [["a"], ["b"]]
+    assert "maxItems" not in guide_schema(tools, "", True)
