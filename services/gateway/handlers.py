@@ -64,6 +64,8 @@ async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise invalid(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # deeper than Python's stack: no request needs that
+        raise invalid("the body's JSON is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid("the body must be a JSON object", code="invalid_json")
     try:

@@ -287,7 +287,7 @@ class ChatMessage(_Model):
 def _json_or_none(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
         return None
 
 

@@ -99,7 +99,9 @@ class CallStream:
         text = "".join(self._text)
         try:
             items = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
+            items = None
+        if not isinstance(items, list):
             return text, []  # cut off (max_tokens): the text as it is
         calls = [
             ParsedCall(it["name"], json.dumps(it.get("arguments", {}), ensure_ascii=False))

@@ -118,7 +118,7 @@ def _held(text: str, tag: str) -> int:
 def _call(body: str) -> ParsedCall | None:
     try:
         obj: Any = json.loads(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -126,7 +126,7 @@ def _call(body: str) -> ParsedCall | None:
     if isinstance(args, str):  # some models write the arguments' JSON as a string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None

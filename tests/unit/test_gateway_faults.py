@@ -189,3 +189,16 @@ def test_a_runaway_chat_template_is_a_400_within_its_time_limit(tokenizer):
     assert slow.status_code == 400 and "within 0.3 s" in slow.json()["error"]["message"]
     assert took < 2 and health.status_code == 200
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+
+
+def test_a_body_nested_past_pythons_stack_is_a_400(tokenizer):
+    deep = b"[" * 100_000 + b"]" * 100_000
+
+    async def go():
+        async with make(tokenizer, [FakeClient()]) as c:
+            r = await c.post("/v1/chat/completions", content=b'{"messages": ' + deep + b"}")
+            return r, await c.get("/health")
+
+    r, health = run(go())
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    assert health.status_code == 200
