@@ -76,8 +76,9 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(model):
     proc, url, log = start_serve(
-        model, "--attention", "2", "--ffn", "2", "--transport", "tcp", "--api-key", KEY
-    )
+        model, "--attention", "2", "--ffn", "2", "--transport", "tcp", "--api-key", KEY,
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    )  # fmt: skip
     yield url, log
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
@@ -289,6 +290,84 @@ def test_structured_outputs(client):
             model="tiny", messages=CHAT, max_tokens=4, response_format={"type": "json_object"},
             extra_body={"guided_regex": "a"},
         )  # fmt: skip
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Oslo", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _streamed_calls(stream) -> tuple[list[tuple[str, str]], str | None]:
+    """(name, arguments) of each call in an openai client stream, and its finish reason."""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in stream:
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                c = calls.setdefault(d.index, ["", ""])
+                c[0] += (d.function.name or "") if d.function else ""
+                c[1] += (d.function.arguments or "") if d.function else ""
+            finish = ch.finish_reason or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_tool_calls(client):
+    """tools through the official client: a named function and "required" guide the output
+    into calls; with "auto" the server's Hermes parser reads a call the model wrote (a regex
+    guide writes it: this random model never calls on its own); streamed calls add up to the
+    whole ones; the call and its result go back in the next turn."""
+    no_space = {str(b): -100 for b in b"\t\n\r "}
+    opts = {"model": "tiny", "messages": CHAT, "tools": [WEATHER], "max_tokens": 60}
+    opts |= {"temperature": 0, "logit_bias": no_space}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(**opts, tool_choice=named)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["city"] in ("Oslo", "Rome")
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "stop"
+
+    r = client.chat.completions.create(**opts, tool_choice="required", parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+
+    regex = r'Let me check\.<tool_call>\{"name": "get_weather", "arguments": '
+    regex += r'\{"city": "Rome"\}\}</tool_call>'
+    auto = {**opts, "max_tokens": 120, "extra_body": {"guided_regex": regex}}
+    r = client.chat.completions.create(**auto)
+    msg = r.choices[0].message
+    assert msg.content == "Let me check." and r.choices[0].finish_reason == "tool_calls"
+    (call,) = msg.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Rome"},
+    )
+    calls, finish = _streamed_calls(client.chat.completions.create(**auto, stream=True))
+    assert calls == [(call.function.name, call.function.arguments)] and finish == "tool_calls"
+
+    turn = [
+        *CHAT,
+        {"role": "assistant", "content": msg.content, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    r = client.chat.completions.create(
+        **{**opts, "messages": turn, "max_tokens": 8}, tool_choice="none"
+    )
+    assert r.choices[0].message.tool_calls is None and r.usage.prompt_tokens > 100
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        client.chat.completions.create(
+            **opts, tool_choice={"type": "function", "function": {"name": "nope"}}
+        )
 
 
 def test_bad_requests_get_openai_errors_and_leave_nothing_allocated(cluster, client):
