@@ -33,6 +33,7 @@ from services.gateway.latency import SLA, publish_sla
 from services.gateway.lifecycle import DrainingServer, DrainMiddleware
 from services.gateway.middleware import BodyLimitMiddleware, CountingMiddleware, RequestIdMiddleware
 from services.gateway.openapi import openapi
+from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.routing import RoutingConfig
 from services.gateway.schemas import (
     ChatCompletionRequest,
@@ -84,6 +85,7 @@ class GatewayConfig:
     # text with this parser, and only when enabled
     tool_call_parser: str = ""
     enable_auto_tool_choice: bool = False
+    reasoning_parser: str = ""  # vLLM's flag: a thinking model's reasoning as reasoning_content
 
     def __post_init__(self) -> None:
         check(bool(self.attention), "at least one attention server address is needed")
@@ -100,6 +102,10 @@ class GatewayConfig:
         check(
             self.tool_call_parser in ("", *PARSERS),
             f"no tool-call parser {self.tool_call_parser!r}; known: {', '.join(PARSERS)}",
+        )
+        check(
+            self.reasoning_parser in ("", *REASONING_PARSERS),
+            f"no reasoning parser {self.reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}",
         )
         check(
             bool(self.tool_call_parser) or not self.enable_auto_tool_choice,
@@ -136,6 +142,7 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
         max_tokens_limit=cfg.max_tokens_limit,
         startup_wait_s=cfg.startup_wait_s,
         tool_parser=cfg.tool_call_parser if cfg.enable_auto_tool_choice else "",
+        reasoning_parser=cfg.reasoning_parser,
     )
 
     @asynccontextmanager

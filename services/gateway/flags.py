@@ -12,6 +12,7 @@ from afd.errors import ConfigError
 from afd.flags import build, option
 from services.gateway.app import GatewayConfig
 from services.gateway.latency import SLA
+from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.routing import POLICIES, RoutingConfig
 from services.gateway.tool_parsers import PARSERS
 
@@ -67,6 +68,15 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "enable_auto_tool_choice",
             help='let the model decide to call tools (tool_choice "auto", the default when a '
             "request lists tools); needs --tool-call-parser",
+        ),
+        option(
+            g,
+            "--reasoning-parser",
+            c,
+            "reasoning_parser",
+            choices=["", *REASONING_PARSERS],
+            help="split a thinking model's reasoning off its chat answers, as reasoning_content "
+            "(vLLM's names: qwen3, deepseek_r1)",
         ),
         option(g, "--sla-ttft", SLA, "ttft_s", help="TTFT target, s, for goodput (0: none)"),
         option(

@@ -18,6 +18,7 @@ from afd import metrics
 from afd.control import SamplingParams
 from afd.errors import AfdError, RequestError
 from afd.tokenizer import ModelTokenizer
+from services.gateway.answers import AnswerReader, Piece
 from services.gateway.balancer import Balancer
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, invalid, validation_message
@@ -55,6 +56,8 @@ class GatewayState:
     # tool_choice "auto" reads calls with this parser (services/gateway/tool_parsers.py);
     # "": auto tool choice is off
     tool_parser: str = ""
+    # a chat answer's thinking goes out as reasoning_content (services/gateway/reasoning.py)
+    reasoning_parser: str = ""
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -118,14 +121,24 @@ def check_tools(state: GatewayState, req: ChatCompletionRequest) -> None:
         )
 
 
-def _call_streams(
+def _readers(
     state: GatewayState, req: ChatCompletionRequest | CompletionRequest, n: int
-) -> list[CallStream] | None:
-    """Each choice's tool-call reader; None when the answer is plain content."""
-    if not isinstance(req, ChatCompletionRequest) or req.tool_mode == "none":
+) -> list[AnswerReader] | None:
+    """Each chat choice's reader of reasoning and tool calls; None when its text is the
+    answer as it is."""
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    think = state.reasoning_parser if not req.guide[0] else ""  # a guide leaves no thinking
+    if req.tool_mode == "none" and not think:
         return None
     mode, name, parallel = req.tool_mode, req.called_tool, req.parallel_tool_calls
-    return [CallStream(mode, state.tool_parser, name, parallel) for _ in range(n)]
+    return [
+        AnswerReader(
+            think,
+            None if mode == "none" else CallStream(mode, state.tool_parser, name, parallel),
+        )
+        for _ in range(n)
+    ]
 
 
 def completion_prompts(state: GatewayState, req: CompletionRequest) -> list[tuple[list[int], str]]:
@@ -276,7 +289,7 @@ async def respond(
     streams = ChoiceStreams(runs, req.n)
     streams.start(lambda: _disconnected(request))
     with_lp = req.num_logprobs is not None
-    calls = _call_streams(state, req, len(specs))
+    readers = _readers(state, req, len(specs))
     if req.stream:
         try:
             first = await streams.next()  # an error before any byte is sent gets its status
@@ -284,7 +297,7 @@ async def respond(
             await streams.close()
             raise
         return StreamingResponse(
-            _sse(streams, fmt, first, with_lp, chat, req.include_usage, calls),
+            _sse(streams, fmt, first, with_lp, chat, req.include_usage, readers),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -293,10 +306,10 @@ async def respond(
         return Response(status_code=499)  # nobody is listening any more
     use = usage(streams.prompt_tokens, streams.completion_tokens, streams.cached_tokens)
     _count_finished(streams)
-    if calls is not None:
+    if readers is not None:
         assert isinstance(fmt, ChatFormatter)
-        choices, called = _read_calls(choices, calls)
-        return JSONResponse(fmt.response(choices, with_lp, use, called))
+        choices, answers = _read_answers(choices, readers)
+        return JSONResponse(fmt.response(choices, with_lp, use, answers))
     body = fmt.response(choices, with_lp, use)
     if isinstance(req, CompletionRequest) and req.prompt_logprobs is not None:
         assert isinstance(fmt, CompletionFormatter)
@@ -323,24 +336,25 @@ async def _collect(
     return [("".join(texts[i]), lps[i], finish[i]) for i in range(n)], prompt_lps
 
 
-def _read_calls(
-    choices: list[tuple[str, list, str]], calls: list[CallStream]
-) -> tuple[list[tuple[str, list, str]], list[list[dict]]]:
-    """Whole answers -> (content, logprobs, finish reason) and each one's tool calls."""
-    out, called = [], []
-    for (text, lps, finish), reader in zip(choices, calls, strict=True):
-        content, deltas = reader.feed(text, final=True)
-        out.append((content, lps, reader.finish_reason(finish)))
-        called.append(merge(deltas))
-    return out, called
+def _read_answers(
+    choices: list[tuple[str, list, str]], readers: list[AnswerReader]
+) -> tuple[list[tuple[str, list, str]], list[Piece]]:
+    """Whole answers -> (content, logprobs, finish reason) and each one's reasoning and tool
+    calls (merged into a message's)."""
+    out, answers = [], []
+    for (text, lps, finish), reader in zip(choices, readers, strict=True):
+        piece = reader.feed(text, final=True)
+        out.append((piece.content, lps, reader.finish_reason(finish)))
+        answers.append(Piece(piece.reasoning, piece.content, merge(piece.calls)))
+    return out, answers
 
 
-def _calls_of(reader: CallStream, d: Delta) -> tuple[Delta, list[dict]]:
-    """A streamed delta -> its content and tool-call deltas."""
+def _read(reader: AnswerReader, d: Delta) -> tuple[Delta, Piece]:
+    """A streamed delta -> its content, and its reasoning and tool-call deltas."""
     final = d.finish_reason is not None
-    content, deltas = reader.feed(d.text, final)
+    piece = reader.feed(d.text, final)
     finish = reader.finish_reason(d.finish_reason) if final else None
-    return replace(d, text=content, finish_reason=finish), deltas
+    return replace(d, text=piece.content, finish_reason=finish), piece
 
 
 async def _sse(
@@ -350,7 +364,7 @@ async def _sse(
     with_lp: bool,
     chat: bool,
     include_usage: bool,
-    calls: list[CallStream] | None = None,
+    readers: list[AnswerReader] | None = None,
 ) -> AsyncIterator[bytes]:
     try:
         if chat:
@@ -358,10 +372,10 @@ async def _sse(
                 yield sse(fmt.role_chunk(i))
         d = first
         while d is not None:
-            if calls is not None:
+            if readers is not None:
                 assert isinstance(fmt, ChatFormatter)
-                d, deltas = _calls_of(calls[d.index], d)
-                yield sse(fmt.chunk(d, with_lp, deltas))
+                d, piece = _read(readers[d.index], d)
+                yield sse(fmt.chunk(d, with_lp, piece.calls, piece.reasoning))
             else:
                 yield sse(fmt.chunk(d, with_lp))
             d = await streams.next()

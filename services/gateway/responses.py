@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from afd.control import Logprob
+from services.gateway.answers import Piece
 from services.gateway.detok import TokenBytes
 from services.gateway.generation import Delta
 
@@ -89,9 +90,15 @@ class ChatFormatter(_Formatter):
         )
 
     def chunk(
-        self, d: Delta, with_logprobs: bool, tool_calls: list[dict[str, Any]] | None = None
+        self,
+        d: Delta,
+        with_logprobs: bool,
+        tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str = "",
     ) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": d.text} if d.text else {}
+        delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
+        if d.text:
+            delta["content"] = d.text
         if tool_calls:
             delta["tool_calls"] = tool_calls
         choice = {
@@ -107,16 +114,17 @@ class ChatFormatter(_Formatter):
         choices: list[tuple[str, list[Logprob], str]],
         with_logprobs: bool,
         use: dict,
-        tool_calls: list[list[dict[str, Any]]] | None = None,
+        answers: list[Piece] | None = None,
     ) -> dict[str, Any]:
-        """`choices`: (text, logprobs, finish_reason) in index order; `tool_calls`: each
-        choice's calls (a message that called and wrote nothing else has null content)."""
+        """`choices`: (text, logprobs, finish_reason) in index order; `answers`: each choice's
+        reasoning and tool calls, where a reader split them off (a message that called and
+        wrote nothing else has null content)."""
         body = self._envelope(
             self.object_name,
             [
                 {
                     "index": i,
-                    "message": self._message(text, tool_calls[i] if tool_calls else []),
+                    "message": self._message(text, answers[i] if answers else None),
                     "logprobs": self.logprobs(lps) if with_logprobs else None,
                     "finish_reason": finish,
                 }
@@ -126,10 +134,14 @@ class ChatFormatter(_Formatter):
         return {**body, "usage": use, "system_fingerprint": None}
 
     @staticmethod
-    def _message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        if not calls:
-            return {"role": "assistant", "content": text}
-        return {"role": "assistant", "content": text or None, "tool_calls": calls}
+    def _message(text: str, answer: Piece | None) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if answer is not None and answer.reasoning:
+            msg["reasoning_content"] = answer.reasoning
+        if answer is not None and answer.calls:
+            msg["content"] = text or None
+            msg["tool_calls"] = answer.calls
+        return msg
 
 
 class CompletionFormatter(_Formatter):

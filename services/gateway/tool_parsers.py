@@ -74,7 +74,7 @@ class TaggedJsonParser(ToolCallParser):
                 continue
             # hold back what may still begin a call, and the whitespace before it (which is
             # the call's if one follows)
-            keep = _held(self._buf, self.open_tag)
+            keep = held_back(self._buf, self.open_tag)
             sure = self._buf[: len(self._buf) - keep].rstrip()
             content.append(sure)
             self._buf = self._buf[len(sure) :]
@@ -107,7 +107,7 @@ class HermesParser(TaggedJsonParser):
     close_tag = "</tool_call>"
 
 
-def _held(text: str, tag: str) -> int:
+def held_back(text: str, tag: str) -> int:
     """Length of the longest end of `text` that begins `tag` (it may become the tag)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
