@@ -8,12 +8,14 @@ think, so its whole text is the answer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from services.gateway.generation import Delta
 from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.reasoning import ThinkParser
-from services.gateway.tool_calls import CallStream
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.tool_calls import CallStream, merge
 
 
 @dataclass
@@ -44,3 +46,43 @@ class AnswerReader:
 
     def finish_reason(self, reason: str) -> str:
         return self._calls.finish_reason(reason) if self._calls is not None else reason
+
+
+def answer_readers(
+    req: ChatCompletionRequest | CompletionRequest, tool_parser: str, reasoning_parser: str, n: int
+) -> list[AnswerReader] | None:
+    """Each chat choice's reader of reasoning and tool calls; None when its text is the
+    answer as it is."""
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    think = reasoning_parser if not req.guide[0] else ""  # a guide leaves no thinking
+    if req.tool_mode == "none" and not think:
+        return None
+    mode, name, parallel = req.tool_mode, req.called_tool, req.parallel_tool_calls
+    return [
+        AnswerReader(
+            think, None if mode == "none" else CallStream(mode, tool_parser, name, parallel)
+        )
+        for _ in range(n)
+    ]
+
+
+def read_whole(
+    choices: list[tuple[str, list, str]], readers: list[AnswerReader]
+) -> tuple[list[tuple[str, list, str]], list[Piece]]:
+    """Whole answers -> (content, logprobs, finish reason) and each one's reasoning and tool
+    calls (merged into a message's)."""
+    out, answers = [], []
+    for (text, lps, finish), reader in zip(choices, readers, strict=True):
+        piece = reader.feed(text, final=True)
+        out.append((piece.content, lps, reader.finish_reason(finish)))
+        answers.append(Piece(piece.reasoning, piece.content, merge(piece.calls)))
+    return out, answers
+
+
+def read_delta(reader: AnswerReader, d: Delta) -> tuple[Delta, Piece]:
+    """A streamed delta -> its content, and its reasoning and tool-call deltas."""
+    final = d.finish_reason is not None
+    piece = reader.feed(d.text, final)
+    finish = reader.finish_reason(d.finish_reason) if final else None
+    return replace(d, text=piece.content, finish_reason=finish), piece

@@ -8,7 +8,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -18,7 +18,7 @@ from afd import metrics
 from afd.control import SamplingParams
 from afd.errors import AfdError, RequestError
 from afd.tokenizer import ModelTokenizer
-from services.gateway.answers import AnswerReader, Piece
+from services.gateway.answers import AnswerReader, answer_readers, read_delta, read_whole
 from services.gateway.balancer import Balancer
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, invalid, validation_message
@@ -33,7 +33,6 @@ from services.gateway.responses import (
     usage,
 )
 from services.gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
-from services.gateway.tool_calls import CallStream, merge
 
 _INT64 = 2**63
 
@@ -119,26 +118,6 @@ def check_tools(state: GatewayState, req: ChatCompletionRequest) -> None:
             'be set; or ask for tool_choice "required", "none" or a named function',
             "tool_choice",
         )
-
-
-def _readers(
-    state: GatewayState, req: ChatCompletionRequest | CompletionRequest, n: int
-) -> list[AnswerReader] | None:
-    """Each chat choice's reader of reasoning and tool calls; None when its text is the
-    answer as it is."""
-    if not isinstance(req, ChatCompletionRequest):
-        return None
-    think = state.reasoning_parser if not req.guide[0] else ""  # a guide leaves no thinking
-    if req.tool_mode == "none" and not think:
-        return None
-    mode, name, parallel = req.tool_mode, req.called_tool, req.parallel_tool_calls
-    return [
-        AnswerReader(
-            think,
-            None if mode == "none" else CallStream(mode, state.tool_parser, name, parallel),
-        )
-        for _ in range(n)
-    ]
 
 
 def completion_prompts(state: GatewayState, req: CompletionRequest) -> list[tuple[list[int], str]]:
@@ -289,7 +268,7 @@ async def respond(
     streams = ChoiceStreams(runs, req.n)
     streams.start(lambda: _disconnected(request))
     with_lp = req.num_logprobs is not None
-    readers = _readers(state, req, len(specs))
+    readers = answer_readers(req, state.tool_parser, state.reasoning_parser, len(specs))
     if req.stream:
         try:
             first = await streams.next()  # an error before any byte is sent gets its status
@@ -308,7 +287,7 @@ async def respond(
     _count_finished(streams)
     if readers is not None:
         assert isinstance(fmt, ChatFormatter)
-        choices, answers = _read_answers(choices, readers)
+        choices, answers = read_whole(choices, readers)
         return JSONResponse(fmt.response(choices, with_lp, use, answers))
     body = fmt.response(choices, with_lp, use)
     if isinstance(req, CompletionRequest) and req.prompt_logprobs is not None:
@@ -336,27 +315,6 @@ async def _collect(
     return [("".join(texts[i]), lps[i], finish[i]) for i in range(n)], prompt_lps
 
 
-def _read_answers(
-    choices: list[tuple[str, list, str]], readers: list[AnswerReader]
-) -> tuple[list[tuple[str, list, str]], list[Piece]]:
-    """Whole answers -> (content, logprobs, finish reason) and each one's reasoning and tool
-    calls (merged into a message's)."""
-    out, answers = [], []
-    for (text, lps, finish), reader in zip(choices, readers, strict=True):
-        piece = reader.feed(text, final=True)
-        out.append((piece.content, lps, reader.finish_reason(finish)))
-        answers.append(Piece(piece.reasoning, piece.content, merge(piece.calls)))
-    return out, answers
-
-
-def _read(reader: AnswerReader, d: Delta) -> tuple[Delta, Piece]:
-    """A streamed delta -> its content, and its reasoning and tool-call deltas."""
-    final = d.finish_reason is not None
-    piece = reader.feed(d.text, final)
-    finish = reader.finish_reason(d.finish_reason) if final else None
-    return replace(d, text=piece.content, finish_reason=finish), piece
-
-
 async def _sse(
     streams: ChoiceStreams,
     fmt: ChatFormatter | CompletionFormatter,
@@ -374,7 +332,7 @@ async def _sse(
         while d is not None:
             if readers is not None:
                 assert isinstance(fmt, ChatFormatter)
-                d, piece = _read(readers[d.index], d)
+                d, piece = read_delta(readers[d.index], d)
                 yield sse(fmt.chunk(d, with_lp, piece.calls, piece.reasoning))
             else:
                 yield sse(fmt.chunk(d, with_lp))
