@@ -138,6 +138,7 @@ class ModelConfig:
     swiglu_alpha: float = 1.0
     # routed experts stored as MXFP4 (`*_blocks` e2m1 pairs, `*_scales` e8m0 per 32 values)
     mxfp4_experts: bool = False
+    chat_format: str = "text"  # its chat answers: text, or harmony (gpt-oss: gateway/harmony.py)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
@@ -173,6 +174,10 @@ class ModelConfig:
         check(
             self.sliding_window >= 0 and (self.sliding_window > 0 or not any(self.sliding_layers)),
             f"sliding layers need a sliding window >= 1, got {self.sliding_window}",
+        )
+        check(
+            self.chat_format in ("text", "harmony"),
+            f"chat_format must be text or harmony, not {self.chat_format!r}",
         )
 
     def is_moe(self, layer: int) -> bool:

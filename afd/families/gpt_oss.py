@@ -46,6 +46,7 @@ def parse(f: Fields, path: str, prefix: str) -> ModelConfig:
         expert_bias=True,
         swiglu_limit=f.float("swiglu_limit", 7.0),
         swiglu_alpha=f.float("swiglu_alpha", 1.702),
+        chat_format="harmony",
     )
 
 

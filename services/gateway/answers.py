@@ -8,21 +8,14 @@ think, so its whole text is the answer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
-from services.gateway.generation import Delta
+from services.gateway.generation import Delta, Piece
+from services.gateway.harmony import HarmonyReader
 from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.reasoning import ThinkParser
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.tool_calls import CallStream, merge
-
-
-@dataclass
-class Piece:
-    reasoning: str = ""
-    content: str = ""
-    calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool_calls deltas
 
 
 class AnswerReader:
@@ -48,17 +41,26 @@ class AnswerReader:
         return self._calls.finish_reason(reason) if self._calls is not None else reason
 
 
+Reader = AnswerReader | HarmonyReader  # what reads one chat choice's text
+
+
 def answer_readers(
-    req: ChatCompletionRequest | CompletionRequest, tool_parser: str, reasoning_parser: str, n: int
-) -> list[AnswerReader] | None:
+    req: ChatCompletionRequest | CompletionRequest,
+    tool_parser: str,
+    reasoning_parser: str,
+    n: int,
+    chat_format: str = "text",
+) -> list[Reader] | None:
     """Each chat choice's reader of reasoning and tool calls; None when its text is the
     answer as it is."""
     if not isinstance(req, ChatCompletionRequest):
         return None
+    mode, name, parallel = req.tool_mode, req.called_tool, req.parallel_tool_calls
+    if chat_format == "harmony" and not req.guide[0]:
+        return [HarmonyReader(mode == "auto" and bool(tool_parser)) for _ in range(n)]
     think = reasoning_parser if not req.guide[0] else ""  # a guide leaves no thinking
     if req.tool_mode == "none" and not think:
         return None
-    mode, name, parallel = req.tool_mode, req.called_tool, req.parallel_tool_calls
     return [
         AnswerReader(
             think, None if mode == "none" else CallStream(mode, tool_parser, name, parallel)
@@ -68,7 +70,7 @@ def answer_readers(
 
 
 def read_whole(
-    choices: list[tuple[str, list, str]], readers: list[AnswerReader]
+    choices: list[tuple[str, list, str]], readers: list[Reader]
 ) -> tuple[list[tuple[str, list, str]], list[Piece]]:
     """Whole answers -> (content, logprobs, finish reason) and each one's reasoning and tool
     calls (merged into a message's)."""
@@ -80,7 +82,7 @@ def read_whole(
     return out, answers
 
 
-def read_delta(reader: AnswerReader, d: Delta) -> tuple[Delta, Piece]:
+def read_delta(reader: Reader, d: Delta) -> tuple[Delta, Piece]:
     """A streamed delta -> its content, and its reasoning and tool-call deltas."""
     final = d.finish_reason is not None
     piece = reader.feed(d.text, final)

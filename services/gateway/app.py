@@ -29,11 +29,16 @@ from services.gateway.balancer import Balancer
 from services.gateway.client import AttentionClient
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, error_body
+from services.gateway.harmony import (
+    HARMONY_REASONING,
+    HARMONY_TOOLS,
+    REASONING_PARSER_NAMES,
+    TOOL_PARSER_NAMES,
+)
 from services.gateway.latency import SLA, publish_sla
 from services.gateway.lifecycle import DrainingServer, DrainMiddleware
 from services.gateway.middleware import BodyLimitMiddleware, CountingMiddleware, RequestIdMiddleware
 from services.gateway.openapi import openapi
-from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.routing import RoutingConfig
 from services.gateway.schemas import (
     ChatCompletionRequest,
@@ -41,7 +46,6 @@ from services.gateway.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from services.gateway.tool_parsers import PARSERS
 
 log = logging.getLogger("afd.gateway")
 
@@ -100,12 +104,13 @@ class GatewayConfig:
         check(self.max_tokens_limit >= 0, "the max_tokens limit must be >= 0 (0: none)")
         check(self.startup_wait_s >= 0, "the start-up wait must be >= 0")
         check(
-            self.tool_call_parser in ("", *PARSERS),
-            f"no tool-call parser {self.tool_call_parser!r}; known: {', '.join(PARSERS)}",
+            self.tool_call_parser in ("", *TOOL_PARSER_NAMES),
+            f"no tool-call parser {self.tool_call_parser!r}; known: {', '.join(TOOL_PARSER_NAMES)}",
         )
         check(
-            self.reasoning_parser in ("", *REASONING_PARSERS),
-            f"no reasoning parser {self.reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}",
+            self.reasoning_parser in ("", *REASONING_PARSER_NAMES),
+            f"no reasoning parser {self.reasoning_parser!r}; known: "
+            f"{', '.join(REASONING_PARSER_NAMES)}",
         )
         check(
             bool(self.tool_call_parser) or not self.enable_auto_tool_choice,
@@ -119,14 +124,36 @@ def build_state(cfg: GatewayConfig) -> h.GatewayState:
         AttentionClient(a, cfg.rpc_timeout_s, cfg.generate_timeout_s, cfg.security)
         for a in cfg.attention
     ]
+    model = ModelConfig.from_hf(cfg.model_dir)
+    check_parsers(cfg, model.chat_format)
     return h.GatewayState(
         tokenizer=tokenizer,
         token_bytes=TokenBytes(tokenizer),
         balancer=Balancer(clients, routing=cfg.routing),
         model_name=cfg.model_name,
-        vocab_size=ModelConfig.from_hf(cfg.model_dir).vocab_size,
+        vocab_size=model.vocab_size,
         notice=cfg.notice,
+        chat_format=model.chat_format,
     )
+
+
+def check_parsers(cfg: GatewayConfig, chat_format: str) -> None:
+    """The parsers fit the model: a harmony model (gpt-oss) is read by harmony.py, whose
+    names in vLLM are the tool-call parser `openai` and the reasoning parser
+    `openai_gptoss`; a text model by the others."""
+    harmony = chat_format == "harmony"
+    tools, think = cfg.tool_call_parser, cfg.reasoning_parser
+    check(
+        not tools or (tools == HARMONY_TOOLS) == harmony,
+        f"--tool-call-parser {tools} does not read this model's answers; "
+        + (f"gpt-oss's harmony needs {HARMONY_TOOLS}" if harmony else "it is for gpt-oss"),
+    )
+    check(
+        not think or (think == HARMONY_REASONING) == harmony,
+        f"--reasoning-parser {think} does not read this model's answers; "
+        + (f"gpt-oss's harmony needs {HARMONY_REASONING} (or none: it is read anyway)"
+           if harmony else "it is for gpt-oss"),
+    )  # fmt: skip
 
 
 def create_app(state: h.GatewayState, cfg: GatewayConfig):

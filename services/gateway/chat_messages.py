@@ -61,6 +61,10 @@ class ChatMessage(_Model):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: to which call
+    # an assistant's earlier reasoning, under any of its names (vLLM's, gpt-oss templates')
+    reasoning_content: str | None = None
+    thinking: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _text_only(self) -> ChatMessage:
@@ -90,6 +94,14 @@ class ChatMessage(_Model):
             d["name"] = self.name
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        # as transformers gives it: reasoning_content from whichever name came, and thinking
+        # (which gpt-oss's template reads) unless the message has its own
+        named = {"reasoning_content": self.reasoning_content, "thinking": self.thinking}
+        named["reasoning"] = self.reasoning
+        given = {k: v for k, v in named.items() if v is not None}
+        if given:
+            first = next(iter(given.values()))
+            d.update({"thinking": first, **given, "reasoning_content": first})
         if self.tool_calls:
             d["tool_calls"] = [
                 {

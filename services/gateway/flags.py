@@ -11,10 +11,9 @@ from afd import flags
 from afd.errors import ConfigError
 from afd.flags import build, option
 from services.gateway.app import GatewayConfig
+from services.gateway.harmony import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 from services.gateway.latency import SLA
-from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.routing import POLICIES, RoutingConfig
-from services.gateway.tool_parsers import PARSERS
 
 API_KEY_ENV = "AFD_API_KEY"  # the key from the environment keeps it out of the process list
 API_KEY_FILE_ENV = "AFD_API_KEY_FILE"  # or from a file: a mounted Secret
@@ -57,9 +56,9 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "--tool-call-parser",
             c,
             "tool_call_parser",
-            choices=["", *PARSERS],
+            choices=["", *TOOL_PARSER_NAMES],
             help="how tool calls are read out of the model's text (vLLM's names: hermes for "
-            "Qwen 2.5, Qwen3, Hermes)",
+            "Qwen 2.5, Qwen3, Hermes; openai for gpt-oss)",
         ),
         option(
             g,
@@ -74,9 +73,9 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "--reasoning-parser",
             c,
             "reasoning_parser",
-            choices=["", *REASONING_PARSERS],
+            choices=["", *REASONING_PARSER_NAMES],
             help="split a thinking model's reasoning off its chat answers, as reasoning_content "
-            "(vLLM's names: qwen3, deepseek_r1)",
+            "(vLLM's names: qwen3, deepseek_r1; gpt-oss's is read without one)",
         ),
         option(g, "--sla-ttft", SLA, "ttft_s", help="TTFT target, s, for goodput (0: none)"),
         option(

@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from afd.control import Logprob, SamplingParams
 from services.gateway.balancer import Balancer
@@ -32,6 +33,7 @@ class ChoiceSpec:
     prefix: str = ""  # text emitted before the generated text (completions' echo)
     # the echoed prompt's tokens carry their logprobs (the first token's is null)
     echo_logprobs: bool = False
+    keep_special_tokens: bool = False  # in the text (a harmony answer's reader needs them)
 
 
 @dataclass
@@ -42,6 +44,16 @@ class Delta:
     logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[Logprob] = field(default_factory=list)  # first delta, when asked
+
+
+@dataclass
+class Piece:
+    """A chat delta's text, read (services/gateway/answers.py): its reasoning, its content and
+    the tool calls it completed or continued (OpenAI's `tool_calls` deltas)."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ChoiceRun:
@@ -88,7 +100,9 @@ class ChoiceRun:
 
     async def _run_on(self, client: AttentionClient, emit: Callable[[Delta], None]) -> None:
         spec = self.spec
-        detok = IncrementalDetokenizer(self._decoder, spec.prompt_ids)
+        detok = IncrementalDetokenizer(
+            self._decoder, spec.prompt_ids, skip_special_tokens=not spec.keep_special_tokens
+        )
         stop = StopMatcher(spec.stop)
         ids: list[int] = []
         lps: list[Logprob] = []

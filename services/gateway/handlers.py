@@ -18,7 +18,7 @@ from afd import metrics
 from afd.control import SamplingParams
 from afd.errors import AfdError, RequestError
 from afd.tokenizer import ModelTokenizer
-from services.gateway.answers import AnswerReader, answer_readers, read_delta, read_whole
+from services.gateway.answers import Reader, answer_readers, read_delta, read_whole
 from services.gateway.balancer import Balancer
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, invalid, validation_message
@@ -57,6 +57,7 @@ class GatewayState:
     tool_parser: str = ""
     # a chat answer's thinking goes out as reasoning_content (services/gateway/reasoning.py)
     reasoning_parser: str = ""
+    chat_format: str = "text"  # the model's (afd.config.ModelConfig.chat_format)
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -166,10 +167,13 @@ async def plan(
         )
     bias = req.token_bias
     guide_kind, guide = req.guide
+    # a harmony answer's structure is special tokens: its reader needs them in the text
+    chat = isinstance(req, ChatCompletionRequest)
+    harmony = chat and state.chat_format == "harmony" and not guide_kind
     check_token_ids(state, [t for t, _ in bias], "logit_bias")
     await state.balancer.wait_started(state.startup_wait_s)
     max_len = await state.balancer.max_model_len()
-    param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    param = "messages" if chat else "prompt"
     nonce = secrets.token_hex(3)  # attention-side ids stay unique if a client reuses its id
     specs = []
     for p, (ids, echo) in enumerate(prompts):
@@ -221,7 +225,7 @@ async def plan(
             )
             spec = ChoiceSpec(
                 j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo,
-                echo_logprobs=_echo_logprobs(req),
+                echo_logprobs=_echo_logprobs(req), keep_special_tokens=harmony,
             )  # fmt: skip
             specs.append(spec)
     return specs
@@ -268,7 +272,9 @@ async def respond(
     streams = ChoiceStreams(runs, req.n)
     streams.start(lambda: _disconnected(request))
     with_lp = req.num_logprobs is not None
-    readers = answer_readers(req, state.tool_parser, state.reasoning_parser, len(specs))
+    readers = answer_readers(
+        req, state.tool_parser, state.reasoning_parser, len(specs), state.chat_format
+    )
     if req.stream:
         try:
             first = await streams.next()  # an error before any byte is sent gets its status
@@ -322,7 +328,7 @@ async def _sse(
     with_lp: bool,
     chat: bool,
     include_usage: bool,
-    readers: list[AnswerReader] | None = None,
+    readers: list[Reader] | None = None,
 ) -> AsyncIterator[bytes]:
     try:
         if chat:

@@ -9,9 +9,8 @@ import time
 from typing import Any
 
 from afd.control import Logprob
-from services.gateway.answers import Piece
 from services.gateway.detok import TokenBytes
-from services.gateway.generation import Delta
+from services.gateway.generation import Delta, Piece
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

@@ -128,3 +128,28 @@ def test_raise_exception_is_the_requests_error_and_reserved_names_stay(model_dir
         ours.apply_chat_template(CONVERSATION)
     with pytest.raises(RequestError, match="cannot be replaced.*messages"):
         ours.apply_chat_template(CONVERSATION, extra={"messages": []})
+
+
+REASONING_TEMPLATE = (
+    "{%- for m in messages -%}[{{ m['role'] }}|{{ m['thinking'] }}|{{ m['reasoning_content'] }}|"
+    "{{ m['reasoning'] }}]{{ m['content'] }}{%- endfor -%}"
+)
+
+
+def test_a_messages_reasoning_reaches_the_template_under_transformers_names(model_dir):
+    """An assistant's earlier reasoning, sent as reasoning_content, thinking or reasoning, is
+    what transformers gives the template (gpt-oss's reads `thinking`)."""
+    from services.gateway.chat_messages import ChatMessage
+
+    ours, theirs = _both(model_dir, REASONING_TEMPLATE)
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning_content": "r1"},
+        {"role": "assistant", "content": "b", "reasoning": "r2"},
+        {"role": "assistant", "content": "c", "thinking": "t3", "reasoning": "r3"},
+    ]
+    want = theirs.apply_chat_template(messages, tokenize=False)
+    got = ours.apply_chat_template(
+        [ChatMessage.model_validate(m).template_dict() for m in messages], False
+    )
+    assert got == want and "[assistant|t3|t3|r3]" in want

@@ -34,9 +34,11 @@ class FakeClient:
         cached=0,
         finish="length",
         context=64,
+        ids=None,
     ):
         self.address, self.text, self.cached, self.finish = address, text, cached, finish
         self.context = context  # the model's context length, as Health reports it
+        self.ids = ids  # the token ids to answer with (default: TEXT's bytes)
         self.error, self.error_after = error, error_after
         self.ready, self.load = ready, load
         self.calls = []
@@ -44,7 +46,7 @@ class FakeClient:
 
     async def generate(self, request_id, prompt, params):
         self.calls.append((request_id, list(prompt), params))
-        ids = list(self.text.encode())[: params.max_tokens]
+        ids = list(self.text.encode() if self.ids is None else self.ids)[: params.max_tokens]
         done = False
         try:
             for k, t in enumerate(ids, 1):
