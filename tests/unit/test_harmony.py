@@ -20,6 +20,7 @@ from services.gateway.handlers import GatewayState
 from services.gateway.harmony import HarmonyReader
 from tests.unit.test_gateway_app import FakeClient, sse_events
 from tests.unit.test_gateway_tools import WEATHER, _streamed
+from tests.unit.test_tool_calls import splits
 
 A = "<|channel|>analysis<|message|>User asks: 2 + 2? Simple.<|end|>"
 FINAL = "<|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>"
@@ -49,18 +50,11 @@ CASES = [
 ]  # fmt: skip
 
 
-def _splits(text: str):
-    yield [text]
-    yield list(text)
-    for i in range(1, len(text), 3):
-        yield [text[:i], text[i:]]
-
-
 @pytest.mark.parametrize("text,read_calls,reasoning,content,calls", CASES)
 def test_harmony_reads_the_same_however_the_text_is_split(
     text, read_calls, reasoning, content, calls
 ):
-    for pieces in _splits(text):
+    for pieces in splits(text, 3):
         r = HarmonyReader(read_calls)
         got = [r.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
         assert "".join(g.reasoning for g in got) == reasoning, pieces

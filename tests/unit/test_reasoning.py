@@ -11,6 +11,7 @@ from services.gateway.reasoning import DeepSeekR1Parser, Qwen3Parser
 from tests.unit.test_gateway_app import FakeClient, make, post, run, sse_events
 from tests.unit.test_gateway_app import tokenizer as tokenizer  # noqa: F401 - the fixture
 from tests.unit.test_gateway_tools import WEATHER, _streamed
+from tests.unit.test_tool_calls import splits
 
 CASES = [
     # (parser, text, reasoning, content)
@@ -26,16 +27,9 @@ CASES = [
 ]
 
 
-def _splits(text: str):
-    yield [text]
-    yield list(text)
-    for i in range(1, len(text)):
-        yield [text[:i], text[i:]]
-
-
 @pytest.mark.parametrize("cls,text,reasoning,content", CASES)
 def test_the_split_is_the_same_however_the_text_comes(cls, text, reasoning, content):
-    for pieces in _splits(text):
+    for pieces in splits(text):
         p = cls()
         r, c = zip(*[p.feed(x) for x in pieces], strict=True)
         last_r, last_c = p.finish()

@@ -42,16 +42,18 @@ def _run(parser: HermesParser, pieces: list[str]) -> tuple[str, list[ParsedCall]
     return "".join(content) + c, calls + k
 
 
-def _splits(text: str):
+def splits(text: str, step: int = 1):
+    """The text whole, a character at a time, and in two pieces split every `step` characters
+    (the reasoning and harmony readers' tests use it too)."""
     yield [text]
     yield list(text)
-    for i in range(1, len(text)):
+    for i in range(1, len(text), step):
         yield [text[:i], text[i:]]
 
 
 @pytest.mark.parametrize("text,content,calls", CASES)
 def test_hermes_reads_the_same_calls_however_the_text_is_split(text, content, calls):
-    for pieces in _splits(text):
+    for pieces in splits(text):
         got_content, got_calls = _run(HermesParser(), pieces)
         assert got_content == content, pieces
         assert [c.name for c in got_calls] == [n for n, _ in calls], pieces
