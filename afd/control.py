@@ -38,6 +38,7 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for one bias: [-100, 100]
 # a JSON list of strings (exactly one of them), an EBNF grammar
 GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_GUIDE = 1 << 16  # characters
+MAX_GUIDE_AFTER = 16  # tokens of the marker a guide may wait for
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ class SamplingParams:
     min_tokens: int = 0
     guide_kind: str = ""  # "" (free text) or one of GUIDE_KINDS
     guide: str = ""
+    # the guide holds from the token after the output first holds these tokens (a thinking
+    # model's end of reasoning, as vLLM starts structured outputs there); (): from the first
+    guide_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         problem = ""
@@ -110,6 +114,10 @@ class SamplingParams:
             problem = f"guide_kind {self.guide_kind!r} takes no guide"
         elif self.guide_kind not in ("", "json_object") and not self.guide:
             problem = f"guide_kind {self.guide_kind!r} needs a guide"
+        elif self.guide_after and (not self.guide_kind or len(self.guide_after) > MAX_GUIDE_AFTER):
+            problem = f"guide_after needs a guide and at most {MAX_GUIDE_AFTER} tokens"
+        elif any(t < 0 for t in self.guide_after):
+            problem = "guide_after's token ids must be >= 0"
         else:
             problem = _logit_bias_problem(self.logit_bias)
         if problem:
@@ -228,6 +236,7 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         min_tokens=s.min_tokens,
         guide_kind=s.guide_kind,
         guide=s.guide,
+        guide_after=list(s.guide_after),
     )
     if s.repetition_penalty != 1.0:
         msg.repetition_penalty = s.repetition_penalty
@@ -261,6 +270,7 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
         min_tokens=s.min_tokens,
         guide_kind=s.guide_kind,
         guide=s.guide,
+        guide_after=tuple(s.guide_after),
     )
 
 

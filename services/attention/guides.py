@@ -7,7 +7,11 @@ checkpoint's tokenizer, compiled guides cached); before each of its tokens is ch
 tokens the grammar cannot take next are masked out of its logits (so penalties, temperature and
 logprobs all see the masked logits, as in vLLM); after, the matcher takes the token. When the
 grammar is complete the request ends: on its EOS or stop token where it has one (the matcher
-allows only those then), else at once."""
+allows only those then), else at once.
+
+A guide may wait (`SamplingParams.guide_after`): the output is free until it holds the given
+tokens (a thinking model's end of reasoning), and the grammar holds from the next token on, as
+vLLM starts structured outputs after the reasoning."""
 
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ class Guides:
         self._compiler: Any = None  # xgrammar.GrammarCompiler, made on first use
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
+        # request id -> (the marker its guide waits for, its output's last tokens)
+        self._waiting: dict[str, tuple[tuple[int, ...], list[int]]] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32
 
     def start(self, req: Request) -> None:
@@ -58,6 +64,8 @@ class Guides:
             override_stop_tokens=ends or None,
             terminate_without_stop_token=not ends,
         )
+        if sp.guide_after:
+            self._waiting[req.request_id] = (sp.guide_after, [])
 
     @property
     def active(self) -> bool:
@@ -66,7 +74,11 @@ class Guides:
     def mask_(self, logits: torch.Tensor, request_ids: list[str]) -> None:
         """-inf for every token the rows' grammars cannot take next (logits [B, V] float32,
         row i is request_ids[i]'s)."""
-        rows = [(i, self._matchers[r]) for i, r in enumerate(request_ids) if r in self._matchers]
+        rows = [
+            (i, self._matchers[r])
+            for i, r in enumerate(request_ids)
+            if r in self._matchers and r not in self._waiting
+        ]
         if not rows:
             return
         xgr = _xgrammar()
@@ -87,6 +99,14 @@ class Guides:
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return False
+        waiting = self._waiting.get(request_id)
+        if waiting is not None:
+            marker, recent = waiting
+            recent.append(token)
+            del recent[: -len(marker)]
+            if tuple(recent) == marker:  # the grammar holds from the next token
+                del self._waiting[request_id]
+            return False
         if not matcher.accept_token(token):  # the mask allowed only what it accepts
             log.warning("request %s: its grammar refused token %d; ending it", request_id, token)
             return True
@@ -94,6 +114,7 @@ class Guides:
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._waiting.pop(request_id, None)
 
     def _compile(self, kind: str, guide: str) -> Any:
         key = (kind, guide)

@@ -2,8 +2,10 @@
 
 The reasoning parser (`--reasoning-parser`) splits the thinking off first; the tool-call reader
 (tool_calls.py) reads calls out of what is left. A guided output (a named function, "required",
-or structured outputs) is never split into reasoning: the guide leaves the model no room to
-think, so its whole text is the answer.
+or structured outputs) under a reasoning parser is free until the reasoning ends and guided
+after it (handlers.py asks the attention server for that), so it is split as any other; where
+the prompt already closed the thinking, the guide holds from the first token and the whole
+text is the answer.
 """
 
 from __future__ import annotations
@@ -50,15 +52,17 @@ def answer_readers(
     reasoning_parser: str,
     n: int,
     chat_format: str = "text",
+    guide_waits: bool = False,
 ) -> list[Reader] | None:
     """Each chat choice's reader of reasoning and tool calls; None when its text is the
-    answer as it is."""
+    answer as it is. `guide_waits`: the choices' guides hold only after the reasoning."""
     if not isinstance(req, ChatCompletionRequest):
         return None
     mode, name, parallel = req.tool_mode, req.called_tool, req.parallel_tool_calls
     if chat_format == "harmony" and not req.guide[0]:
         return [HarmonyReader(mode == "auto" and bool(tool_parser)) for _ in range(n)]
-    think = reasoning_parser if not req.guide[0] else ""  # a guide leaves no thinking
+    # a guide from the first token leaves no thinking
+    think = reasoning_parser if guide_waits or not req.guide[0] else ""
     if req.tool_mode == "none" and not think:
         return None
     return [

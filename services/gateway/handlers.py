@@ -25,6 +25,7 @@ from services.gateway.errors import APIError, invalid, validation_message
 from services.gateway.generation import ChoiceRun, ChoiceSpec, ChoiceStreams, Delta
 from services.gateway.latency import SLA, ChoiceTiming
 from services.gateway.lifecycle import Lifecycle
+from services.gateway.reasoning import guide_marker
 from services.gateway.responses import (
     SSE_DONE,
     ChatFormatter,
@@ -201,6 +202,8 @@ async def plan(
                 f"min_tokens is {req.min_tokens}, more than max_tokens ({max_tokens})",
                 "min_tokens",
             )
+        think = chat and guide_kind and state.reasoning_parser  # the guide waits for its end
+        after = guide_marker(state.reasoning_parser, state.tokenizer, ids) if think else ()
         for c in range(req.n):
             j = p * req.n + c
             params = _sampling(
@@ -222,6 +225,7 @@ async def plan(
                 min_tokens=req.min_tokens,
                 guide_kind=guide_kind,
                 guide=guide,
+                guide_after=after,
             )
             spec = ChoiceSpec(
                 j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo,
@@ -273,8 +277,9 @@ async def respond(
     streams.start(lambda: _disconnected(request))
     with_lp = req.num_logprobs is not None
     readers = answer_readers(
-        req, state.tool_parser, state.reasoning_parser, len(specs), state.chat_format
-    )
+        req, state.tool_parser, state.reasoning_parser, len(specs), state.chat_format,
+        guide_waits=any(s.params.guide_after for s in specs),
+    )  # fmt: skip
     if req.stream:
         try:
             first = await streams.next()  # an error before any byte is sent gets its status

@@ -8,6 +8,7 @@ whether its text comes whole or in pieces, holding back only what may still be a
 
 from __future__ import annotations
 
+from afd.tokenizer import ModelTokenizer
 from services.gateway.tool_parsers import held_back
 
 
@@ -83,3 +84,14 @@ class DeepSeekR1Parser(ThinkParser):
 
 
 PARSERS: dict[str, type[ThinkParser]] = {"qwen3": Qwen3Parser, "deepseek_r1": DeepSeekR1Parser}
+
+
+def guide_marker(parser: str, tokenizer: ModelTokenizer, prompt_ids: list[int]) -> tuple[int, ...]:
+    """The tokens after which a guided answer's grammar holds under reasoning parser `parser`
+    (its end tag, as vLLM starts structured outputs after the reasoning); () when the prompt
+    already closed the thinking (Qwen3's template with enable_thinking false writes an empty
+    block), so the grammar holds from the first token."""
+    end = PARSERS[parser].end_tag
+    if tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False).rstrip().endswith(end):
+        return ()
+    return tuple(tokenizer.encode(end))

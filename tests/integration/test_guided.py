@@ -145,3 +145,56 @@ def test_logprobs_under_a_grammar_stay_finite(ckpt):
         values = [lp.logprob] + [v for _, v in lp.top]
         assert all(-9999.0 <= v <= 0.0 for v in values), values
         assert min(values) == -9999.0  # 5 alternatives, at most 2 allowed
+
+
+class _After:
+    """transformers' side of a guide that waits: nothing until the output holds `marker`,
+    then xgrammar's own processor, made at that point (it takes the tokens from there on)."""
+
+    def __init__(self, compiled, prompt_len: int, marker: list[int]):
+        self.compiled, self.prompt_len, self.marker, self.proc = compiled, prompt_len, marker, None
+
+    def __call__(self, input_ids, scores):
+        out = input_ids[0, self.prompt_len :].tolist()
+        if self.proc is None and any(
+            out[i : i + len(self.marker)] == self.marker for i in range(len(out))
+        ):
+            self.proc = xgr.contrib.hf.LogitsProcessor(self.compiled)
+        return scores if self.proc is None else self.proc(input_ids, scores)
+
+
+def test_a_guide_that_waits_holds_from_the_token_after_its_marker(ckpt, hf):
+    """guide_after (a thinking model's end of reasoning): the output is free, token for token
+    the unguided one, until it holds the marker (the first pair of tokens from the free
+    output's fourth on that it has not held before), and from the next token it is
+    transformers' under xgrammar's processor made at that point."""
+    model, _, compiler = hf
+    free = SamplingParams(max_tokens=NEW, temperature=0, logit_bias=NO_SPACE)
+    with local_engine(engine_cfg(ckpt), 1, progress=False) as eng:
+        unguided = [r.output_token_ids for r in eng.generate(PROMPTS, free)]
+    for p, out in zip(PROMPTS, unguided, strict=True):
+        k = next(k for k in range(3, NEW - 8) if out[k : k + 2] not in _pairs(out[: k + 1]))
+        marker = out[k : k + 2]
+        proc = _After(_compile(compiler, "json", GUIDES["json"]), len(p), marker)
+        o = model.generate(
+            torch.tensor([p]), max_new_tokens=NEW, do_sample=False, logits_processor=[proc],
+            pad_token_id=EOS_TOKEN_ID, sequence_bias={(t,): b for t, b in NO_SPACE},
+        )  # fmt: skip
+        ref = o[0, len(p) :].tolist()
+        if EOS_TOKEN_ID in ref:
+            ref = ref[: ref.index(EOS_TOKEN_ID) + 1]
+        sp = SamplingParams(
+            max_tokens=NEW, temperature=0, guide_kind="json", guide=GUIDES["json"],
+            logit_bias=NO_SPACE, guide_after=tuple(marker),
+        )  # fmt: skip
+        with local_engine(engine_cfg(ckpt), 1, progress=False) as eng:
+            (req,) = eng.generate([p], sp)
+            assert not eng.runner.guides.active, "matchers leaked"
+        assert req.output_token_ids == ref
+        assert ref[: k + 2] == out[: k + 2] and ref != out[: len(ref)]  # free, then guided
+        tail = hf[1].decode(ref[k + 2 :], skip_special_tokens=True)
+        assert tail.lstrip().startswith("{"), tail
+
+
+def _pairs(ids: list[int]) -> list[list[int]]:
+    return [ids[i : i + 2] for i in range(len(ids) - 1)]

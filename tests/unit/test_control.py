@@ -40,6 +40,9 @@ def test_generate_request_round_trip():
         presence_penalty=1.5,
         min_p=0.125,
         min_tokens=3,
+        guide_kind="regex",
+        guide="a+",
+        guide_after=(7, 8),
     )
     req = GenerateRequest("r-1", [1, 2, 3], sp)
     back = control.request_from_pb(control.request_to_pb(req))
@@ -114,6 +117,9 @@ def test_each_error_type_carries_its_code():
         {"logit_bias": tuple((i, 1.0) for i in range(2000))},
         {"min_tokens": -1},
         {"max_tokens": 2, "min_tokens": 3},
+        {"guide_after": (3,)},  # nothing to wait for
+        {"guide_kind": "regex", "guide": "a", "guide_after": (-3,)},
+        {"guide_kind": "regex", "guide": "a", "guide_after": tuple(range(17))},
     ],
 )
 def test_sampling_values_no_request_may_carry_are_refused(bad):
