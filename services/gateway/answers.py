@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from afd.tokenizer import ModelTokenizer
 from services.gateway.generation import Delta, Piece
-from services.gateway.harmony import HarmonyReader
+from services.gateway.harmony import FINAL_BODY, HarmonyReader
 from services.gateway.reasoning import PARSERS as REASONING_PARSERS
-from services.gateway.reasoning import ThinkParser
+from services.gateway.reasoning import ThinkParser, think_marker
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.tool_calls import CallStream, merge
 
@@ -46,6 +47,19 @@ class AnswerReader:
 Reader = AnswerReader | HarmonyReader  # what reads one chat choice's text
 
 
+def guide_marker(
+    tokenizer: ModelTokenizer, prompt_ids: list[int], chat_format: str, reasoning_parser: str
+) -> tuple[int, ...]:
+    """The tokens after which a guided chat answer's grammar holds (SamplingParams.guide_after):
+    a harmony answer's final body, or the end of a thinking model's reasoning; () for a model
+    that does neither, or a prompt that already closed the thinking."""
+    if chat_format == "harmony":
+        return tuple(tokenizer.encode(FINAL_BODY))
+    if reasoning_parser:
+        return think_marker(reasoning_parser, tokenizer, prompt_ids)
+    return ()
+
+
 def answer_readers(
     req: ChatCompletionRequest | CompletionRequest,
     tool_parser: str,
@@ -59,7 +73,7 @@ def answer_readers(
     if not isinstance(req, ChatCompletionRequest):
         return None
     mode, name, parallel = req.tool_mode, req.called_tool, req.parallel_tool_calls
-    if chat_format == "harmony" and not req.guide[0]:
+    if chat_format == "harmony" and (guide_waits or not req.guide[0]):
         return [HarmonyReader(mode == "auto" and bool(tool_parser)) for _ in range(n)]
     # a guide from the first token leaves no thinking
     think = reasoning_parser if guide_waits or not req.guide[0] else ""

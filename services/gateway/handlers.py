@@ -18,14 +18,13 @@ from afd import metrics
 from afd.control import SamplingParams
 from afd.errors import AfdError, RequestError
 from afd.tokenizer import ModelTokenizer
-from services.gateway.answers import Reader, answer_readers, read_delta, read_whole
+from services.gateway.answers import Reader, answer_readers, guide_marker, read_delta, read_whole
 from services.gateway.balancer import Balancer
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, invalid, validation_message
 from services.gateway.generation import ChoiceRun, ChoiceSpec, ChoiceStreams, Delta
 from services.gateway.latency import SLA, ChoiceTiming
 from services.gateway.lifecycle import Lifecycle
-from services.gateway.reasoning import guide_marker
 from services.gateway.responses import (
     SSE_DONE,
     ChatFormatter,
@@ -168,9 +167,13 @@ async def plan(
         )
     bias = req.token_bias
     guide_kind, guide = req.guide
-    # a harmony answer's structure is special tokens: its reader needs them in the text
+    # a harmony answer's structure is special tokens: its reader needs them in the text (a
+    # tool_choice guide leaves the model no harmony; another guide holds in the final body)
     chat = isinstance(req, ChatCompletionRequest)
-    harmony = chat and state.chat_format == "harmony" and not guide_kind
+    calls_guide = chat and req.tool_mode in ("required", "named")
+    harmony = chat and state.chat_format == "harmony" and not calls_guide
+    text_model = state.chat_format != "harmony"
+    waits = chat and guide_kind and (harmony or (text_model and bool(state.reasoning_parser)))
     check_token_ids(state, [t for t, _ in bias], "logit_bias")
     await state.balancer.wait_started(state.startup_wait_s)
     max_len = await state.balancer.max_model_len()
@@ -202,8 +205,11 @@ async def plan(
                 f"min_tokens is {req.min_tokens}, more than max_tokens ({max_tokens})",
                 "min_tokens",
             )
-        think = chat and guide_kind and state.reasoning_parser  # the guide waits for its end
-        after = guide_marker(state.reasoning_parser, state.tokenizer, ids) if think else ()
+        after = (
+            guide_marker(state.tokenizer, ids, state.chat_format, state.reasoning_parser)
+            if waits
+            else ()
+        )
         for c in range(req.n):
             j = p * req.n + c
             params = _sampling(

@@ -31,6 +31,9 @@ TOOL_PARSER_NAMES = (*TOOL_PARSERS, HARMONY_TOOLS)
 REASONING_PARSER_NAMES = (*REASONING_PARSERS, HARMONY_REASONING)
 
 MESSAGE = "<|message|>"
+# where a guided answer's guide starts to hold: the final channel's body (the analysis before
+# it is free), as vLLM guides gpt-oss
+FINAL_BODY = "<|channel|>final<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")

@@ -86,7 +86,7 @@ class DeepSeekR1Parser(ThinkParser):
 PARSERS: dict[str, type[ThinkParser]] = {"qwen3": Qwen3Parser, "deepseek_r1": DeepSeekR1Parser}
 
 
-def guide_marker(parser: str, tokenizer: ModelTokenizer, prompt_ids: list[int]) -> tuple[int, ...]:
+def think_marker(parser: str, tokenizer: ModelTokenizer, prompt_ids: list[int]) -> tuple[int, ...]:
     """The tokens after which a guided answer's grammar holds under reasoning parser `parser`
     (its end tag, as vLLM starts structured outputs after the reasoning); () when the prompt
     already closed the thinking (Qwen3's template with enable_thinking false writes an empty

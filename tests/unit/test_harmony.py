@@ -86,11 +86,14 @@ def harmony_tokenizer(tmp_path_factory):
     return ModelTokenizer(d)
 
 
-def _chat(tok, text, body, stream=False, **cfg):
+def _chat(tok, text, body, stream=False, sent=None, **cfg):
+    """The app's answer to a chat whose model says `text`; `sent` gets the parameters the
+    attention server was asked for."""
     ids = tok.encode(text)
 
     async def go():
         client = FakeClient(ids=ids, finish="stop", context=4096)
+        client.calls = sent if sent is not None else client.calls
         state = GatewayState(tok, TokenBytes(tok), Balancer([client]), "m", 512, "",
                              chat_format="harmony")  # fmt: skip
         app = create_app(state, GatewayConfig("unused", ("fake:1",), "m", **cfg))
@@ -124,9 +127,25 @@ def test_a_harmony_model_answers_with_reasoning_content_and_tool_calls(harmony_t
     assert [c["function"] for c in calls] == [call["function"]]
     reasoning = "".join(e["choices"][0]["delta"].get("reasoning_content", "") for e in events)
     assert reasoning == "User asks: 2 + 2? Simple."
-    # a guide leaves the model no harmony: its text is the answer as it is
-    guided = _chat(tok, '{"a": 1}', {"guided_json": {"type": "object"}}).json()
-    assert guided["choices"][0]["message"] == {"role": "assistant", "content": '{"a": 1}'}
+
+    # structured outputs hold in the final body (the analysis before it is free), as vLLM
+    # guides gpt-oss; a tool_choice guide leaves the model no harmony: its text is the calls
+    ans = '<|start|>assistant<|channel|>final<|message|>{"a": 1}<|return|>'
+    body = {"guided_json": {"type": "object"}}
+    guided = _chat(tok, A + ans, body).json()["choices"][0]["message"]
+    assert guided == {
+        "role": "assistant",
+        "content": '{"a": 1}',
+        "reasoning_content": "User asks: 2 + 2? Simple.",
+    }
+    sent = []
+    _chat(tok, A + ans, body, sent=sent)
+    assert sent[0][2].guide_after == tuple(tok.encode("<|channel|>final<|message|>"))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    args = '{"location": "Oslo"}'
+    body = {"tools": [WEATHER], "tool_choice": named}
+    r = _chat(tok, args, body, sent=sent).json()["choices"][0]["message"]
+    assert r["tool_calls"][0]["function"]["arguments"] == args and not sent[-1][2].guide_after
 
 
 def test_the_parsers_must_fit_the_models_chat_format():

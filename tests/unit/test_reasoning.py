@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.reasoning import DeepSeekR1Parser, Qwen3Parser, guide_marker
+from services.gateway.reasoning import DeepSeekR1Parser, Qwen3Parser, think_marker
 from tests.unit.test_gateway_app import FakeClient, make, post, run, sse_events
 from tests.unit.test_gateway_app import tokenizer as tokenizer  # noqa: F401 - the fixture
 from tests.unit.test_gateway_tools import WEATHER, _streamed
@@ -115,6 +115,6 @@ def test_a_prompt_that_closed_the_thinking_is_guided_from_the_first_token(tokeni
     """Qwen3's template with enable_thinking false ends the prompt with an empty think block:
     there is no reasoning to wait for."""
     closed = tokenizer.encode("<|user|>hi<|assistant|><think>\n\n</think>\n\n")
-    assert guide_marker("qwen3", tokenizer, closed) == ()
+    assert think_marker("qwen3", tokenizer, closed) == ()
     opened = tokenizer.encode("<|user|>hi<|assistant|><think>\n")
-    assert guide_marker("deepseek_r1", tokenizer, opened) == tuple(tokenizer.encode("</think>"))
+    assert think_marker("deepseek_r1", tokenizer, opened) == tuple(tokenizer.encode("</think>"))
