@@ -186,6 +186,8 @@ class TokenEvent:
     # prompt tokens 1 .. n-1 given the tokens before each, when asked (first event only)
     prompt_logprobs: list[Logprob] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache supplied
+    # the request's last token is the EOS or stop token that ended it (last event only)
+    stop_token: bool = False
 
     @staticmethod
     def failure(request_id: str, code: ErrorCode, message: str) -> TokenEvent:
@@ -303,6 +305,7 @@ def event_to_pb(ev: TokenEvent) -> pb.TokenEvent:
         error=ev.error,
         queue_seconds=ev.queue_seconds,
         cached_tokens=ev.cached_tokens,
+        stop_token=ev.stop_token,
         prompt_logprobs=[
             pb.TokenLogprobs(
                 token_id=lp.token_id,
@@ -331,6 +334,7 @@ def event_from_pb(ev: pb.TokenEvent) -> TokenEvent:
         completion_tokens=ev.completion_tokens,
         queue_seconds=ev.queue_seconds,
         cached_tokens=ev.cached_tokens,
+        stop_token=ev.stop_token,
         prompt_logprobs=[
             Logprob(lp.token_id, lp.logprob, [(a.token_id, a.logprob) for a in lp.top])
             for lp in ev.prompt_logprobs
@@ -366,15 +370,8 @@ def stats_to_pb(s: Stats) -> pb.StatsReply:
 
 
 def stats_from_pb(r: pb.StatsReply) -> Stats:
-    return Stats(
-        r.running,
-        r.waiting,
-        r.kv_usage,
-        r.preemptions,
-        r.draining,
-        r.prefix_queries,
-        r.prefix_hits,
-    )
+    load = (r.running, r.waiting, r.kv_usage, r.preemptions)
+    return Stats(*load, r.draining, r.prefix_queries, r.prefix_hits)
 
 
 __all__ = [

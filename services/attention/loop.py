@@ -158,6 +158,7 @@ class EngineLoop:
                 queue_seconds=queued if n == 0 else 0.0,
                 prompt_logprobs=req.prompt_logprobs if n == 0 else [],
                 cached_tokens=req.num_cached_tokens or 0,
+                stop_token=req.finished and req.stop_token,
             )
             if req.finished:
                 self._emit_final(rid, ev)

@@ -38,6 +38,7 @@ class Request:
     num_cached_tokens: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_token: bool = False  # its last token is the EOS or stop token that ended it
     error: str = ""  # why, when finish_reason is "error"
     error_code: ErrorCode = ErrorCode.NONE
     num_preemptions: int = 0

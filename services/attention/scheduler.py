@@ -356,16 +356,16 @@ class Scheduler:
                 req.output_logprobs.append(logprobs[req.request_id])
             new_token.append(req)
             reason = "stop" if ended and req.request_id in ended else self._finish_reason(req)
+            req.stop_token = reason == "stop" and _ends_on(req, req.output_token_ids[-1])
             if reason is not None:
                 self._running.remove(req)
                 self._finish(req, reason)
         return new_token
 
     def _finish_reason(self, req: Request) -> str | None:
-        token = req.output_token_ids[-1]
-        sp = req.sampling
-        if (token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+        if _ends_on(req, req.output_token_ids[-1]):
             return "stop"
+        sp = req.sampling
         if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -376,3 +376,9 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self._requests[req.request_id]
+
+
+def _ends_on(req: Request, token: int) -> bool:
+    """Whether `token` ends the request: its EOS (unless ignored) or one of its stop tokens."""
+    sp = req.sampling
+    return (token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids

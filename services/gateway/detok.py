@@ -75,22 +75,25 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Finds the first of `stops` in a stream of text pieces without ever emitting any of it."""
+    """Finds the first of `stops` in a stream of text pieces without ever emitting any of it
+    (`include`: the stop string itself is emitted, vLLM's include_stop_str_in_output)."""
 
-    def __init__(self, stops: tuple[str, ...] | list[str] = ()):
+    def __init__(self, stops: tuple[str, ...] | list[str] = (), include: bool = False):
         self.stops = tuple(s for s in stops if s)
+        self.include = include
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit, whether a stop string was found). After a match, the
-        text from the stop string on is dropped."""
+        text after the stop string (or from it on) is dropped."""
         if not self.stops:
             return text, False
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, -len(s)) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             self._held = ""
-            return buf[: min(hits)], True
+            at, longest = min(hits)  # the earliest; of those starting there, the longest
+            return buf[: at - longest if self.include else at], True
         keep = self._partial_tail(buf)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False

@@ -34,6 +34,8 @@ class ChoiceSpec:
     # the echoed prompt's tokens carry their logprobs (the first token's is null)
     echo_logprobs: bool = False
     keep_special_tokens: bool = False  # in the text (a harmony answer's reader needs them)
+    # the stop string, or the EOS or stop token, that ended the output stays in its text
+    include_stop: bool = False
 
 
 @dataclass
@@ -103,7 +105,7 @@ class ChoiceRun:
         detok = IncrementalDetokenizer(
             self._decoder, spec.prompt_ids, skip_special_tokens=not spec.keep_special_tokens
         )
-        stop = StopMatcher(spec.stop)
+        stop = StopMatcher(spec.stop, spec.include_stop)
         ids: list[int] = []
         lps: list[Logprob] = []
         with self._balancer.lease(client):
@@ -120,7 +122,10 @@ class ChoiceRun:
                     ids += ev.token_ids
                     lps += ev.logprobs
                     finish = ev.finish_reason or None
-                    text = detok.add(ev.token_ids) + (detok.flush() if finish else "")
+                    # as vLLM: the token that ended the output is not its text
+                    drop = ev.stop_token and bool(ev.token_ids) and not spec.include_stop
+                    text = detok.add(ev.token_ids[:-1] if drop else ev.token_ids)
+                    text += detok.flush() if finish else ""
                     if ev.completion_tokens <= spec.params.min_tokens:
                         out, stopped = text, False  # no stop string before min_tokens
                     else:

@@ -235,7 +235,9 @@ async def plan(
             )
             spec = ChoiceSpec(
                 j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo,
-                echo_logprobs=_echo_logprobs(req), keep_special_tokens=harmony,
+                echo_logprobs=_echo_logprobs(req),
+                keep_special_tokens=harmony or not req.skip_special_tokens,
+                include_stop=req.include_stop_str_in_output,
             )  # fmt: skip
             specs.append(spec)
     return specs

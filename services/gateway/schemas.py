@@ -98,6 +98,10 @@ class _SamplingRequest(_Model):
         | None
     ) = None
     ignore_eos: Bool = False  # vLLM extra: generate max_tokens whatever the model says
+    # vLLM extras: special tokens in the text; the stop string or stop token (EOS too) that
+    # ended the output in its text
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
     # vLLM extra: requests with different salts share no prefix-cache blocks
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     user: str | None = None

@@ -201,6 +201,22 @@ def test_stop_string_is_matched_and_never_leaked(client):
     assert "".join(pieces) == text[:i]
 
 
+def test_a_stop_token_ends_the_text_before_it_unless_asked(model, client):
+    """The attention server says which token ended the output (over gRPC): as vLLM, its text
+    is left out, and kept with include_stop_str_in_output."""
+    tok = ModelTokenizer(model)
+    args = dict(model="tiny", prompt="hello", max_tokens=40, **GREEDY)
+    text = client.completions.create(**args).choices[0].text
+    i = next(i for i in range(2, len(text)) if text[i].isascii() and text[i] not in text[:i])
+    (stop,) = tok.encode(text[i])  # a character of the demo's byte-level tokens: one token
+    extra = {**GREEDY["extra_body"], "stop_token_ids": [stop]}
+    cut = client.completions.create(**{**args, "extra_body": extra}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:i]
+    kept = {**extra, "include_stop_str_in_output": True}
+    cut = client.completions.create(**{**args, "extra_body": kept}).choices[0]
+    assert cut.text == text[: i + 1]
+
+
 def test_n_and_seeds_are_reproducible(client):
     args = dict(model="tiny", messages=CHAT, max_tokens=8, temperature=1.0, n=3, seed=1234)
     a = [c.message.content for c in client.chat.completions.create(**args).choices]

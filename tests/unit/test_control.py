@@ -65,6 +65,7 @@ def test_token_event_round_trip_keeps_logprobs_and_codes():
         completion_tokens=2,
         queue_seconds=0.125,
         cached_tokens=16,
+        stop_token=True,
     )
     assert control.event_from_pb(control.event_to_pb(ev)) == ev
     for code in ErrorCode:

@@ -35,10 +35,12 @@ class FakeClient:
         finish="length",
         context=64,
         ids=None,
+        stop_token=False,
     ):
         self.address, self.text, self.cached, self.finish = address, text, cached, finish
         self.context = context  # the model's context length, as Health reports it
         self.ids = ids  # the token ids to answer with (default: TEXT's bytes)
+        self.stop_token = stop_token  # the last token is the stop token that ended it
         self.error, self.error_after = error, error_after
         self.ready, self.load = ready, load
         self.calls = []
@@ -66,6 +68,7 @@ class FakeClient:
                     prompt_tokens=len(prompt),
                     completion_tokens=k,
                     cached_tokens=self.cached,
+                    stop_token=self.stop_token and bool(finish),
                 )
         finally:
             if not done:
@@ -232,6 +235,32 @@ def test_stop_token_ids_reach_the_engine_and_bad_ones_are_a_400(tokenizer):
     bad = run(go({"stop_token_ids": [-1]}))
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("stop_token_ids")
     assert len(fake.calls) == 2
+
+
+def test_the_stop_token_and_special_tokens_leave_the_text_unless_asked(tokenizer):
+    """As vLLM: the token that ended the output (its EOS or a stop token) is not in the text,
+    unless include_stop_str_in_output; special tokens are skipped unless skip_special_tokens
+    is false; a stop string stays out of the text unless include_stop_str_in_output."""
+    user = tokenizer.encode("<|user|>")
+    assert len(user) == 1  # one special token
+    ids = [*tokenizer.encode("ab"), *user, *tokenizer.encode("cd.")]
+
+    def text(body, stop_token=True):
+        fake = FakeClient(ids=ids, finish="stop", stop_token=stop_token)
+
+        async def go():
+            async with make(tokenizer, [fake]) as c:
+                full = {"prompt": "a", "max_tokens": 9, **body}
+                return await post(c, "/v1/completions", full)
+
+        return run(go()).json()["choices"][0]["text"]
+
+    assert text({}) == "abcd"
+    assert text({}, stop_token=False) == "abcd."  # the guide ended it at its last token
+    assert text({"include_stop_str_in_output": True}) == "abcd."
+    assert text({"skip_special_tokens": False}) == "ab<|user|>cd"
+    assert text({"stop": ["b"]}) == "a"
+    assert text({"stop": ["b"], "include_stop_str_in_output": True}) == "ab"
 
 
 def test_logprobs_shapes(tokenizer):

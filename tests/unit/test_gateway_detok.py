@@ -68,8 +68,8 @@ def test_prompt_ending_mid_character_does_not_shift_the_output(tok):
     assert "".join(pieces) + rest == "yz"
 
 
-def feed_all(stops, pieces):
-    m = StopMatcher(stops)
+def feed_all(stops, pieces, include=False):
+    m = StopMatcher(stops, include)
     out = []
     for p in pieces:
         text, stopped = m.feed(p)
@@ -96,6 +96,14 @@ def test_partial_match_that_fails_is_released():
 def test_earliest_stop_wins_and_one_piece_can_hold_it():
     out, stopped = feed_all(["world", "lo"], ["hello world"])
     assert stopped and out == ["hel"]
+
+
+def test_included_stop_strings_end_the_text_with_the_earliest_longest_match():
+    """vLLM's include_stop_str_in_output: the text up to and with the stop string."""
+    out, stopped = feed_all(["STOP"], ["hello S", "T", "O", "P and more"], include=True)
+    assert stopped and "".join(out) == "hello STOP"
+    out, stopped = feed_all(["lo", "world", "lo w"], ["hello world"], include=True)
+    assert stopped and out == ["hello w"]
 
 
 def test_no_stops_passes_through():

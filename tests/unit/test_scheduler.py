@@ -379,6 +379,7 @@ def test_finish_reasons(
     s.add_request(r)
     run(s, ConstModel(5))
     assert (len(r.output_token_ids), r.finish_reason) == (n_out, reason)
+    assert r.stop_token == (reason == "stop")  # the gateway leaves its text out
 
 
 def test_context_length_ends_a_request() -> None:
