@@ -120,10 +120,17 @@ class ModelTokenizer:
         time_limit_s: float | None = None,
         tools: list[dict[str, Any]] | None = None,
         extra: dict[str, Any] | None = None,
+        continue_final: bool = False,
     ) -> str:
         """The rendered prompt; with `time_limit_s`, a render that takes longer raises
         RequestError (so does one longer than MAX_TEMPLATE_CHARS, always). `tools`: OpenAI
-        tool definitions ({"type": "function", "function": {...}}); `extra`: more variables."""
+        tool definitions ({"type": "function", "function": {...}}); `extra`: more variables;
+        `continue_final`: the prompt ends inside the last message, for the model to go on
+        with it (transformers' and vLLM's continue_final_message)."""
+        if continue_final and add_generation_prompt:
+            raise RequestError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
         if not self.chat_template:
             raise ConfigError("this model has no chat template; use a completion prompt")
         clash = sorted(TEMPLATE_NAMES & set(extra or ()))
@@ -133,7 +140,7 @@ class ModelTokenizer:
             self._template = self._env.from_string(self.chat_template)
         chunks = self._template.generate(
             **(extra or {}),
-            messages=messages,
+            messages=_marked(messages) if continue_final else messages,
             tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
@@ -141,8 +148,45 @@ class ModelTokenizer:
             eos_token=self.eos_token or "",
         )
         if time_limit_s is None:
-            return _join(chunks)
-        return _with_time_limit(lambda: _join(chunks), time_limit_s)
+            text = _join(chunks)
+        else:
+            text = _with_time_limit(lambda: _join(chunks), time_limit_s)
+        return _open_final(text) if continue_final else text
+
+
+# Marks where the last message's text ends in a rendered prompt (continue_final_message); the
+# blank after it tells whether the template kept the text's trailing blanks.
+_END_OF_LAST = "AFD_END_OF_THE_LAST_MESSAGE "
+
+
+def _marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A copy of `messages` whose last message's text (its last text part) ends in the
+    marker."""
+    last = dict(messages[-1])
+    text = last.get("content")
+    if isinstance(text, list):  # content parts: the last one with text
+        parts = [dict(p) if isinstance(p, dict) else p for p in text]
+        at = next((i for i in reversed(range(len(parts))) if "text" in parts[i]), None)
+        if at is not None:
+            parts[at]["text"] = str(parts[at]["text"]) + _END_OF_LAST
+            last["content"] = parts
+            return [*messages[:-1], last]
+    elif isinstance(text, str) and text.strip():
+        last["content"] = text + _END_OF_LAST
+        return [*messages[:-1], last]
+    raise RequestError("continue_final_message: the last message has no text to continue")
+
+
+def _open_final(prompt: str) -> str:
+    """The rendered prompt cut where the last message's text ends, so the model continues
+    it; where the template trimmed that text's trailing blanks, trimmed there too."""
+    at = prompt.rfind(_END_OF_LAST.strip())
+    if at < 0:
+        raise RequestError(
+            "continue_final_message: the chat template does not show the last message's text"
+        )
+    kept = prompt.startswith(_END_OF_LAST, at)
+    return prompt[:at] if kept else prompt[:at].rstrip()
 
 
 class _TimeUp(Exception):

@@ -24,6 +24,7 @@ from afd.runtime import freeze_startup_heap
 from afd.security import Security
 from afd.tokenizer import ModelTokenizer
 from services.gateway import handlers as h
+from services.gateway import prompts
 from services.gateway.auth import APIKeyMiddleware
 from services.gateway.balancer import Balancer
 from services.gateway.client import AttentionClient
@@ -214,8 +215,8 @@ def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> None:
     async def chat(request: Request):
         req = await h.parse(request, ChatCompletionRequest)
         h.check_model(state, req.model)
-        h.check_tools(state, req)
-        prompt = [(await h.chat_prompt(state, req), "")]
+        prompts.check_tools(state, req)
+        prompt = [(await prompts.chat_prompt(state, req), "")]
         specs = await h.plan(state, req, prompt, request.state.request_id)
         return await h.respond(state, request, req, specs)
 
@@ -223,8 +224,8 @@ def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> None:
     async def completions(request: Request):
         req = await h.parse(request, CompletionRequest)
         h.check_model(state, req.model)
-        prompts = h.completion_prompts(state, req)
-        specs = await h.plan(state, req, prompts, request.state.request_id)
+        texts = prompts.completion_prompts(state, req)
+        specs = await h.plan(state, req, texts, request.state.request_id)
         return await h.respond(state, request, req, specs)
 
     @app.get("/v1/models")
@@ -288,8 +289,9 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
                 add_generation_prompt=req.add_generation_prompt,
                 tools=req.tools,
                 chat_template_kwargs=req.chat_template_kwargs,
+                continue_final_message=req.continue_final_message,
             )
-            ids = await h.chat_prompt(state, chat)
+            ids = await prompts.chat_prompt(state, chat)
         else:
             ids = state.tokenizer.encode(req.prompt or "")
         out = {"tokens": ids, "count": len(ids)}
@@ -302,7 +304,7 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         req = await h.parse(request, DetokenizeRequest)
-        h.check_token_ids(state, req.tokens, "tokens")
+        prompts.check_token_ids(state, req.tokens, "tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
     @app.get("/")

@@ -3,7 +3,6 @@ context, one generation per choice, then a JSON body or an SSE stream."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import time
@@ -16,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from afd import metrics
 from afd.control import SamplingParams
-from afd.errors import AfdError, RequestError
+from afd.errors import RequestError
 from afd.tokenizer import ModelTokenizer
 from services.gateway.answers import Reader, answer_readers, guide_marker, read_delta, read_whole
 from services.gateway.balancer import Balancer
@@ -25,6 +24,7 @@ from services.gateway.errors import APIError, invalid, validation_message
 from services.gateway.generation import ChoiceRun, ChoiceSpec, ChoiceStreams, Delta
 from services.gateway.latency import SLA, ChoiceTiming
 from services.gateway.lifecycle import Lifecycle
+from services.gateway.prompts import check_token_ids
 from services.gateway.responses import (
     SSE_DONE,
     ChatFormatter,
@@ -85,58 +85,6 @@ def check_model(state: GatewayState, name: str | None) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-async def chat_prompt(state: GatewayState, req: ChatCompletionRequest) -> list[int]:
-    """The chat's prompt tokens. The template renders on a worker thread with a time limit:
-    a slow or runaway template is a 400 and never stalls the event loop."""
-    messages = [m.template_dict() for m in req.messages]
-    try:
-        text = await asyncio.to_thread(
-            state.tokenizer.apply_chat_template,
-            messages,
-            req.add_generation_prompt,
-            state.template_timeout_s,
-            req.tool_dicts,
-            req.chat_template_kwargs,
-        )
-    except AfdError as e:  # no template, a time or size limit
-        raise invalid(f"cannot apply the chat template: {e}", param="messages") from None
-    except Exception as e:  # whatever the template does with these messages (sandbox refusals,
-        # type errors, runaway recursion) is the request's problem, not the server's
-        raise invalid(
-            f"cannot apply the chat template to these messages: {type(e).__name__}: {e}",
-            param="messages",
-        ) from None
-    return state.tokenizer.encode(text)
-
-
-def check_tools(state: GatewayState, req: ChatCompletionRequest) -> None:
-    """A tool_choice this server can honour (before anything runs)."""
-    if req.tool_mode == "auto" and not state.tool_parser:
-        raise invalid(
-            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to '
-            'be set; or ask for tool_choice "required", "none" or a named function',
-            "tool_choice",
-        )
-
-
-def completion_prompts(state: GatewayState, req: CompletionRequest) -> list[tuple[list[int], str]]:
-    """Each prompt as (token ids, text to echo)."""
-    out = []
-    for p in req.prompts():
-        if isinstance(p, str):
-            out.append((state.tokenizer.encode(p), p if req.echo else ""))
-        else:
-            check_token_ids(state, p, "prompt")
-            out.append((p, state.tokenizer.decode(p) if req.echo else ""))
-    return out
-
-
-def check_token_ids(state: GatewayState, ids: list[int], param: str) -> None:
-    bad = next((t for t in ids if t >= state.vocab_size), None)
-    if bad is not None:
-        raise invalid(f"token id {bad} is out of range (vocabulary: {state.vocab_size})", param)
 
 
 def _seed(seed: int | None, j: int) -> int | None:
@@ -288,6 +236,7 @@ async def respond(
         req, state.tool_parser, state.reasoning_parser, len(specs), state.chat_format,
         guide_waits=any(s.params.guide_after for s in specs),
     )  # fmt: skip
+    echo = req.echoed if isinstance(req, ChatCompletionRequest) else ""
     if req.stream:
         try:
             first = await streams.next()  # an error before any byte is sent gets its status
@@ -295,7 +244,7 @@ async def respond(
             await streams.close()
             raise
         return StreamingResponse(
-            _sse(streams, fmt, first, with_lp, chat, req.include_usage, readers),
+            _sse(streams, fmt, first, with_lp, chat, req.include_usage, readers, echo),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -307,7 +256,9 @@ async def respond(
     if readers is not None:
         assert isinstance(fmt, ChatFormatter)
         choices, answers = read_whole(choices, readers)
+        choices = [(echo + text, lps, finish) for text, lps, finish in choices]
         return JSONResponse(fmt.response(choices, with_lp, use, answers))
+    choices = [(echo + text, lps, finish) for text, lps, finish in choices]
     body = fmt.response(choices, with_lp, use)
     if isinstance(req, CompletionRequest) and req.prompt_logprobs is not None:
         assert isinstance(fmt, CompletionFormatter)
@@ -342,11 +293,14 @@ async def _sse(
     chat: bool,
     include_usage: bool,
     readers: list[Reader] | None = None,
+    echo: str = "",
 ) -> AsyncIterator[bytes]:
     try:
         if chat:
             for i in range(len(streams.runs)):
                 yield sse(fmt.role_chunk(i))
+                if echo:  # vLLM's chat echo: the assistant's last text, then the answer
+                    yield sse(fmt.chunk(Delta(i, echo), False))
         d = first
         while d is not None:
             if readers is not None:

@@ -186,6 +186,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: Bool = False
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: Bool = True  # vLLM extra
+    # vLLM extras: the prompt ends inside the last message (the model goes on with it), and
+    # the answer starts with the last message's text when it is the assistant's
+    continue_final_message: Bool = False
+    echo: Bool = False
     # vLLM extra: more variables for the chat template (Qwen3's enable_thinking, say)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
@@ -205,7 +209,18 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        _check_continue(self.continue_final_message, self.add_generation_prompt)
         return self
+
+    @property
+    def echoed(self) -> str:
+        """vLLM's chat echo: the text the answer starts with (the last message's, when it is
+        the assistant's; its text parts joined by newlines, as vLLM reads them)."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        c = last.content
+        return c if isinstance(c, str) else "\n".join(p.text for p in c)
 
     @property
     def tool_mode(self) -> str:
@@ -312,6 +327,7 @@ class TokenizeRequest(_Model):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -319,7 +335,16 @@ class TokenizeRequest(_Model):
     def _one(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        _check_continue(self.continue_final_message, self.add_generation_prompt)
         return self
+
+
+def _check_continue(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    if continue_final_message and add_generation_prompt:
+        raise ValueError(
+            "continue_final_message and add_generation_prompt cannot both be true; "
+            "set add_generation_prompt to false to continue the last message"
+        )
 
 
 class DetokenizeRequest(_Model):

@@ -153,3 +153,33 @@ def test_a_messages_reasoning_reaches_the_template_under_transformers_names(mode
         [ChatMessage.model_validate(m).template_dict() for m in messages], False
     )
     assert got == want and "[assistant|t3|t3|r3]" in want
+
+
+@pytest.mark.parametrize(
+    "last",
+    ["The answer is", "The answer is ", "  spaced  ", [{"type": "text", "text": "part one"}]],
+)
+@pytest.mark.parametrize("template", ["demo", "helpers"])
+def test_continue_final_message_cuts_where_transformers_does(model_dir, last, template):
+    """The prompt ends inside the last (assistant) message, as transformers' and vLLM's
+    continue_final_message: its end-of-turn and anything after are gone."""
+    ours, theirs = _both(model_dir, demo.CHAT_TEMPLATE if template == "demo" else HELPERS_TEMPLATE)
+    msgs = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": last}]
+    want = theirs.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert ours.apply_chat_template(msgs, False, continue_final=True) == want
+    assert not want.endswith(("<|end|>", "<go>"))
+
+
+def test_continue_final_message_refuses_what_it_cannot_continue(model_dir):
+    ours = ModelTokenizer(model_dir)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]
+    with pytest.raises(RequestError, match="no text to continue"):
+        ours.apply_chat_template(msgs, False, continue_final=True)
+    with pytest.raises(RequestError, match="cannot both be true"):
+        ours.apply_chat_template(msgs, True, continue_final=True)
+    ours.chat_template, ours._template = "{{ messages[0]['content'] }}", None
+    msgs[1]["content"] = "not shown"
+    with pytest.raises(RequestError, match="does not show the last message's text"):
+        ours.apply_chat_template(msgs, False, continue_final=True)

@@ -1,0 +1,67 @@
+"""Requests -> prompt token ids: chat templates rendered off the event loop, completion
+prompts as text or token ids, and the checks on both that run before anything is generated."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from afd.errors import AfdError
+from services.gateway.errors import invalid
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from services.gateway.handlers import GatewayState
+
+
+async def chat_prompt(state: GatewayState, req: ChatCompletionRequest) -> list[int]:
+    """The chat's prompt tokens. The template renders on a worker thread with a time limit:
+    a slow or runaway template is a 400 and never stalls the event loop."""
+    messages = [m.template_dict() for m in req.messages]
+    try:
+        text = await asyncio.to_thread(
+            state.tokenizer.apply_chat_template,
+            messages,
+            req.add_generation_prompt,
+            state.template_timeout_s,
+            req.tool_dicts,
+            req.chat_template_kwargs,
+            req.continue_final_message,
+        )
+    except AfdError as e:  # no template, a time or size limit
+        raise invalid(f"cannot apply the chat template: {e}", param="messages") from None
+    except Exception as e:  # whatever the template does with these messages (sandbox refusals,
+        # type errors, runaway recursion) is the request's problem, not the server's
+        raise invalid(
+            f"cannot apply the chat template to these messages: {type(e).__name__}: {e}",
+            param="messages",
+        ) from None
+    return state.tokenizer.encode(text)
+
+
+def check_tools(state: GatewayState, req: ChatCompletionRequest) -> None:
+    """A tool_choice this server can honour (before anything runs)."""
+    if req.tool_mode == "auto" and not state.tool_parser:
+        raise invalid(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to '
+            'be set; or ask for tool_choice "required", "none" or a named function',
+            "tool_choice",
+        )
+
+
+def completion_prompts(state: GatewayState, req: CompletionRequest) -> list[tuple[list[int], str]]:
+    """Each prompt as (token ids, text to echo)."""
+    out = []
+    for p in req.prompts():
+        if isinstance(p, str):
+            out.append((state.tokenizer.encode(p), p if req.echo else ""))
+        else:
+            check_token_ids(state, p, "prompt")
+            out.append((p, state.tokenizer.decode(p) if req.echo else ""))
+    return out
+
+
+def check_token_ids(state: GatewayState, ids: list[int], param: str) -> None:
+    bad = next((t for t in ids if t >= state.vocab_size), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} is out of range (vocabulary: {state.vocab_size})", param)
