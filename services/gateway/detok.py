@@ -81,6 +81,7 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...] | list[str] = (), include: bool = False):
         self.stops = tuple(s for s in stops if s)
         self.include = include
+        self.matched: str | None = None  # the stop string found
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
@@ -89,11 +90,11 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buf = self._held + text
-        hits = [(i, -len(s)) for s in self.stops if (i := buf.find(s)) >= 0]
+        hits = [(i, -len(s), s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             self._held = ""
-            at, longest = min(hits)  # the earliest; of those starting there, the longest
-            return buf[: at - longest if self.include else at], True
+            at, _, self.matched = min(hits)  # the earliest; of those starting there, the longest
+            return buf[: at + len(self.matched) if self.include else at], True
         keep = self._partial_tail(buf)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False

@@ -46,6 +46,8 @@ class Delta:
     logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[Logprob] = field(default_factory=list)  # first delta, when asked
+    # vLLM's: the stop string or stop token id that ended the choice (None: EOS, length, ...)
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -130,15 +132,18 @@ class ChoiceRun:
                         out, stopped = text, False  # no stop string before min_tokens
                     else:
                         out, stopped = stop.feed(text)
+                    reason: int | str | None = None
                     if stopped:
-                        finish = "stop"
+                        finish, reason = "stop", stop.matched
                     elif finish:
                         out += stop.flush()
+                        last = ev.token_ids[-1] if ev.stop_token and ev.token_ids else None
+                        reason = last if last in spec.params.stop_token_ids else None
                     # Every token is sent as it comes, as vLLM streams do, even while its text
                     # waits for the rest of a UTF-8 character or a possible stop string: a
                     # client times tokens by chunks.
                     if ids or out or finish:
-                        emit(Delta(spec.index, out, ids, lps, finish))
+                        emit(Delta(spec.index, out, ids, lps, finish, stop_reason=reason))
                         ids, lps = [], []
                     if finish:
                         self.finish_reason = finish

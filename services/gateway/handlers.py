@@ -248,7 +248,7 @@ async def respond(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    choices, prompt_lps = await _collect(streams, len(specs))
+    choices, prompt_lps, reasons = await _collect(streams, len(specs))
     if streams.disconnected:
         return Response(status_code=499)  # nobody is listening any more
     use = usage(streams.prompt_tokens, streams.completion_tokens, streams.cached_tokens)
@@ -257,9 +257,9 @@ async def respond(
         assert isinstance(fmt, ChatFormatter)
         choices, answers = read_whole(choices, readers)
         choices = [(echo + text, lps, finish) for text, lps, finish in choices]
-        return JSONResponse(fmt.response(choices, with_lp, use, answers))
+        return JSONResponse(_stop_reasons(fmt.response(choices, with_lp, use, answers), reasons))
     choices = [(echo + text, lps, finish) for text, lps, finish in choices]
-    body = fmt.response(choices, with_lp, use)
+    body = _stop_reasons(fmt.response(choices, with_lp, use), reasons)
     if isinstance(req, CompletionRequest) and req.prompt_logprobs is not None:
         assert isinstance(fmt, CompletionFormatter)
         fmt.add_prompt_logprobs(body, [prompt_lps[s.index] for s in specs])
@@ -268,21 +268,30 @@ async def respond(
 
 async def _collect(
     streams: ChoiceStreams, n: int
-) -> tuple[list[tuple[str, list, str]], list[list]]:
-    """Each choice's (text, logprobs, finish reason), and its prompt logprobs."""
+) -> tuple[list[tuple[str, list, str]], list[list], list[int | str | None]]:
+    """Each choice's (text, logprobs, finish reason), its prompt logprobs and stop reason."""
     texts: list[list[str]] = [[] for _ in range(n)]
     lps: list[list] = [[] for _ in range(n)]
     prompt_lps: list[list] = [[] for _ in range(n)]
     finish = [""] * n
+    reasons: list[int | str | None] = [None] * n
     try:
         while (d := await streams.next()) is not None:
             texts[d.index].append(d.text)
             lps[d.index] += d.logprobs
             prompt_lps[d.index] += d.prompt_logprobs
             finish[d.index] = d.finish_reason or finish[d.index]
+            reasons[d.index] = d.stop_reason if d.finish_reason else reasons[d.index]
     finally:
         await streams.close()
-    return [("".join(texts[i]), lps[i], finish[i]) for i in range(n)], prompt_lps
+    return [("".join(texts[i]), lps[i], finish[i]) for i in range(n)], prompt_lps, reasons
+
+
+def _stop_reasons(body: dict, reasons: list[int | str | None]) -> dict:
+    """vLLM's stop_reason in each choice: the stop string or token id that ended it."""
+    for choice in body["choices"]:
+        choice["stop_reason"] = reasons[choice["index"]]
+    return body
 
 
 async def _sse(

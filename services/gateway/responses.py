@@ -106,6 +106,8 @@ class ChatFormatter(_Formatter):
             "logprobs": self.logprobs(d.logprobs) if with_logprobs and d.logprobs else None,
             "finish_reason": d.finish_reason,
         }
+        if d.finish_reason:
+            choice["stop_reason"] = d.stop_reason  # vLLM's, in the last chunk
         return self._envelope(self.chunk_name, [choice])
 
     def response(
@@ -193,6 +195,8 @@ class CompletionFormatter(_Formatter):
             "logprobs": self.logprobs(d.index, d.logprobs) if with_logprobs else None,
             "finish_reason": d.finish_reason,
         }
+        if d.finish_reason:
+            choice["stop_reason"] = d.stop_reason  # vLLM's, in the last chunk
         return self._envelope(self.chunk_name, [choice])
 
     def response(

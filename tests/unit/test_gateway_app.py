@@ -245,15 +245,20 @@ def test_the_stop_token_and_special_tokens_leave_the_text_unless_asked(tokenizer
     assert len(user) == 1  # one special token
     ids = [*tokenizer.encode("ab"), *user, *tokenizer.encode("cd.")]
 
-    def text(body, stop_token=True):
+    def choice(body, stop_token=True, stream=False):
         fake = FakeClient(ids=ids, finish="stop", stop_token=stop_token)
 
         async def go():
             async with make(tokenizer, [fake]) as c:
-                full = {"prompt": "a", "max_tokens": 9, **body}
+                full = {"prompt": "a", "max_tokens": 9, "stream": stream, **body}
                 return await post(c, "/v1/completions", full)
 
-        return run(go()).json()["choices"][0]["text"]
+        if stream:
+            return sse_events(run(go()).text)[-1]["choices"][0]
+        return run(go()).json()["choices"][0]
+
+    def text(body, stop_token=True):
+        return choice(body, stop_token)["text"]
 
     assert text({}) == "abcd"
     assert text({}, stop_token=False) == "abcd."  # the guide ended it at its last token
@@ -261,6 +266,13 @@ def test_the_stop_token_and_special_tokens_leave_the_text_unless_asked(tokenizer
     assert text({"skip_special_tokens": False}) == "ab<|user|>cd"
     assert text({"stop": ["b"]}) == "a"
     assert text({"stop": ["b"], "include_stop_str_in_output": True}) == "ab"
+    # vLLM's stop_reason: the stop string or stop token id; None for EOS
+    (dot,) = tokenizer.encode(".")
+    assert choice({})["stop_reason"] is None
+    assert choice({"stop_token_ids": [dot]})["stop_reason"] == dot
+    assert choice({"stop": ["zz", "c"]})["stop_reason"] == "c"
+    assert choice({"stop": ["c"]}, stream=True)["stop_reason"] == "c"
+    assert choice({"stop_token_ids": [dot]}, stream=True)["stop_reason"] == dot
 
 
 def test_logprobs_shapes(tokenizer):
