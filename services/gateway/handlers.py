@@ -33,6 +33,7 @@ from services.gateway.responses import (
     usage,
 )
 from services.gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from services.gateway.tool_parsers import keeps_special_tokens
 
 _INT64 = 2**63
 
@@ -120,6 +121,8 @@ async def plan(
     chat = isinstance(req, ChatCompletionRequest)
     calls_guide = chat and req.tool_mode in ("required", "named")
     harmony = chat and state.chat_format == "harmony" and not calls_guide
+    # a tool-call format written in special tokens is read from a text that keeps them
+    tags = chat and req.tool_mode == "auto" and keeps_special_tokens(state.tool_parser)
     text_model = state.chat_format != "harmony"
     waits = chat and guide_kind and (harmony or (text_model and bool(state.reasoning_parser)))
     check_token_ids(state, [t for t, _ in bias], "logit_bias")
@@ -184,7 +187,7 @@ async def plan(
             spec = ChoiceSpec(
                 j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo,
                 echo_logprobs=_echo_logprobs(req),
-                keep_special_tokens=harmony or not req.skip_special_tokens,
+                keep_special_tokens=harmony or not req.skip_special_tokens or tags,
                 include_stop=req.include_stop_str_in_output,
             )  # fmt: skip
             specs.append(spec)

@@ -23,6 +23,9 @@ class ParsedCall:
 class ToolCallParser:
     """Base of every format: `feed` pieces of text, then `finish` once."""
 
+    # the format's tags are special tokens: the choice's text must keep them
+    keeps_special_tokens = False
+
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         raise NotImplementedError
 
@@ -37,14 +40,20 @@ class TaggedJsonParser(ToolCallParser):
 
     open_tag = ""
     close_tag = ""
+    # markers around a run of calls that mean nothing else: taken out of the text first
+    wrapper_tags: tuple[str, ...] = ()
 
     def __init__(self) -> None:
+        self._wrappers = _Without(self.wrapper_tags)
         self._buf = ""  # text not yet decided
         self._inside = False  # in a call: _buf is its body so far
         self._after_call = False  # whitespace that follows a call is dropped
         self._gap = ""  # the whitespace before the call being read
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        return self._read(self._wrappers.feed(text))
+
+    def _read(self, text: str) -> tuple[str, list[ParsedCall]]:
         self._buf += text
         content: list[str] = []
         calls: list[ParsedCall] = []
@@ -82,8 +91,8 @@ class TaggedJsonParser(ToolCallParser):
         return "".join(content), calls
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        content: list[str] = []
-        calls: list[ParsedCall] = []
+        content, calls = self._read(self._wrappers.finish())
+        content, calls = [content], list(calls)
         if self._inside:  # cut off before its close tag (max_tokens, a stop string)
             self._take(self._buf, content, calls, closed=False)
         elif not self._after_call:
@@ -92,12 +101,16 @@ class TaggedJsonParser(ToolCallParser):
         return "".join(content), calls
 
     def _take(self, body: str, content: list[str], calls: list[ParsedCall], closed: bool) -> None:
-        call = _call(body)
+        call = self.parse(body)
         if call is None:
             content.append(self._gap + self.open_tag + body + (self.close_tag if closed else ""))
         else:
             calls.append(call)
             self._after_call = True
+
+    def parse(self, body: str) -> ParsedCall | None:
+        """One call's body -> the call; None when it is not one (it stays content)."""
+        return _call(body)
 
 
 class HermesParser(TaggedJsonParser):
@@ -105,6 +118,59 @@ class HermesParser(TaggedJsonParser):
 
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
+
+
+class DeepSeekV3Parser(TaggedJsonParser):
+    """DeepSeek-V3 (and R1-0528): a run of calls between <｜tool▁calls▁begin｜> and
+    <｜tool▁calls▁end｜>, each <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME, then the arguments
+    in a fenced json block, then <｜tool▁call▁end｜>. The tags are special tokens."""
+
+    keeps_special_tokens = True
+    open_tag = "<｜tool▁call▁begin｜>"
+    close_tag = "<｜tool▁call▁end｜>"
+    wrapper_tags = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+    sep = "<｜tool▁sep｜>"
+
+    def parse(self, body: str) -> ParsedCall | None:
+        kind, sep, rest = body.partition(self.sep)
+        name, _, args = rest.partition("\n")
+        args = args.strip()
+        if not sep or kind.strip() != "function" or not name.strip():
+            return None
+        if not (args.startswith("```json") and args.endswith("```")):
+            return None
+        return _arguments(name.strip(), args[len("```json") : -len("```")])
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    """DeepSeek-V3.1 and V3.2: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>
+    (the arguments as bare JSON), in the same run of calls."""
+
+    def parse(self, body: str) -> ParsedCall | None:
+        name, sep, args = body.partition(self.sep)
+        return _arguments(name.strip(), args) if sep and name.strip() else None
+
+
+class _Without:
+    """A stream of text with every `tags` taken out, holding back what may still be one."""
+
+    def __init__(self, tags: tuple[str, ...]) -> None:
+        self.tags = tags
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if not self.tags:
+            return text
+        buf = self._held + text
+        for t in self.tags:
+            buf = buf.replace(t, "")
+        keep = max(held_back(buf, t) for t in self.tags)
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep]
+
+    def finish(self) -> str:
+        held, self._held = self._held, ""
+        return held
 
 
 def held_back(text: str, tag: str) -> int:
@@ -124,13 +190,33 @@ def _call(body: str) -> ParsedCall | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments' JSON as a string
-        try:
-            args = json.loads(args)
-        except (ValueError, RecursionError):
-            return None
-    if not isinstance(args, dict):
+        return _arguments(obj["name"], args)
+    return (
+        ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+        if isinstance(args, dict)
+        else None
+    )
+
+
+def _arguments(name: str, args_json: str) -> ParsedCall | None:
+    """A call to `name` whose arguments are the JSON object `args_json`; None if they are not."""
+    try:
+        args = json.loads(args_json)
+    except (ValueError, RecursionError):
         return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return (
+        ParsedCall(name, json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+    )
 
 
-PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser}
+PARSERS: dict[str, type[ToolCallParser]] = {
+    "hermes": HermesParser,
+    "deepseek_v3": DeepSeekV3Parser,
+    "deepseek_v31": DeepSeekV31Parser,
+}
+
+
+def keeps_special_tokens(name: str) -> bool:
+    """Whether parser `name` reads special tokens, so its choices' text must keep them."""
+    parser = PARSERS.get(name)
+    return parser is not None and parser.keeps_special_tokens

@@ -9,9 +9,13 @@ import json
 
 import pytest
 
+from afd import demo
+from afd.tokenizer import ModelTokenizer
 from tests.unit.test_gateway_app import FakeClient as _Fake
 from tests.unit.test_gateway_app import make, post, run, sse_events
 from tests.unit.test_gateway_app import tokenizer as tokenizer  # noqa: F401 - the fixture
+from tests.unit.test_tool_calls import BEGIN, CALL_END, END, SEP, V3_W
+from tests.unit.test_tool_calls import CALL as CALL_TAG
 
 WEATHER = {
     "type": "function",
@@ -181,3 +185,37 @@ def test_a_parser_that_does_not_exist_is_a_config_error():
         GatewayConfig("m", ("a:1",), "m", tool_call_parser="nope")
     with pytest.raises(ConfigError, match="needs a --tool-call-parser"):
         GatewayConfig("m", ("a:1",), "m", enable_auto_tool_choice=True)
+
+
+@pytest.fixture(scope="module")
+def deepseek_tokenizer(tmp_path_factory):
+    """The demo byte tokenizer plus DeepSeek's tool-call tags as special tokens."""
+    d = tmp_path_factory.mktemp("deepseek")
+    demo.write_tokenizer(d)
+    tok = demo.build_tokenizer()
+    tok.add_special_tokens([BEGIN, END, CALL_TAG, CALL_END, SEP])
+    tok.save(str(d / "tokenizer.json"))
+    return ModelTokenizer(d)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deepseek_calls_written_in_special_tokens_are_read(deepseek_tokenizer, stream):
+    """The tags are special tokens: the choice's text keeps them for the parser, and the
+    content keeps none of them."""
+    tok = deepseek_tokenizer
+    ids = tok.encode(f"Let me look.{BEGIN}{V3_W}{END}")
+    assert len(ids) < len(f"Let me look.{BEGIN}{V3_W}{END}".encode())  # tags are single tokens
+    cfg = {"tool_call_parser": "deepseek_v3", "enable_auto_tool_choice": True}
+    r = _chat(tok, FakeClient(ids=ids, finish="stop"), {"tools": [WEATHER]}, stream, **cfg)
+    if stream:
+        content, calls, finish = _streamed(sse_events(r.text))
+    else:
+        choice = r.json()["choices"][0]
+        content, calls = choice["message"]["content"], choice["message"]["tool_calls"]
+        finish = choice["finish_reason"]
+    assert (content, finish) == ("Let me look.", "tool_calls")
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Zürich", "days": 2}
+    # without tools the same text is the answer, its special tokens skipped as ever
+    plain = _chat(tok, FakeClient(ids=ids, finish="stop"), {}, **cfg).json()["choices"][0]
+    assert "｜" not in plain["message"]["content"]

@@ -9,7 +9,13 @@ import json
 import pytest
 
 from services.gateway.tool_calls import CallStream, guide_schema, merge
-from services.gateway.tool_parsers import HermesParser, ParsedCall
+from services.gateway.tool_parsers import (
+    DeepSeekV3Parser,
+    DeepSeekV31Parser,
+    HermesParser,
+    ParsedCall,
+    ToolCallParser,
+)
 
 W = '{"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}}'
 CASES = [
@@ -32,7 +38,31 @@ CASES = [
 ]
 
 
-def _run(parser: HermesParser, pieces: list[str]) -> tuple[str, list[ParsedCall]]:
+# DeepSeek's tags (special tokens of its tokenizer)
+BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+V3_W = f'{CALL}function{SEP}get_weather\n```json\n{{"city": "Zürich", "days": 2}}\n```{CALL_END}'
+V31_W = f'{CALL}get_weather{SEP}{{"city": "Zürich", "days": 2}}{CALL_END}'
+DEEPSEEK_CASES = [
+    # (parser, text, content, [(name, arguments)])
+    (DeepSeekV3Parser, "no call, a ｜ bar", "no call, a ｜ bar", []),
+    (DeepSeekV3Parser, f"Let me look.{BEGIN}{V3_W}{END}", "Let me look.",
+     [("get_weather", {"city": "Zürich", "days": 2})]),
+    (DeepSeekV3Parser,
+     f"{BEGIN}{V3_W}\n{CALL}function{SEP}noop\n```json\n{{}}\n```{CALL_END}{END}",
+     "", [("get_weather", None), ("noop", {})]),
+    (DeepSeekV3Parser, f"{BEGIN}{CALL}function{SEP}f\nnot fenced{CALL_END}{END}",
+     f"{CALL}function{SEP}f\nnot fenced{CALL_END}", []),
+    (DeepSeekV3Parser, f"cut off {BEGIN}{CALL}function{SEP}get_w",
+     f"cut off {CALL}function{SEP}get_w", []),
+    (DeepSeekV31Parser, f"Sure.{BEGIN}{V31_W}{CALL}noop{SEP}{{}}{CALL_END}{END}", "Sure.",
+     [("get_weather", {"city": "Zürich", "days": 2}), ("noop", {})]),
+    (DeepSeekV31Parser, f"{BEGIN}{CALL}f{SEP}[1]{CALL_END}{END}", f"{CALL}f{SEP}[1]{CALL_END}", []),
+    (DeepSeekV31Parser, "<｜tool▁call", "<｜tool▁call", []),  # held back, then let go
+]  # fmt: skip
+
+
+def _run(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[ParsedCall]]:
     content, calls = [], []
     for p in pieces:
         c, k = parser.feed(p)
@@ -55,6 +85,17 @@ def splits(text: str, step: int = 1):
 def test_hermes_reads_the_same_calls_however_the_text_is_split(text, content, calls):
     for pieces in splits(text):
         got_content, got_calls = _run(HermesParser(), pieces)
+        assert got_content == content, pieces
+        assert [c.name for c in got_calls] == [n for n, _ in calls], pieces
+        for c, (_, args) in zip(got_calls, calls, strict=True):
+            if args is not None:
+                assert json.loads(c.arguments) == args
+
+
+@pytest.mark.parametrize("cls,text,content,calls", DEEPSEEK_CASES)
+def test_deepseek_reads_the_same_calls_however_the_text_is_split(cls, text, content, calls):
+    for pieces in splits(text):
+        got_content, got_calls = _run(cls(), pieces)
         assert got_content == content, pieces
         assert [c.name for c in got_calls] == [n for n, _ in calls], pieces
         for c, (_, args) in zip(got_calls, calls, strict=True):
