@@ -24,7 +24,7 @@ from afd.runtime import freeze_startup_heap
 from afd.security import Security
 from afd.tokenizer import ModelTokenizer
 from services.gateway import handlers as h
-from services.gateway import prompts
+from services.gateway import prompts, responses_api
 from services.gateway.auth import APIKeyMiddleware
 from services.gateway.balancer import Balancer
 from services.gateway.client import AttentionClient
@@ -40,6 +40,7 @@ from services.gateway.latency import SLA, publish_sla
 from services.gateway.lifecycle import DrainingServer, DrainMiddleware
 from services.gateway.middleware import BodyLimitMiddleware, CountingMiddleware, RequestIdMiddleware
 from services.gateway.openapi import openapi
+from services.gateway.responses_schema import ResponsesRequest
 from services.gateway.routing import RoutingConfig
 from services.gateway.schemas import (
     ChatCompletionRequest,
@@ -219,6 +220,11 @@ def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> None:
         prompt = [(await prompts.chat_prompt(state, req), "")]
         specs = await h.plan(state, req, prompt, request.state.request_id)
         return await h.respond(state, request, req, specs)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        req = await h.parse(request, ResponsesRequest)
+        return await responses_api.respond(state, request, req)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -227,13 +227,7 @@ async def respond(
         state.token_bytes,
         req.include_usage,
     )
-    t_arrival = getattr(request.state, "t_arrival", None) or time.perf_counter()
-    runs = [
-        ChoiceRun(s, state.balancer, state.tokenizer, ChoiceTiming(t_arrival, state.sla))
-        for s in specs
-    ]
-    streams = ChoiceStreams(runs, req.n)
-    streams.start(lambda: _disconnected(request))
+    streams = start_choices(state, request, specs, req.n)
     with_lp = req.num_logprobs is not None
     readers = answer_readers(
         req, state.tool_parser, state.reasoning_parser, len(specs), state.chat_format,
@@ -255,7 +249,7 @@ async def respond(
     if streams.disconnected:
         return Response(status_code=499)  # nobody is listening any more
     use = usage(streams.prompt_tokens, streams.completion_tokens, streams.cached_tokens)
-    _count_finished(streams)
+    count_finished(streams)
     if readers is not None:
         assert isinstance(fmt, ChatFormatter)
         choices, answers = read_whole(choices, readers)
@@ -267,6 +261,20 @@ async def respond(
         assert isinstance(fmt, CompletionFormatter)
         fmt.add_prompt_logprobs(body, [prompt_lps[s.index] for s in specs])
     return JSONResponse(body)
+
+
+def start_choices(
+    state: GatewayState, request: Request, specs: list[ChoiceSpec], n: int
+) -> ChoiceStreams:
+    """Every choice running, their deltas on one stream that ends if the client leaves."""
+    t_arrival = getattr(request.state, "t_arrival", None) or time.perf_counter()
+    runs = [
+        ChoiceRun(s, state.balancer, state.tokenizer, ChoiceTiming(t_arrival, state.sla))
+        for s in specs
+    ]
+    streams = ChoiceStreams(runs, n)
+    streams.start(lambda: _disconnected(request))
+    return streams
 
 
 async def _collect(
@@ -324,7 +332,7 @@ async def _sse(
             d = await streams.next()
         if streams.disconnected:
             return
-        _count_finished(streams)
+        count_finished(streams)
         if include_usage:
             yield sse(
                 fmt.usage_chunk(
@@ -347,7 +355,7 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _count_finished(streams: ChoiceStreams) -> None:
+def count_finished(streams: ChoiceStreams) -> None:
     metrics.PROMPT_TOKENS.inc(streams.prompt_tokens)
     metrics.GENERATION_TOKENS.inc(streams.completion_tokens)
     for r in streams.runs:

@@ -23,9 +23,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def sse(obj: Any) -> bytes:
-    """One server-sent event carrying `obj` as JSON."""
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+def sse(obj: Any, event: str = "") -> bytes:
+    """One server-sent event carrying `obj` as JSON (named `event`, as the Responses API
+    names its events)."""
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -217,6 +217,24 @@ def test_a_stop_token_ends_the_text_before_it_unless_asked(model, client):
     assert cut.text == text[: i + 1]
 
 
+def test_responses_api_answers_as_the_chat_it_stands_for(client):
+    """The official client's Responses calls (whole, and its streaming helper, which checks
+    every event against the snapshot it builds) give the chat's greedy answer; cut at
+    max_output_tokens, the response is incomplete (the helper's get_final_response waits for
+    response.completed only, so its events are read)."""
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0)
+    args = dict(model="tiny", input=CHAT[0]["content"], max_output_tokens=6, temperature=0)
+    whole = client.responses.create(**args)
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    with client.responses.stream(**args) as stream:
+        events = list(stream)
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text and events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == whole.output_text
+
+
 def test_n_and_seeds_are_reproducible(client):
     args = dict(model="tiny", messages=CHAT, max_tokens=8, temperature=1.0, n=3, seed=1234)
     a = [c.message.content for c in client.chat.completions.create(**args).choices]

@@ -1,0 +1,277 @@
+"""OpenAI's Responses API (`POST /v1/responses`): the request runs as the chat it translates to
+(responses_schema.py), through the same prompts, guides and answer readers; its answer comes
+back as output items (reasoning, a message, function calls), whole or as the API's typed
+stream events (`response.created` ... `response.completed`, each with its sequence number).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.gateway import handlers as h
+from services.gateway import prompts
+from services.gateway.answers import answer_readers, read_delta, read_whole
+from services.gateway.errors import APIError
+from services.gateway.generation import ChoiceStreams, Delta, Piece
+from services.gateway.responses import sse
+from services.gateway.responses_schema import ResponsesRequest
+
+
+async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest) -> Response:
+    h.check_model(state, req.model)
+    chat = req.to_chat()
+    prompts.check_tools(state, chat)
+    ids = await prompts.chat_prompt(state, chat)
+    rid = request.state.request_id
+    specs = await h.plan(state, chat, [(ids, "")], rid)
+    waits = bool(specs[0].params.guide_after)
+    readers = answer_readers(
+        chat, state.tool_parser, state.reasoning_parser, 1, state.chat_format, guide_waits=waits
+    )
+    out = Output(req, state.model_name, rid)
+    streams = h.start_choices(state, request, specs, 1)
+    if req.stream:
+        try:
+            first = await streams.next()  # an error before any byte is sent gets its status
+        except BaseException:
+            await streams.close()
+            raise
+        return StreamingResponse(
+            _events(streams, out, first, readers, state.tokenizer),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    text, finish = [], ""
+    try:
+        while (d := await streams.next()) is not None:
+            text.append(d.text)
+            finish = d.finish_reason or finish
+    finally:
+        await streams.close()
+    if streams.disconnected:
+        return Response(status_code=499)
+    h.count_finished(streams)
+    content = "".join(text)
+    piece = Piece(content=content)
+    if readers is not None:
+        _, (piece,) = read_whole([(content, [], finish)], readers)
+    out.add_whole(piece)
+    return JSONResponse(out.response(finish, _usage(streams, out.reasoning, state.tokenizer)))
+
+
+class Output:
+    """One response's output items, built whole or event by event."""
+
+    def __init__(self, req: ResponsesRequest, model: str, rid: str) -> None:
+        self.req, self.model = req, model
+        self.id = f"resp_{rid.replace('-', '')[:32]}"
+        self.created = int(time.time())
+        self.items: list[dict[str, Any]] = []  # output items so far (the open one included)
+        self.reasoning = ""  # all of it, for the usage's reasoning tokens
+        self._open: str = ""  # the type of the item still being written ("" none)
+        self._seq = 0
+
+    def response(self, finish: str | None, usage: dict | None = None) -> dict[str, Any]:
+        """The Response object: in progress (finish None), completed or incomplete (the
+        output cut at max_output_tokens)."""
+        status = "in_progress" if finish is None else "completed"
+        if finish == "length":
+            status = "incomplete"
+        req = self.req
+        fmt = req.text.format if req.text and req.text.format else None
+        choice: Any = req.tool_choice or ("auto" if req.tools else "none")
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": self.model,
+            "status": status,
+            "error": None,
+            "incomplete_details": (
+                {"reason": "max_output_tokens"} if status == "incomplete" else None
+            ),
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {},
+            "output": self.items if finish is not None else [],
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+            "text": {"format": _dump(fmt) if fmt else {"type": "text"}},
+            "reasoning": req.reasoning.model_dump() if req.reasoning else None,
+            "store": False,
+            "usage": usage,
+        }
+
+    def add_whole(self, piece: Piece) -> None:
+        if piece.reasoning:
+            self.reasoning = piece.reasoning
+            self.items.append(_reasoning(piece.reasoning, "completed"))
+        if piece.content or not piece.calls:
+            self.items.append(_message(piece.content, "completed"))
+        for call in piece.calls:
+            fn = call["function"]
+            self.items.append(_call(call.get("id") or "", fn["name"], fn["arguments"], "completed"))
+
+    # the stream
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        self._seq += 1
+        return sse({"type": kind, "sequence_number": self._seq - 1, **fields}, kind)
+
+    def begin(self) -> list[bytes]:
+        r = self.response(None)
+        return [
+            self.event("response.created", response=r),
+            self.event("response.in_progress", response=r),
+        ]
+
+    def feed(self, piece: Piece) -> list[bytes]:
+        """The events of one delta's reasoning, content and calls."""
+        out: list[bytes] = []
+        if piece.reasoning:
+            self.reasoning += piece.reasoning
+            out += self._open_item("reasoning")
+            out.append(self._delta("response.reasoning_text.delta", piece.reasoning))
+        if piece.content:
+            out += self._open_item("message")
+            out.append(self._delta("response.output_text.delta", piece.content, logprobs=[]))
+        for call in piece.calls:
+            fn = call.get("function", {})
+            if "name" in fn:  # a call's first delta opens its item
+                out += self.close()
+                item = _call(call.get("id") or "", fn["name"], "", "in_progress")
+                out += self._add(item, "function_call")
+            if fn.get("arguments"):
+                item = self.items[-1]
+                item["arguments"] += fn["arguments"]
+                at = {"item_id": item["id"], "output_index": len(self.items) - 1}
+                delta = fn["arguments"]
+                out.append(self.event("response.function_call_arguments.delta", **at, delta=delta))
+        return out
+
+    def close(self) -> list[bytes]:
+        """The open item's closing events, if one is open."""
+        if not self._open:
+            return []
+        item, index = self.items[-1], len(self.items) - 1
+        where = {"item_id": item["id"], "output_index": index}
+        at = {**where, "content_index": 0}
+        out = []
+        if self._open == "message":
+            part = item["content"][0]
+            text = part["text"]
+            out.append(self.event("response.output_text.done", **at, text=text, logprobs=[]))
+            out.append(self.event("response.content_part.done", **at, part=part))
+        elif self._open == "reasoning":
+            part = item["content"][0]
+            out.append(self.event("response.reasoning_text.done", **at, text=part["text"]))
+            out.append(self.event("response.content_part.done", **at, part=part))
+        else:
+            args = item["arguments"]
+            out.append(self.event("response.function_call_arguments.done", **where, arguments=args))
+        item["status"] = "completed"
+        out.append(self.event("response.output_item.done", output_index=index, item=item))
+        self._open = ""
+        return out
+
+    def _open_item(self, kind: str) -> list[bytes]:
+        if self._open == kind:
+            return []
+        out = self.close()
+        item = _message("", "in_progress") if kind == "message" else _reasoning("", "in_progress")
+        out += self._add(item, kind)
+        at = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        out.append(self.event("response.content_part.added", **at, part=dict(item["content"][0])))
+        return out
+
+    def _add(self, item: dict[str, Any], kind: str) -> list[bytes]:
+        self.items.append(item)
+        self._open = kind
+        # as added: no content parts yet (content_part.added brings each)
+        snapshot = {**item, "content": []} if "content" in item else dict(item)
+        index = len(self.items) - 1
+        return [self.event("response.output_item.added", output_index=index, item=snapshot)]
+
+    def _delta(self, kind: str, text: str, **extra: Any) -> bytes:
+        item = self.items[-1]
+        item["content"][0]["text"] += text
+        return self.event(kind, item_id=item["id"], output_index=len(self.items) - 1,
+                          content_index=0, delta=text, **extra)  # fmt: skip
+
+
+async def _events(
+    streams: ChoiceStreams, out: Output, first: Delta | None, readers, tokenizer
+) -> AsyncIterator[bytes]:
+    finish: str | None = None
+    try:
+        for e in out.begin():
+            yield e
+        d = first
+        while d is not None:
+            if readers is not None:
+                d, piece = read_delta(readers[0], d)
+                piece = Piece(piece.reasoning, d.text, piece.calls)
+            else:
+                piece = Piece(content=d.text)
+            for e in out.feed(piece):
+                yield e
+            finish = d.finish_reason or finish
+            d = await streams.next()
+        if streams.disconnected:
+            return
+        h.count_finished(streams)
+        for e in out.close():
+            yield e
+        final = out.response(finish or "stop", _usage(streams, out.reasoning, tokenizer))
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        yield out.event(kind, response=final)
+    except APIError as e:  # the status line is gone: the error travels as an event
+        yield out.event("error", code=e.code, message=e.message, param=e.param)
+    finally:
+        await streams.close()
+
+
+def _dump(fmt: Any) -> dict[str, Any]:
+    return fmt.model_dump(by_alias=True, exclude_none=True)
+
+
+def _usage(streams: ChoiceStreams, reasoning: str, tokenizer) -> dict[str, Any]:
+    """OpenAI's usage; the reasoning tokens as the tokenizer counts the reasoning's text."""
+    return {
+        "input_tokens": streams.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": streams.cached_tokens},
+        "output_tokens": streams.completion_tokens,
+        "output_tokens_details": {
+            "reasoning_tokens": len(tokenizer.encode(reasoning)) if reasoning else 0
+        },
+        "total_tokens": streams.prompt_tokens + streams.completion_tokens,
+    }
+
+
+def _message(text: str, status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "message", "id": _id("msg"), "role": "assistant", "status": status,
+            "content": [part]}  # fmt: skip
+
+
+def _reasoning(text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": _id("rs"), "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+
+
+def _call(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
