@@ -54,12 +54,16 @@ def test_breakdown_splits_a_decode_step_into_its_calls_and_the_rest():
         (FakeEngine, "step", "step"),
     ]
     eng = FakeEngine()
-    got = step_breakdown(eng.generate, 6, targets)
     want = {"step": 25, "decode_stacks": 13, "fused_experts": 6, "fused_decode_layers": 3}
     want |= {"matmuls": 2, "rest": 1}
-    assert set(got) == set(want)
-    for key, ms in want.items():  # a busy loop overshoots where the OS preempts it
-        assert ms - 0.05 <= got[key] <= ms + 0.9, (key, got)
+    tries = []
+    for _ in range(3):  # a busy loop overshoots where the OS preempts it: the best of three
+        got = step_breakdown(eng.generate, 6, targets)
+        assert set(got) == set(want)
+        tries.append(all(ms - 0.05 <= got[k] <= ms + 0.9 for k, ms in want.items()))
+        if tries[-1]:
+            break
+    assert any(tries), got
     assert FakeEngine.step.__name__ == "step"  # unwrapped again
 
 
