@@ -10,6 +10,7 @@ state); on SIGTERM the gateway drains (services/gateway/lifecycle.py) and exits 
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -54,7 +55,9 @@ log = logging.getLogger("afd.gateway")
 ENDPOINTS = (
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/models",
+    "/version",
     "/health",
     "/ready",
     "/metrics",
@@ -263,6 +266,10 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
     async def health():
         return {"status": "ok"}  # liveness of this process only; /ready covers the cluster
 
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}  # vLLM's: the server's own version
+
     @app.get("/ready")
     async def ready():
         """Ready while at least one attention server is ready and this gateway is not
@@ -342,3 +349,10 @@ def serve(cfg: GatewayConfig) -> int:
     freeze_startup_heap()
     DrainingServer(config, state.lifecycle, cfg.drain_timeout_s).run()
     return 0
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("afd")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"

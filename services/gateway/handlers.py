@@ -131,9 +131,16 @@ async def plan(
     param = "messages" if chat else "prompt"
     nonce = secrets.token_hex(3)  # attention-side ids stay unique if a client reuses its id
     specs = []
+    keep = req.truncate_prompt_tokens
+    if keep == 0:
+        raise invalid(
+            "truncate_prompt_tokens must be -1 (the context) or >= 1", "truncate_prompt_tokens"
+        )
     for p, (ids, echo) in enumerate(prompts):
         if not ids:
             raise invalid("the prompt is empty", param)
+        if keep is not None:  # vLLM's: the prompt's last tokens
+            ids = ids[-(max_len if keep == -1 else keep) :]
         if len(ids) >= max_len:
             raise invalid(
                 f"the prompt has {len(ids)} tokens; this model's context is {max_len} tokens",
@@ -227,7 +234,11 @@ async def respond(
         state.token_bytes,
         req.include_usage,
     )
+    fmt.ids_as_tokens = req.return_tokens_as_token_ids
     streams = start_choices(state, request, specs, req.n)
+    if req.continuous_usage:
+        s = streams
+        fmt.usage_so_far = lambda: usage(s.prompt_tokens, s.completion_tokens, s.cached_tokens)
     with_lp = req.num_logprobs is not None
     readers = answer_readers(
         req, state.tool_parser, state.reasoning_parser, len(specs), state.chat_format,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from afd.control import Logprob
@@ -45,6 +46,13 @@ class _Formatter:
         self.created = int(time.time())
         self.tb = token_bytes
         self.usage_chunks = usage_chunks  # include_usage: every chunk has "usage" (null)
+        self.ids_as_tokens = False  # vLLM's return_tokens_as_token_ids: "token_id:N"
+        # vLLM's continuous_usage_stats: the usage so far, for every chunk's "usage"
+        self.usage_so_far: Callable[[], dict[str, Any]] | None = None
+
+    def name(self, token: int) -> str:
+        """A token as logprobs name it: its text, or "token_id:N"."""
+        return f"token_id:{token}" if self.ids_as_tokens else self.tb.text(token)
 
     def _envelope(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = {
@@ -55,7 +63,7 @@ class _Formatter:
             "choices": choices,
         }
         if name == self.chunk_name and self.usage_chunks:
-            body["usage"] = None
+            body["usage"] = self.usage_so_far() if self.usage_so_far else None
         return body
 
     def usage_chunk(
@@ -81,8 +89,8 @@ class ChatFormatter(_Formatter):
         }
 
     def _token(self, token: int, lp: float) -> dict[str, Any]:
-        raw = self.tb(token)
-        return {"token": self.tb.text(token), "logprob": lp, "bytes": list(raw)}
+        raw = self.name(token).encode() if self.ids_as_tokens else self.tb(token)
+        return {"token": self.name(token), "logprob": lp, "bytes": list(raw)}
 
     def role_chunk(self, index: int) -> dict[str, Any]:
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}}
@@ -179,12 +187,10 @@ class CompletionFormatter(_Formatter):
         offset = self._offsets.get(index, 0)
         for token, lp, top in entries:
             text = self.tb.text(token)
-            out["tokens"].append(text)
+            out["tokens"].append(self.name(token))
             out["token_logprobs"].append(lp)
             # an echoed prompt's first token has neither (None), as OpenAI answers
-            out["top_logprobs"].append(
-                None if top is None else {self.tb.text(t): v for t, v in top}
-            )
+            out["top_logprobs"].append(None if top is None else {self.name(t): v for t, v in top})
             out["text_offset"].append(offset)
             offset += len(text)
         self._offsets[index] = offset

@@ -30,6 +30,7 @@ StopTokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]  # int32 on the co
 
 class StreamOptions(_Model):
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM's: every chunk's usage is the count so far
 
 
 GuideText = Annotated[str, Field(min_length=1)]  # a schema, regex or grammar as text
@@ -102,6 +103,10 @@ class _SamplingRequest(_Model):
     # ended the output in its text
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
+    # vLLM extras: a prompt longer than this keeps its last this-many tokens (-1: the model's
+    # context); logprobs name tokens as "token_id:N"
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1, le=INT64)] | None = None
+    return_tokens_as_token_ids: Bool = False
     # vLLM extra: requests with different salts share no prefix-cache blocks
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     user: str | None = None
@@ -178,6 +183,11 @@ class _SamplingRequest(_Model):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        so = self.stream_options
+        return self.include_usage and so is not None and so.continuous_usage_stats
 
 
 class ChatCompletionRequest(_SamplingRequest):

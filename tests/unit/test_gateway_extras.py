@@ -1,0 +1,74 @@
+"""vLLM's smaller request extras through the gateway app: truncate_prompt_tokens,
+return_tokens_as_token_ids, stream_options.continuous_usage_stats; and GET /version."""
+
+from __future__ import annotations
+
+from tests.unit.test_gateway_app import FakeClient, make, post, run, sse_events
+from tests.unit.test_gateway_app import tokenizer as tokenizer  # noqa: F401 - the fixture
+
+
+def _complete(tokenizer, body, fake=None):
+    fake = fake or FakeClient(text="abc", finish="stop")
+
+    async def go():
+        async with make(tokenizer, [fake]) as c:
+            return await post(c, "/v1/completions", {"max_tokens": 3, **body})
+
+    return run(go()), fake
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tokenizer):
+    r, fake = _complete(tokenizer, {"prompt": "0123456789", "truncate_prompt_tokens": 4})
+    assert r.status_code == 200 and fake.calls[0][1] == tokenizer.encode("6789")
+    assert r.json()["usage"]["prompt_tokens"] == 4
+    # -1: the model's context (64 tokens here, less room for max_tokens: still a 400)
+    long = "x" * 100
+    r, fake = _complete(tokenizer, {"prompt": long, "truncate_prompt_tokens": -1, "max_tokens": 1})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    r, _ = _complete(tokenizer, {"prompt": long, "truncate_prompt_tokens": 40})
+    assert r.status_code == 200
+    r, _ = _complete(tokenizer, {"prompt": "abc", "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_tokens_as_token_ids_in_logprobs(tokenizer):
+    body = {"prompt": "a", "logprobs": 1, "return_tokens_as_token_ids": True}
+    lp = _complete(tokenizer, body)[0].json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in b"abc"]
+    assert all(
+        set(top) == {f"token_id:{t}"} for top, t in zip(lp["top_logprobs"], b"abc", strict=True)
+    )
+    assert lp["text_offset"] == [0, 1, 2]  # offsets stay in the text
+
+    async def chat():
+        async with make(tokenizer, [FakeClient(text="ab", finish="stop")]) as c:
+            msgs = [{"role": "user", "content": "x"}]
+            body = {"messages": msgs, "max_tokens": 2, "logprobs": True,
+                    "return_tokens_as_token_ids": True}  # fmt: skip
+            return await post(c, "/v1/chat/completions", body)
+
+    content = run(chat()).json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == ["token_id:97", "token_id:98"]
+    assert bytes(content[0]["bytes"]) == b"token_id:97"
+
+
+def test_continuous_usage_stats_count_as_the_stream_goes(tokenizer):
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    r, _ = _complete(tokenizer, {"prompt": "ab", "stream": True, "stream_options": opts})
+    events = sse_events(r.text)
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 3 and counts[0] >= 1
+    assert all(e["usage"]["prompt_tokens"] == 2 for e in events)
+    plain, _ = _complete(
+        tokenizer, {"prompt": "ab", "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert [e["usage"] for e in sse_events(plain.text)][:-1] == [None] * 3  # only the last
+
+
+def test_version(tokenizer):
+    async def go():
+        async with make(tokenizer, [FakeClient()]) as c:
+            return await c.get("/version")
+
+    r = run(go())
+    assert r.status_code == 200 and r.json()["version"] not in ("", None)
