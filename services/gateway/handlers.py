@@ -211,7 +211,7 @@ def _sampling(**fields) -> SamplingParams:
 
 
 def _prompt_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
-    return req.num_prompt_logprobs if isinstance(req, CompletionRequest) else None
+    return req.num_prompt_logprobs if isinstance(req, CompletionRequest) else req.prompt_logprobs
 
 
 def _echo_logprobs(req: ChatCompletionRequest | CompletionRequest) -> bool:
@@ -265,12 +265,16 @@ async def respond(
         assert isinstance(fmt, ChatFormatter)
         choices, answers = read_whole(choices, readers)
         choices = [(echo + text, lps, finish) for text, lps, finish in choices]
-        return JSONResponse(_stop_reasons(fmt.response(choices, with_lp, use, answers), reasons))
-    choices = [(echo + text, lps, finish) for text, lps, finish in choices]
-    body = _stop_reasons(fmt.response(choices, with_lp, use), reasons)
+        body = fmt.response(choices, with_lp, use, answers)
+    else:
+        choices = [(echo + text, lps, finish) for text, lps, finish in choices]
+        body = fmt.response(choices, with_lp, use)
+    body = _stop_reasons(body, reasons)
     if isinstance(req, CompletionRequest) and req.prompt_logprobs is not None:
         assert isinstance(fmt, CompletionFormatter)
         fmt.add_prompt_logprobs(body, [prompt_lps[s.index] for s in specs])
+    elif chat and req.prompt_logprobs is not None:  # vLLM's: the one prompt's, at the top
+        body["prompt_logprobs"] = fmt.prompt_logprobs(prompt_lps[0])
     return JSONResponse(body)
 
 

@@ -66,6 +66,19 @@ class _Formatter:
             body["usage"] = self.usage_so_far() if self.usage_so_far else None
         return body
 
+    def prompt_logprobs(self, lps: list[Logprob]) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs` of one prompt: null for its first token, then per token
+        {token id: {logprob, decoded_token}} for it and its top alternatives."""
+        entries: list[dict[str, Any] | None] = [None]
+        for token, lp, top in lps:
+            entry = {str(t): self._scored(t, v) for t, v in top}
+            entry[str(token)] = self._scored(token, lp)
+            entries.append(entry)
+        return entries
+
+    def _scored(self, token: int, lp: float) -> dict[str, Any]:
+        return {"logprob": lp, "decoded_token": self.tb.text(token)}
+
     def usage_chunk(
         self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
     ) -> dict[str, Any]:
@@ -160,18 +173,9 @@ class CompletionFormatter(_Formatter):
     chunk_name = "text_completion"
 
     def add_prompt_logprobs(self, body: dict[str, Any], per_choice: list[list[Logprob]]) -> None:
-        """vLLM's `prompt_logprobs` in each choice: null for the first prompt token, then per
-        token {token id: {logprob, decoded_token}} for it and its top alternatives."""
+        """vLLM's `prompt_logprobs` in each choice."""
         for choice, lps in zip(body["choices"], per_choice, strict=True):
-            entries: list[dict[str, Any] | None] = [None]
-            for token, lp, top in lps:
-                entry = {str(t): self._scored(t, v) for t, v in top}
-                entry[str(token)] = self._scored(token, lp)
-                entries.append(entry)
-            choice["prompt_logprobs"] = entries
-
-    def _scored(self, token: int, lp: float) -> dict[str, Any]:
-        return {"logprob": lp, "decoded_token": self.tb.text(token)}
+            choice["prompt_logprobs"] = self.prompt_logprobs(lps)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

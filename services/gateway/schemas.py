@@ -195,6 +195,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Annotated[Int, Field(ge=1, le=INT64)] | None = None
     logprobs: Bool = False
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # vLLM extra: each prompt token's logprob and the top n, as the response's prompt_logprobs
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: Bool = True  # vLLM extra
     # vLLM extras: the prompt ends inside the last message (the model goes on with it), and
     # the answer starts with the last message's text when it is the assistant's
@@ -211,6 +213,8 @@ class ChatCompletionRequest(_SamplingRequest):
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not streamed")
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) < len(names):
             raise ValueError("tools: two tools have the same name")

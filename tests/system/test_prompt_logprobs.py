@@ -82,6 +82,25 @@ def test_vllm_prompt_logprobs(served):
     assert body["choices"][0]["logprobs"] is None  # not asked for the generated tokens
 
 
+def test_chat_prompt_logprobs(served):
+    """vLLM's chat prompt_logprobs: the rendered chat's tokens, scored as the reference
+    scores them, at the top of the response."""
+    path, url = served
+    msgs = [{"role": "user", "content": "Hello, world! AFD."}]
+    ids = httpx.post(url.removesuffix("/v1") + "/tokenize", json={"messages": msgs}).json()
+    ref32, ref16 = _reference(path, ids["tokens"])
+    body = {"model": "ckpt", "messages": msgs, "max_tokens": 1, "prompt_logprobs": 2}
+    r = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    entries = r.json()["prompt_logprobs"]
+    assert len(entries) == len(ids["tokens"]) and entries[0] is None
+    pairs = zip(entries[1:], ids["tokens"][1:], strict=True)
+    got = torch.tensor([e[str(t)]["logprob"] for e, t in pairs])
+    assert (got - ref32).abs().max().item() <= _tolerance(ref32, ref16)
+    streamed = httpx.post(f"{url}/chat/completions", json={**body, "stream": True}, timeout=60)
+    assert streamed.status_code == 400 and "not streamed" in streamed.text
+
+
 def test_streamed_echo_carries_the_prompt_entries_first(served):
     _, url = served
     with httpx.stream(
