@@ -1,5 +1,5 @@
 """Structured outputs: a request's tokens held to a JSON schema, any JSON object, a regular
-expression, one of a list of strings, or an EBNF grammar (afd.control.GUIDE_KINDS), with
+expression, one of a list of strings, or an EBNF grammar (afd.sampling.GUIDE_KINDS), with
 xgrammar (the engine vLLM and SGLang use for this).
 
 A guided request gets a grammar matcher when it is added (its guide compiled against the

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictInt, field_validator, model_validator
 
-from afd.control import LOGIT_BIAS_LIMIT, MAX_CACHE_SALT, MAX_GUIDE, MAX_LOGIT_BIAS
+from afd.sampling import LOGIT_BIAS_LIMIT, MAX_CACHE_SALT, MAX_GUIDE, MAX_LOGIT_BIAS
 from services.gateway import tool_calls
 from services.gateway.chat_messages import MAX_TOOLS, ChatMessage, NamedToolChoice, Tool
 from services.gateway.schema_base import INT64, Bool, Float, Int
