@@ -17,6 +17,9 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for one bias: [-100, 100]
 GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_GUIDE = 1 << 16  # characters
 MAX_GUIDE_AFTER = 16  # tokens of the marker a guide may wait for
+MAX_BAD_WORDS = 256  # token sequences one request may forbid
+MAX_BAD_WORD_TOKENS = 64  # tokens in one
+MAX_ALLOWED_TOKENS = 1 << 17  # token ids one request may restrict its choice to
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,11 @@ class SamplingParams:
     # the guide holds from the token after the output first holds these tokens (a thinking
     # model's end of reasoning, as vLLM starts structured outputs there); (): from the first
     guide_after: tuple[int, ...] = ()
+    # vLLM's bad_words, tokenized: the last token of each sequence cannot follow the rest of
+    # it in the output (a one-token sequence: never chosen)
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    # vLLM's allowed_token_ids: when given, only these can be chosen
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         problem = ""
@@ -96,6 +104,17 @@ class SamplingParams:
             problem = f"guide_after needs a guide and at most {MAX_GUIDE_AFTER} tokens"
         elif any(t < 0 for t in self.guide_after):
             problem = "guide_after's token ids must be >= 0"
+        elif len(self.bad_words) > MAX_BAD_WORDS or not all(
+            0 < len(w) <= MAX_BAD_WORD_TOKENS and min(w) >= 0 for w in self.bad_words
+        ):
+            problem = (
+                f"bad_words must be at most {MAX_BAD_WORDS} sequences of 1 to "
+                f"{MAX_BAD_WORD_TOKENS} token ids >= 0"
+            )
+        elif len(self.allowed_token_ids) > MAX_ALLOWED_TOKENS or any(
+            t < 0 for t in self.allowed_token_ids
+        ):
+            problem = f"allowed_token_ids must be at most {MAX_ALLOWED_TOKENS} token ids >= 0"
         else:
             problem = _logit_bias_problem(self.logit_bias)
         if problem:

@@ -197,9 +197,16 @@ class Engine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is out of range (vocabulary: {vocab})")
-        bad = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise RequestError(f"logit_bias token id {bad} is out of range (vocabulary: {vocab})")
+        named = {  # every token id the sampler indexes its logits with
+            "logit_bias": [t for t, _ in sampling.logit_bias],
+            "stop_token_ids": sampling.stop_token_ids,
+            "bad_words": [t for w in sampling.bad_words for t in w],
+            "allowed_token_ids": sampling.allowed_token_ids,
+        }
+        for name, ids in named.items():
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise RequestError(f"{name} token id {bad} is out of range (vocabulary: {vocab})")
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_token_ids=list(prompt_token_ids),

@@ -77,3 +77,16 @@ def ban_(
         dev = logits.device
         at = torch.tensor(rows, device=dev) * logits.shape[1] + torch.tensor(toks, device=dev)
         logits.view(-1)[at] = float("-inf")
+
+
+def allow_only_(
+    logits: torch.Tensor,  # [B, V] float32: changed in place
+    allowed: Sequence[Sequence[int]],  # per row, the only tokens it may choose (none: any)
+) -> None:
+    """vLLM's allowed_token_ids: every other token of the rows that give them is out."""
+    for i, ids in enumerate(allowed):
+        if ids:
+            at = torch.tensor(ids, device=logits.device)
+            keep = logits[i].index_select(0, at)
+            logits[i].fill_(float("-inf"))
+            logits[i].index_copy_(0, at, keep)

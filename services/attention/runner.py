@@ -124,8 +124,15 @@ class ModelRunner:
 
 def _banned(req: Request) -> tuple[int, ...]:
     """The tokens `req` may not choose now: while it has fewer than min_tokens, every token
-    that would stop it."""
+    that would stop it; and each bad word's last token where the output ends with the rest of
+    the word."""
     sp = req.sampling
-    if len(req.output_token_ids) >= sp.min_tokens:
-        return ()
-    return sp.stop_token_ids + (() if sp.ignore_eos else req.eos_token_ids)
+    out = req.output_token_ids
+    banned: tuple[int, ...] = ()
+    if len(out) < sp.min_tokens:
+        banned = sp.stop_token_ids + (() if sp.ignore_eos else req.eos_token_ids)
+    for word in sp.bad_words:
+        k = len(word) - 1
+        if k == 0 or (len(out) >= k and tuple(out[-k:]) == word[:-1]):
+            banned += (word[-1],)
+    return banned

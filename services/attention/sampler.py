@@ -36,6 +36,8 @@ def sample(
             raise ValueError("penalties need every row's prompt and output token ids")
         penalties.adjust_(logits, params, prompts, outputs)
     penalties.ban_(logits, banned)
+    if any(p.allowed_token_ids for p in params):
+        penalties.allow_only_(logits, [p.allowed_token_ids for p in params])
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == B and not want:  # the common decode case
         return _argmax(logits).tolist(), [None] * B

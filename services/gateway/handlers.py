@@ -24,7 +24,7 @@ from services.gateway.errors import APIError, invalid, validation_message
 from services.gateway.generation import ChoiceRun, ChoiceSpec, ChoiceStreams, Delta
 from services.gateway.latency import SLA, ChoiceTiming
 from services.gateway.lifecycle import Lifecycle
-from services.gateway.prompts import check_token_ids
+from services.gateway.prompts import bad_word_ids, check_token_ids
 from services.gateway.responses import (
     SSE_DONE,
     ChatFormatter,
@@ -126,6 +126,9 @@ async def plan(
     text_model = state.chat_format != "harmony"
     waits = chat and guide_kind and (harmony or (text_model and bool(state.reasoning_parser)))
     check_token_ids(state, [t for t, _ in bias], "logit_bias")
+    check_token_ids(state, req.stop_token_ids or [], "stop_token_ids")
+    check_token_ids(state, req.allowed_token_ids or [], "allowed_token_ids")
+    bad_words = bad_word_ids(state, req.bad_words)
     await state.balancer.wait_started(state.startup_wait_s)
     max_len = await state.balancer.max_model_len()
     param = "messages" if chat else "prompt"
@@ -190,6 +193,8 @@ async def plan(
                 guide_kind=guide_kind,
                 guide=guide,
                 guide_after=after,
+                bad_words=bad_words,
+                allowed_token_ids=tuple(req.allowed_token_ids or ()),
             )
             spec = ChoiceSpec(
                 j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo,

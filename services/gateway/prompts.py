@@ -65,3 +65,16 @@ def check_token_ids(state: GatewayState, ids: list[int], param: str) -> None:
     bad = next((t for t in ids if t >= state.vocab_size), None)
     if bad is not None:
         raise invalid(f"token id {bad} is out of range (vocabulary: {state.vocab_size})", param)
+
+
+def bad_word_ids(state: GatewayState, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as written and after a blank (BPE
+    tokenizers spell a word that starts the text and one that follows a space apart), each
+    sequence once."""
+    out: list[tuple[int, ...]] = []
+    for w in words or ():
+        for text in (w.lstrip(), " " + w.lstrip()):
+            ids = tuple(state.tokenizer.encode(text))
+            if ids and ids not in out:
+                out.append(ids)
+    return tuple(out)

@@ -9,7 +9,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictInt, field_validator, model_validator
 
-from afd.sampling import LOGIT_BIAS_LIMIT, MAX_CACHE_SALT, MAX_GUIDE, MAX_LOGIT_BIAS
+from afd.sampling import (
+    LOGIT_BIAS_LIMIT,
+    MAX_ALLOWED_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_CACHE_SALT,
+    MAX_GUIDE,
+    MAX_LOGIT_BIAS,
+)
 from services.gateway import tool_calls
 from services.gateway.chat_messages import MAX_TOOLS, ChatMessage, NamedToolChoice, Tool
 from services.gateway.schema_base import INT64, Bool, Float, Int
@@ -25,6 +32,7 @@ MAX_STOP_TOKEN_IDS = 64
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+BadWord = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN, pattern=r"\S")]
 StopTokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]  # int32 on the control plane
 
 
@@ -107,6 +115,12 @@ class _SamplingRequest(_Model):
     # context); logprobs name tokens as "token_id:N"
     truncate_prompt_tokens: Annotated[Int, Field(ge=-1, le=INT64)] | None = None
     return_tokens_as_token_ids: Bool = False
+    # vLLM extras: words the output may not contain (their last token cannot follow the rest),
+    # and the only tokens it may be made of
+    bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS // 2)] | None = None
+    allowed_token_ids: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKENS)] | None
+    ) = None
     # vLLM extra: requests with different salts share no prefix-cache blocks
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     user: str | None = None

@@ -141,3 +141,43 @@ def test_min_tokens_holds_off_eos_and_stop_tokens_as_transformers_min_new_tokens
             reqs = eng.generate(PROMPTS, sp)
         assert [r.output_token_ids for r in reqs] == ref
         assert all(r.finish_reason == "stop" for r in reqs)
+
+
+def test_bad_words_and_allowed_tokens_match_transformers(qwen3_dir, hf, plain):
+    """vLLM's bad_words against transformers' bad_words_ids (a one-token word never chosen,
+    a two-token word's last token never right after its first), and allowed_token_ids against
+    transformers' prefix_allowed_tokens_fn. The two-token word's first token ends no prompt
+    (transformers also matches across the prompt, vLLM and afd in the output only)."""
+    one = plain[0][2]
+    first, last = next(
+        (o[i], o[i + 1])
+        for o in plain
+        for i in range(len(o) - 1)
+        if o[i] != one and o[i + 1] != one and all(p[-1] != o[i] for p in PROMPTS)
+    )
+    words = ((one,), (first, last))
+    allowed = tuple(sorted({t for o in plain for t in o[1:4]} | {7, 250}))
+    refs = {"bad": [], "allowed": []}
+    for p in PROMPTS:
+        for kind, extra in [
+            ("bad", {"bad_words_ids": [list(w) for w in words]}),
+            ("allowed", {"prefix_allowed_tokens_fn": lambda _b, _ids: list(allowed)}),
+        ]:
+            o = hf.generate(
+                torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                **extra,
+            )  # fmt: skip
+            refs[kind].append(o[0, len(p) :].tolist())
+    assert refs["bad"] != plain and refs["allowed"] != plain
+    assert all(t in allowed for o in refs["allowed"] for t in o)
+    assert afd_penalized(qwen3_dir, bad_words=words) == refs["bad"]
+    assert afd_penalized(qwen3_dir, allowed_token_ids=allowed) == refs["allowed"]
+    with local_engine(engine_cfg(qwen3_dir), 1, progress=False) as eng:
+        V = eng.cfg.model.vocab_size
+        for name, sp in [
+            ("bad_words", SamplingParams(bad_words=((1, V),))),
+            ("allowed_token_ids", SamplingParams(allowed_token_ids=(V,))),
+            ("stop_token_ids", SamplingParams(stop_token_ids=(V + 1,), min_tokens=1)),
+        ]:
+            with pytest.raises(RequestError, match=f"{name} token id"):
+                eng.add_request([1], sp)

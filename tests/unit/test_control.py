@@ -43,6 +43,8 @@ def test_generate_request_round_trip():
         guide_kind="regex",
         guide="a+",
         guide_after=(7, 8),
+        bad_words=((5,), (6, 7)),
+        allowed_token_ids=(1, 2, 3),
     )
     req = GenerateRequest("r-1", [1, 2, 3], sp)
     back = control.request_from_pb(control.request_to_pb(req))
@@ -121,6 +123,9 @@ def test_each_error_type_carries_its_code():
         {"guide_after": (3,)},  # nothing to wait for
         {"guide_kind": "regex", "guide": "a", "guide_after": (-3,)},
         {"guide_kind": "regex", "guide": "a", "guide_after": tuple(range(17))},
+        {"bad_words": ((),)},
+        {"bad_words": ((1, -2),)},
+        {"allowed_token_ids": (-1,)},
     ],
 )
 def test_sampling_values_no_request_may_carry_are_refused(bad):

@@ -72,3 +72,21 @@ def test_version(tokenizer):
 
     r = run(go())
     assert r.status_code == 200 and r.json()["version"] not in ("", None)
+
+
+def test_bad_words_and_allowed_token_ids_reach_the_engine(tokenizer):
+    body = {"prompt": "a", "bad_words": ["ab", " c"], "allowed_token_ids": [97, 98]}
+    r, fake = _complete(tokenizer, body)
+    assert r.status_code == 200
+    sp = fake.calls[0][2]
+    # each word as written and after a blank (the demo's tokens are bytes)
+    assert sp.bad_words == ((97, 98), (32, 97, 98), (99,), (32, 99))
+    assert sp.allowed_token_ids == (97, 98)
+    for bad, param in [
+        ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+        ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ]:
+        r, _ = _complete(tokenizer, {"prompt": "a", **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
