@@ -59,7 +59,7 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             choices=["", *TOOL_PARSER_NAMES],
             help="how tool calls are read out of the model's text (vLLM's names: hermes for "
             "Qwen 2.5, Qwen3, Hermes; deepseek_v3 for DeepSeek-V3 and R1-0528; deepseek_v31 "
-            "for DeepSeek-V3.1 and V3.2; openai for gpt-oss)",
+            "for DeepSeek-V3.1 and V3.2; mistral for Mistral and Mixtral; openai for gpt-oss)",
         ),
         option(
             g,

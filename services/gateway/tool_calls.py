@@ -48,10 +48,10 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def _whole(index: int, call: ParsedCall) -> dict[str, Any]:
+def _whole(index: int, call: ParsedCall, call_id: str = "") -> dict[str, Any]:
     return {
         "index": index,
-        "id": new_call_id(),
+        "id": call_id or new_call_id(),
         "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
     }
@@ -82,7 +82,7 @@ class CallStream:
             content, calls = content + more, calls + last
         if not self.parallel:  # only the first call counts
             calls = calls[: max(0, 1 - self.calls)]
-        deltas = [_whole(self.calls + i, c) for i, c in enumerate(calls)]
+        deltas = [_whole(self.calls + i, c, self._parser.new_id()) for i, c in enumerate(calls)]
         self.calls += len(deltas)
         return content, deltas
 

@@ -10,6 +10,8 @@ Fed a whole text at once or a character at a time, it returns the same content a
 from __future__ import annotations
 
 import json
+import secrets
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,12 @@ class ToolCallParser:
 
     # the format's tags are special tokens: the choice's text must keep them
     keeps_special_tokens = False
+
+    @staticmethod
+    def new_id() -> str:
+        """A new call's id, where the format's templates want their own kind; "" for the
+        API's usual ids."""
+        return ""
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         raise NotImplementedError
@@ -151,6 +159,67 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
         return _arguments(name.strip(), args) if sep and name.strip() else None
 
 
+class MistralParser(ToolCallParser):
+    """Mistral (Mixtral-8x22B-Instruct, Mistral Small, ...): [TOOL_CALLS] then the calls,
+    either a JSON list of {"name": ..., "arguments": {...}} or, from the v11 tokenizer on,
+    NAME[ARGS]{...} after each [TOOL_CALLS]. The calls run to the end of the output, so they
+    are read there. [TOOL_CALLS] is a special token; Mistral's templates want call ids of 9
+    letters and digits."""
+
+    keeps_special_tokens = True
+    tag = "[TOOL_CALLS]"
+    args_tag = "[ARGS]"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._calls: str | None = None  # the text after the first tag, once it came
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        if self._calls is not None:
+            self._calls += text
+            return "", []
+        self._buf += text
+        at = self._buf.find(self.tag)
+        if at >= 0:
+            content, self._calls = self._buf[:at].rstrip(), self._buf[at + len(self.tag) :]
+            self._buf = ""
+            return content, []
+        keep = held_back(self._buf, self.tag)
+        sure = self._buf[: len(self._buf) - keep].rstrip()  # blanks before a call are its own
+        self._buf = self._buf[len(sure) :]
+        return sure, []
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        if self._calls is None:
+            held, self._buf = self._buf, ""
+            return held, []
+        body, self._calls = self._calls, None
+        calls = self._read(body)
+        return ("", calls) if calls else (self.tag + body, [])  # not calls: as written
+
+    def _read(self, body: str) -> list[ParsedCall]:
+        if self.args_tag in body:  # NAME[ARGS]{...}, one after each tag
+            calls = []
+            for part in body.split(self.tag):
+                name, sep, args = part.partition(self.args_tag)
+                call = _arguments(name.strip(), args) if sep and name.strip() else None
+                if call is None:
+                    return []
+                calls.append(call)
+            return calls
+        try:
+            items: Any = json.loads(body)
+        except (ValueError, RecursionError):
+            return []
+        items = items if isinstance(items, list) else [items]
+        calls = [_from_object(it) for it in items]
+        return [c for c in calls if c is not None] if calls and None not in calls else []
+
+    @staticmethod
+    def new_id() -> str:
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
 class _Without:
     """A stream of text with every `tags` taken out, holding back what may still be one."""
 
@@ -186,6 +255,11 @@ def _call(body: str) -> ParsedCall | None:
         obj: Any = json.loads(body)
     except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
         return None
+    return _from_object(obj)
+
+
+def _from_object(obj: Any) -> ParsedCall | None:
+    """{"name": ..., "arguments": {...} or its JSON text} as a call; None if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -213,6 +287,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,
     "deepseek_v3": DeepSeekV3Parser,
     "deepseek_v31": DeepSeekV31Parser,
+    "mistral": MistralParser,
 }
 
 

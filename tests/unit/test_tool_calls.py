@@ -13,6 +13,7 @@ from services.gateway.tool_parsers import (
     DeepSeekV3Parser,
     DeepSeekV31Parser,
     HermesParser,
+    MistralParser,
     ParsedCall,
     ToolCallParser,
 )
@@ -43,7 +44,7 @@ BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 V3_W = f'{CALL}function{SEP}get_weather\n```json\n{{"city": "Zürich", "days": 2}}\n```{CALL_END}'
 V31_W = f'{CALL}get_weather{SEP}{{"city": "Zürich", "days": 2}}{CALL_END}'
-DEEPSEEK_CASES = [
+TAGGED_CASES = [
     # (parser, text, content, [(name, arguments)])
     (DeepSeekV3Parser, "no call, a ｜ bar", "no call, a ｜ bar", []),
     (DeepSeekV3Parser, f"Let me look.{BEGIN}{V3_W}{END}", "Let me look.",
@@ -59,6 +60,16 @@ DEEPSEEK_CASES = [
      [("get_weather", {"city": "Zürich", "days": 2}), ("noop", {})]),
     (DeepSeekV31Parser, f"{BEGIN}{CALL}f{SEP}[1]{CALL_END}{END}", f"{CALL}f{SEP}[1]{CALL_END}", []),
     (DeepSeekV31Parser, "<｜tool▁call", "<｜tool▁call", []),  # held back, then let go
+    # Mistral: [TOOL_CALLS] and the calls to the end, as a JSON list or NAME[ARGS]{...}
+    (MistralParser, "no call [TOOL_CALL", "no call [TOOL_CALL", []),
+    (MistralParser, 'Let me look. [TOOL_CALLS][{"name": "get_weather", "arguments": '
+     '{"city": "Zürich", "days": 2}}, {"name": "noop", "arguments": {}}]', "Let me look.",
+     [("get_weather", {"city": "Zürich", "days": 2}), ("noop", {})]),
+    (MistralParser, '[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich", "days": 2}'
+     "[TOOL_CALLS]noop[ARGS]{}", "", [("get_weather", {"city": "Zürich", "days": 2}),
+                                      ("noop", {})]),
+    (MistralParser, '[TOOL_CALLS][{"name": "get_w', '[TOOL_CALLS][{"name": "get_w', []),
+    (MistralParser, "[TOOL_CALLS]noop[ARGS]{} and text", "[TOOL_CALLS]noop[ARGS]{} and text", []),
 ]  # fmt: skip
 
 
@@ -92,8 +103,10 @@ def test_hermes_reads_the_same_calls_however_the_text_is_split(text, content, ca
                 assert json.loads(c.arguments) == args
 
 
-@pytest.mark.parametrize("cls,text,content,calls", DEEPSEEK_CASES)
-def test_deepseek_reads_the_same_calls_however_the_text_is_split(cls, text, content, calls):
+@pytest.mark.parametrize("cls,text,content,calls", TAGGED_CASES)
+def test_deepseek_and_mistral_read_the_same_calls_however_the_text_is_split(
+    cls, text, content, calls
+):
     for pieces in splits(text):
         got_content, got_calls = _run(cls(), pieces)
         assert got_content == content, pieces
@@ -174,3 +187,14 @@ def test_guide_schemas():
     names = [i["properties"]["name"]["enum"] for i in s["items"]["anyOf"]]
     assert names == [["a"], ["b"]]
     assert "maxItems" not in guide_schema(tools, "", True)
+
+
+def test_mistral_calls_get_the_nine_character_ids_its_templates_want():
+    s = CallStream("auto", "mistral")
+    _, deltas = s.feed('[TOOL_CALLS][{"name": "noop", "arguments": {}}]', final=True)
+    (call,) = deltas
+    assert len(call["id"]) == 9 and call["id"].isalnum()
+    _, (hermes,) = CallStream("auto", "hermes").feed(
+        '<tool_call>{"name": "noop", "arguments": {}}</tool_call>', final=True
+    )
+    assert hermes["id"].startswith("call_")
