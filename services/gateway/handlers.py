@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -251,15 +251,11 @@ async def respond(
     )  # fmt: skip
     echo = req.echoed if isinstance(req, ChatCompletionRequest) else ""
     if req.stream:
-        try:
-            first = await streams.next()  # an error before any byte is sent gets its status
-        except BaseException:
-            await streams.close()
-            raise
-        return StreamingResponse(
-            _sse(streams, fmt, first, with_lp, chat, req.include_usage, readers, echo),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        return await event_stream(
+            streams,
+            lambda first: _sse(
+                streams, fmt, first, with_lp, chat, req.include_usage, readers, echo
+            ),
         )
     choices, prompt_lps, reasons = await _collect(streams, len(specs))
     if streams.disconnected:
@@ -281,6 +277,23 @@ async def respond(
     elif chat and req.prompt_logprobs is not None:  # vLLM's: the one prompt's, at the top
         body["prompt_logprobs"] = fmt.prompt_logprobs(prompt_lps[0])
     return JSONResponse(body)
+
+
+async def event_stream(
+    streams: ChoiceStreams, events: Callable[[Delta | None], AsyncIterator[bytes]]
+) -> StreamingResponse:
+    """An SSE response of `events(first delta)`: waiting for the first delta before anything
+    is sent, so an error then still gets its HTTP status."""
+    try:
+        first = await streams.next()
+    except BaseException:
+        await streams.close()
+        raise
+    return StreamingResponse(
+        events(first),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 def start_choices(

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from services.gateway import handlers as h
 from services.gateway import prompts
@@ -37,15 +37,8 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
     out = Output(req, state.model_name, rid)
     streams = h.start_choices(state, request, specs, 1)
     if req.stream:
-        try:
-            first = await streams.next()  # an error before any byte is sent gets its status
-        except BaseException:
-            await streams.close()
-            raise
-        return StreamingResponse(
-            _events(streams, out, first, readers, state.tokenizer),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        return await h.event_stream(
+            streams, lambda first: _events(streams, out, first, readers, state.tokenizer)
         )
     text, finish = [], ""
     try:

@@ -92,21 +92,10 @@ def splits(text: str, step: int = 1):
         yield [text[:i], text[i:]]
 
 
-@pytest.mark.parametrize("text,content,calls", CASES)
-def test_hermes_reads_the_same_calls_however_the_text_is_split(text, content, calls):
-    for pieces in splits(text):
-        got_content, got_calls = _run(HermesParser(), pieces)
-        assert got_content == content, pieces
-        assert [c.name for c in got_calls] == [n for n, _ in calls], pieces
-        for c, (_, args) in zip(got_calls, calls, strict=True):
-            if args is not None:
-                assert json.loads(c.arguments) == args
-
-
-@pytest.mark.parametrize("cls,text,content,calls", TAGGED_CASES)
-def test_deepseek_and_mistral_read_the_same_calls_however_the_text_is_split(
-    cls, text, content, calls
-):
+@pytest.mark.parametrize(
+    "cls,text,content,calls", [(HermesParser, *c) for c in CASES] + TAGGED_CASES
+)
+def test_each_format_reads_the_same_calls_however_the_text_is_split(cls, text, content, calls):
     for pieces in splits(text):
         got_content, got_calls = _run(cls(), pieces)
         assert got_content == content, pieces
