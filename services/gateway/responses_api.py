@@ -25,7 +25,7 @@ from services.gateway.responses_schema import ResponsesRequest
 
 async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest) -> Response:
     h.check_model(state, req.model)
-    chat = req.to_chat()
+    chat = req.to_chat("developer" if state.chat_format == "harmony" else "system")
     prompts.check_tools(state, chat)
     ids = await prompts.chat_prompt(state, chat)
     rid = request.state.request_id

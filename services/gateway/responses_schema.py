@@ -118,12 +118,13 @@ class ResponsesRequest(_Model):
             )
         return self
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The same request as a chat completion; a combination the chat request refuses is
-        the client's 400."""
+    def to_chat(self, instructions_role: str = "system") -> ChatCompletionRequest:
+        """The same request as a chat completion, `instructions` as a message of that role
+        (gpt-oss's template reads them from the developer's); a combination the chat request
+        refuses is the client's 400."""
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": self._messages(),
+            "messages": self._messages(instructions_role),
             "temperature": self.temperature,
             "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls,
@@ -156,13 +157,13 @@ class ResponsesRequest(_Model):
             msg, param = validation_message(e.errors(include_url=False))
             raise invalid(msg, param=param) from None
 
-    def _messages(self) -> list[dict[str, Any]]:
+    def _messages(self, instructions_role: str) -> list[dict[str, Any]]:
         """The input as chat messages: consecutive function calls join one assistant message
         (after its text, if the message just before is the assistant's), a reasoning item
         goes with the assistant message or calls that follow it."""
         out: list[dict[str, Any]] = []
         if self.instructions:
-            out.append({"role": "system", "content": self.instructions})
+            out.append({"role": instructions_role, "content": self.instructions})
         items = (
             [InputMessage(role="user", content=self.input)]
             if isinstance(self.input, str)

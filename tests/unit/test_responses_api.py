@@ -159,3 +159,11 @@ def test_guides_limits_and_refusals(tokenizer):
     ]:
         r = _post(tokenizer, FakeClient(), bad)
         assert r.status_code in (400, 404) and why in r.json()["error"]["message"], r.text
+
+
+def test_instructions_go_where_the_models_template_reads_them():
+    from services.gateway.responses_schema import ResponsesRequest
+
+    req = ResponsesRequest(input="x", instructions="be brief")
+    assert [m.role for m in req.to_chat().messages] == ["system", "user"]
+    assert req.to_chat("developer").messages[0].role == "developer"  # gpt-oss's harmony
