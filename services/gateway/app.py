@@ -24,8 +24,8 @@ from afd.config import ModelConfig, check
 from afd.runtime import freeze_startup_heap
 from afd.security import Security
 from afd.tokenizer import ModelTokenizer
+from services.gateway import choices, prompts, responses_api
 from services.gateway import handlers as h
-from services.gateway import prompts, responses_api
 from services.gateway.auth import APIKeyMiddleware
 from services.gateway.balancer import Balancer
 from services.gateway.client import AttentionClient
@@ -221,7 +221,7 @@ def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> None:
         h.check_model(state, req.model)
         prompts.check_tools(state, req)
         prompt = [(await prompts.chat_prompt(state, req), "")]
-        specs = await h.plan(state, req, prompt, request.state.request_id)
+        specs = await choices.plan(state, req, prompt, request.state.request_id)
         return await h.respond(state, request, req, specs)
 
     @app.post("/v1/responses")
@@ -234,7 +234,7 @@ def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> None:
         req = await h.parse(request, CompletionRequest)
         h.check_model(state, req.model)
         texts = prompts.completion_prompts(state, req)
-        specs = await h.plan(state, req, texts, request.state.request_id)
+        specs = await choices.plan(state, req, texts, request.state.request_id)
         return await h.respond(state, request, req, specs)
 
     @app.get("/v1/models")

@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from services.gateway import choices, prompts
 from services.gateway import handlers as h
-from services.gateway import prompts
 from services.gateway.answers import answer_readers, read_delta, read_whole
 from services.gateway.errors import APIError
 from services.gateway.generation import ChoiceStreams, Delta, Piece
@@ -29,7 +29,7 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
     prompts.check_tools(state, chat)
     ids = await prompts.chat_prompt(state, chat)
     rid = request.state.request_id
-    specs = await h.plan(state, chat, [(ids, "")], rid)
+    specs = await choices.plan(state, chat, [(ids, "")], rid)
     waits = bool(specs[0].params.guide_after)
     readers = answer_readers(
         chat, state.tool_parser, state.reasoning_parser, 1, state.chat_format, guide_waits=waits
