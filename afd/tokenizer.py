@@ -103,6 +103,10 @@ class ModelTokenizer:
         self._env.globals["strftime_now"] = _strftime_now
         self._template = None  # compiled on first use
 
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` instead of the model's own (vLLM's --chat-template)."""
+        self.chat_template, self._template = template, None
+
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()

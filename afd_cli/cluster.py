@@ -97,6 +97,7 @@ class ClusterConfig:
     drain_timeout_s: float = 30.0
     engine_args: tuple[str, ...] = ()  # engine flags for every attention server
     api_args: tuple[str, ...] = ()  # HTTP API flags for the gateway
+    served_model_name: str = ""  # the model's name in the API ("": its directory's)
     dtype: str = "bfloat16"  # compute dtype of the attention and FFN servers
     # where each role computes (afd/device.py); "" per role: `device`
     device: str = "auto"
@@ -175,7 +176,7 @@ class Cluster:
 
     @property
     def model_name(self) -> str:
-        return served_name(self.cfg.model)
+        return self.cfg.served_model_name or served_name(self.cfg.model)
 
     @property
     def topology(self) -> str:
@@ -247,6 +248,7 @@ class Cluster:
         gw = [*py, "gateway", *model, "--attention", ",".join(self.attention_addresses)]
         gw += ["--host", c.host, "--port", str(self.port)]
         gw += [*c.api_args, "--drain-timeout", str(c.drain_timeout_s)]
+        gw += ["--served-model-name", c.served_model_name] if c.served_model_name else []
         # The key travels in the environment: a command line is readable by every local user.
         env = {"AFD_API_KEY": c.api_key} if c.api_key else {}
         host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "") else c.host

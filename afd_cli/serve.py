@@ -73,6 +73,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="attention -> FFN data plane (inproc: FFN shards inside each attention process; "
         "auto: separate FFN processes over tcp only where each compute process gets 2 cores)",
     )
+    option(
+        p,
+        "--served-model-name",
+        c,
+        "served_model_name",
+        help="the model's name in the API (default: its directory's name)",
+    )
     option(p, "--host", c, "host", help="the gateway's interface")
     option(p, "--port", c, "port", help="the gateway's port (0: any free)")
     option(p, "--threads", c, "threads", help="torch threads per server (0: share the cores)")

@@ -24,7 +24,7 @@ from afd.config import ModelConfig, check
 from afd.runtime import freeze_startup_heap
 from afd.security import Security
 from afd.tokenizer import ModelTokenizer
-from services.gateway import choices, prompts, responses_api
+from services.gateway import choices, model_defaults, prompts, responses_api
 from services.gateway import handlers as h
 from services.gateway.auth import APIKeyMiddleware
 from services.gateway.balancer import Balancer
@@ -95,6 +95,10 @@ class GatewayConfig:
     tool_call_parser: str = ""
     enable_auto_tool_choice: bool = False
     reasoning_parser: str = ""  # vLLM's flag: a thinking model's reasoning as reasoning_content
+    chat_template: str = ""  # vLLM's flag: a template file (or text) in place of the model's
+    # vLLM's flag: where requests' sampling defaults come from (auto: the model's
+    # generation_config.json; vllm: none; else a directory holding one)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         check(bool(self.attention), "at least one attention server address is needed")
@@ -125,6 +129,11 @@ class GatewayConfig:
 
 def build_state(cfg: GatewayConfig) -> h.GatewayState:
     tokenizer = ModelTokenizer(cfg.model_dir)
+    if cfg.chat_template:
+        tokenizer.use_chat_template(model_defaults.chat_template(cfg.chat_template))
+    defaults = model_defaults.sampling_defaults(cfg.generation_config, cfg.model_dir)
+    if defaults:
+        log.info("sampling defaults from the model's generation config: %s", defaults)
     clients = [
         AttentionClient(a, cfg.rpc_timeout_s, cfg.generate_timeout_s, cfg.security)
         for a in cfg.attention
@@ -139,6 +148,7 @@ def build_state(cfg: GatewayConfig) -> h.GatewayState:
         vocab_size=model.vocab_size,
         notice=cfg.notice,
         chat_format=model.chat_format,
+        sampling_defaults=defaults,
     )
 
 

@@ -5,6 +5,7 @@ request leaves a field out, guides, special-token and stop-string handling)."""
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 from afd.control import SamplingParams
 from afd.errors import RequestError
@@ -47,6 +48,7 @@ async def plan(
         )
     bias = req.token_bias
     guide_kind, guide = req.guide
+    model = _model_defaults(state, req)
     # a harmony answer's structure is special tokens: its reader needs them in the text (a
     # tool_choice guide leaves the model no harmony; another guide holds in the final body)
     chat = isinstance(req, ChatCompletionRequest)
@@ -85,6 +87,7 @@ async def plan(
         max_tokens = req.max_new_tokens
         if max_tokens is None:
             max_tokens = min(room, limit) if limit else room
+            max_tokens = min(max_tokens, model.get("max_tokens", max_tokens))
         if max_tokens > room:
             raise invalid(
                 f"max_tokens is {max_tokens}, but the prompt ({len(ids)} tokens) leaves room for "
@@ -106,9 +109,9 @@ async def plan(
             j = p * req.n + c
             params = _sampling(
                 max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=max(req.top_k, 0),
+                temperature=model.get("temperature", req.temperature),
+                top_p=model.get("top_p", req.top_p),
+                top_k=max(model.get("top_k", req.top_k), 0),
                 seed=_seed(req.seed, j),
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
@@ -116,10 +119,10 @@ async def plan(
                 prompt_logprobs=_prompt_logprobs(req),
                 cache_salt=req.cache_salt or "",
                 logit_bias=bias,
-                repetition_penalty=req.repetition_penalty,
+                repetition_penalty=model.get("repetition_penalty", req.repetition_penalty),
                 frequency_penalty=req.frequency_penalty,
                 presence_penalty=req.presence_penalty,
-                min_p=req.min_p,
+                min_p=model.get("min_p", req.min_p),
                 min_tokens=req.min_tokens,
                 guide_kind=guide_kind,
                 guide=guide,
@@ -135,6 +138,15 @@ async def plan(
             )  # fmt: skip
             specs.append(spec)
     return specs
+
+
+def _model_defaults(
+    state: GatewayState, req: ChatCompletionRequest | CompletionRequest
+) -> dict[str, Any]:
+    """The model's sampling defaults (its generation_config.json, as vLLM reads it) for the
+    fields this request leaves out."""
+    given = req.model_fields_set
+    return {k: v for k, v in state.sampling_defaults.items() if k not in given}
 
 
 def _sampling(**fields) -> SamplingParams:

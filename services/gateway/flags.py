@@ -53,6 +53,21 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         option(
             g,
+            "--chat-template",
+            c,
+            "chat_template",
+            help="a chat template file (or the template itself) to use instead of the model's",
+        ),
+        option(
+            g,
+            "--generation-config",
+            c,
+            "generation_config",
+            help="sampling defaults for the fields a request leaves out: auto (the model's "
+            "generation_config.json), vllm (none: the API's), or a directory holding one",
+        ),
+        option(
+            g,
             "--tool-call-parser",
             c,
             "tool_call_parser",

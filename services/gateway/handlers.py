@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -52,6 +53,8 @@ class GatewayState:
     # a chat answer's thinking goes out as reasoning_content (services/gateway/reasoning.py)
     reasoning_parser: str = ""
     chat_format: str = "text"  # the model's (afd.config.ModelConfig.chat_format)
+    # request field -> its default where the request leaves it out (model_defaults.py)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:

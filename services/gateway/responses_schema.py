@@ -125,9 +125,11 @@ class ResponsesRequest(_Model):
         body: dict[str, Any] = {
             "model": self.model,
             "messages": self._messages(instructions_role),
-            "temperature": self.temperature,
-            "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls,
+        }
+        # only those given: the model's sampling defaults fill the rest, as in a chat
+        body |= {
+            k: getattr(self, k) for k in ("temperature", "top_p") if k in self.model_fields_set
         }
         if self.max_output_tokens is not None:
             body["max_tokens"] = self.max_output_tokens

@@ -240,3 +240,12 @@ def test_attention_servers_sharing_one_gpu_split_its_memory(monkeypatch):
     given = ClusterConfig(attention=2, engine_args=("--gpu-memory-utilization", "0.4"))
     argv = {c.name: c.argv for c in Cluster(given).plan()}["attention-1"]
     assert argv.count("--gpu-memory-utilization") == 1  # the user's share is each server's
+
+
+def test_served_model_name_reaches_the_gateway():
+    cluster = Cluster(ClusterConfig(served_model_name="my-moe"))
+    (gw,) = [c.argv for c in cluster.plan() if c.name == "gateway"]
+    assert gw[gw.index("--served-model-name") + 1] == "my-moe"
+    assert cluster.model_name == "my-moe"
+    plain = Cluster(ClusterConfig())
+    assert all("--served-model-name" not in c.argv for c in plain.plan())
