@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from afd import metrics
@@ -30,7 +31,7 @@ from services.gateway.auth import APIKeyMiddleware
 from services.gateway.balancer import Balancer
 from services.gateway.client import AttentionClient
 from services.gateway.detok import TokenBytes
-from services.gateway.errors import APIError, error_body
+from services.gateway.errors import APIError, error_body, invalid, validation_message
 from services.gateway.harmony import (
     HARMONY_REASONING,
     HARMONY_TOOLS,
@@ -307,13 +308,17 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
     async def tokenize(request: Request):
         req = await h.parse(request, TokenizeRequest)
         if req.messages is not None:
-            chat = ChatCompletionRequest(
-                messages=req.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                tools=req.tools,
-                chat_template_kwargs=req.chat_template_kwargs,
-                continue_final_message=req.continue_final_message,
-            )
+            try:  # the chat's own rules (two tools of one name, say) are the client's 400
+                chat = ChatCompletionRequest(
+                    messages=req.messages,
+                    add_generation_prompt=req.add_generation_prompt,
+                    tools=req.tools,
+                    chat_template_kwargs=req.chat_template_kwargs,
+                    continue_final_message=req.continue_final_message,
+                )
+            except ValidationError as e:
+                msg, param = validation_message(e.errors(include_url=False))
+                raise invalid(msg, param=param) from None
             ids = await prompts.chat_prompt(state, chat)
         else:
             ids = state.tokenizer.encode(req.prompt or "")

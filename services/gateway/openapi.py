@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from services.gateway.responses_schema import ResponsesRequest
 from services.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,6 +50,7 @@ _ERRORS = {
 _POSTS = {
     "/v1/chat/completions": (ChatCompletionRequest, "Chat completion (JSON or SSE stream)"),
     "/v1/completions": (CompletionRequest, "Text completion (JSON or SSE stream)"),
+    "/v1/responses": (ResponsesRequest, "OpenAI Responses API (JSON or SSE events)"),
     "/tokenize": (TokenizeRequest, "Token ids of a prompt or chat"),
     "/detokenize": (DetokenizeRequest, "Text of token ids"),
 }
@@ -58,6 +60,7 @@ _GETS = {
     "/health": "Liveness of this process",
     "/ready": "Ready while at least one attention server is; every server's state",
     "/metrics": "Prometheus metrics",
+    "/version": "This server's version",
 }
 
 

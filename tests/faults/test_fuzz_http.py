@@ -34,6 +34,7 @@ DOCUMENTED = {200, 400, 401, 404, 413, 429, 503, 504}
 VALID = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 2},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [104, 105]},
 }
@@ -104,7 +105,8 @@ def check(r: httpx.Response, what) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
+    "path",
+    ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize"],
 )
 def test_fuzzed_bodies_never_5xx(gateway, path):
     spec = gateway.run(gateway.client.get("/openapi.json")).json()

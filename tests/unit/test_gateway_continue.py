@@ -66,3 +66,16 @@ def _sent(tokenizer, body) -> list[int]:
     fake = FakeClient(text=" 4.", finish="stop")
     assert _chat(tokenizer, body, fake).status_code == 200
     return fake.calls[0][1]
+
+
+def test_tokenize_refuses_a_chat_the_chat_route_would_refuse(tokenizer):
+    """Found by the HTTP fuzz: two tools of one name passed /tokenize's own schema and the
+    chat built from it raised (a 500); the chat's rules are the client's 400 there too."""
+    tool = {"type": "function", "function": {"name": "f"}}
+
+    async def go():
+        async with make(tokenizer, [FakeClient()]) as c:
+            return await post(c, "/tokenize", {"messages": MSGS, "tools": [tool, tool]})
+
+    r = run(go())
+    assert r.status_code == 400 and "same name" in r.json()["error"]["message"]
