@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from afd.sampling import SamplingParams
 from services.gateway import choices, prompts
 from services.gateway import handlers as h
 from services.gateway.answers import answer_readers, read_delta, read_whole
@@ -34,7 +35,7 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
     readers = answer_readers(
         chat, state.tool_parser, state.reasoning_parser, 1, state.chat_format, guide_waits=waits
     )
-    out = Output(req, state.model_name, rid)
+    out = Output(req, state.model_name, rid, specs[0].params)
     streams = h.start_choices(state, request, specs, 1)
     if req.stream:
         return await h.event_stream(
@@ -61,8 +62,11 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
 class Output:
     """One response's output items, built whole or event by event."""
 
-    def __init__(self, req: ResponsesRequest, model: str, rid: str) -> None:
+    def __init__(
+        self, req: ResponsesRequest, model: str, rid: str, params: SamplingParams | None = None
+    ) -> None:
         self.req, self.model = req, model
+        self.params = params or SamplingParams()  # what ran (the model's defaults filled in)
         self.id = f"resp_{rid.replace('-', '')[:32]}"
         self.created = int(time.time())
         self.items: list[dict[str, Any]] = []  # output items so far (the open one included)
@@ -94,8 +98,8 @@ class Output:
             "metadata": req.metadata or {},
             "output": self.items if finish is not None else [],
             "parallel_tool_calls": req.parallel_tool_calls,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
+            "temperature": self.params.temperature,
+            "top_p": self.params.top_p,
             "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
             "text": {"format": _dump(fmt) if fmt else {"type": "text"}},

@@ -79,6 +79,7 @@ def test_text_whole_and_streamed(tokenizer):
     assert r.status_code == 200, r.text
     resp = _response(r.json())
     assert resp.status == "completed" and resp.output_text == "Sunny."
+    assert resp.temperature == 1.0 and resp.top_p == 1.0  # what ran
     assert resp.usage.output_tokens == 6 and resp.usage.total_tokens > 6
 
     s = _post(tokenizer, FakeClient(text="Sunny."), {"input": "weather?", "stream": True})
