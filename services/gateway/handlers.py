@@ -103,8 +103,9 @@ async def respond(
     fmt.ids_as_tokens = req.return_tokens_as_token_ids
     streams = start_choices(state, request, specs, req.n)
     if req.continuous_usage:
-        s = streams
-        fmt.usage_so_far = lambda: usage(s.prompt_tokens, s.completion_tokens, s.cached_tokens)
+        fmt.usage_so_far = lambda: usage(
+            streams.prompt_tokens, streams.completion_tokens, streams.cached_tokens
+        )
     with_lp = req.num_logprobs is not None
     readers = answer_readers(
         req, state.tool_parser, state.reasoning_parser, len(specs), state.chat_format,
@@ -118,7 +119,7 @@ async def respond(
                 streams, fmt, first, with_lp, chat, req.include_usage, readers, echo
             ),
         )
-    choices, prompt_lps, reasons = await _collect(streams, len(specs))
+    choices, prompt_lps, reasons = await collect(streams, len(specs))
     if streams.disconnected:
         return Response(status_code=499)  # nobody is listening any more
     use = usage(streams.prompt_tokens, streams.completion_tokens, streams.cached_tokens)
@@ -171,7 +172,7 @@ def start_choices(
     return streams
 
 
-async def _collect(
+async def collect(
     streams: ChoiceStreams, n: int
 ) -> tuple[list[tuple[str, list, str]], list[list], list[int | str | None]]:
     """Each choice's (text, logprobs, finish reason), its prompt logprobs and stop reason."""

@@ -41,20 +41,14 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
         return await h.event_stream(
             streams, lambda first: _events(streams, out, first, readers, state.tokenizer)
         )
-    text, finish = [], ""
-    try:
-        while (d := await streams.next()) is not None:
-            text.append(d.text)
-            finish = d.finish_reason or finish
-    finally:
-        await streams.close()
+    (answer,), _, _ = await h.collect(streams, 1)
     if streams.disconnected:
         return Response(status_code=499)
     h.count_finished(streams)
-    content = "".join(text)
+    content, _, finish = answer
     piece = Piece(content=content)
     if readers is not None:
-        _, (piece,) = read_whole([(content, [], finish)], readers)
+        _, (piece,) = read_whole([answer], readers)
     out.add_whole(piece)
     return JSONResponse(out.response(finish, _usage(streams, out.reasoning, state.tokenizer)))
 
@@ -62,11 +56,9 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
 class Output:
     """One response's output items, built whole or event by event."""
 
-    def __init__(
-        self, req: ResponsesRequest, model: str, rid: str, params: SamplingParams | None = None
-    ) -> None:
+    def __init__(self, req: ResponsesRequest, model: str, rid: str, params: SamplingParams):
         self.req, self.model = req, model
-        self.params = params or SamplingParams()  # what ran (the model's defaults filled in)
+        self.params = params  # what ran (the model's defaults filled in)
         self.id = f"resp_{rid.replace('-', '')[:32]}"
         self.created = int(time.time())
         self.items: list[dict[str, Any]] = []  # output items so far (the open one included)
