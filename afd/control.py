@@ -120,6 +120,7 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         guide_after=list(s.guide_after),
         bad_words=[pb.TokenIds(ids=w) for w in s.bad_words],
         allowed_token_ids=list(s.allowed_token_ids),
+        priority=s.priority,
     )
     if s.repetition_penalty != 1.0:
         msg.repetition_penalty = s.repetition_penalty
@@ -156,6 +157,7 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
         guide_after=tuple(s.guide_after),
         bad_words=tuple(tuple(w.ids) for w in s.bad_words),
         allowed_token_ids=tuple(s.allowed_token_ids),
+        priority=s.priority,
     )
 
 

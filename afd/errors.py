@@ -49,3 +49,9 @@ class TransportError(AfdError):
     """A peer that did not answer within its deadline, or answered with an error."""
 
     code = ErrorCode.UNAVAILABLE
+
+
+def check(ok: bool, problem: str) -> None:
+    """A config dataclass's own validation: one ConfigError naming the bad value."""
+    if not ok:
+        raise ConfigError(problem)

@@ -20,6 +20,7 @@ MAX_GUIDE_AFTER = 16  # tokens of the marker a guide may wait for
 MAX_BAD_WORDS = 256  # token sequences one request may forbid
 MAX_BAD_WORD_TOKENS = 64  # tokens in one
 MAX_ALLOWED_TOKENS = 1 << 17  # token ids one request may restrict its choice to
+PRIORITY_LIMIT = (1 << 31) - 1  # a priority travels as an int32
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()
     # vLLM's allowed_token_ids: when given, only these can be chosen
     allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's priority: under the priority scheduling policy a lower value is admitted first
+    # and preempted last (a scheduling knob, carried with the rest of what a request asks)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         problem = ""
@@ -115,6 +119,8 @@ class SamplingParams:
             t < 0 for t in self.allowed_token_ids
         ):
             problem = f"allowed_token_ids must be at most {MAX_ALLOWED_TOKENS} token ids >= 0"
+        elif not -PRIORITY_LIMIT <= self.priority <= PRIORITY_LIMIT:
+            problem = f"priority must be in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}]"
         else:
             problem = _logit_bias_problem(self.logit_bias)
         if problem:

@@ -85,6 +85,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "max_waiting_tokens",
             help="backpressure: ... or past this many waiting prompt tokens",
         ),
+        option(
+            g,
+            "--scheduling-policy",
+            s,
+            "scheduling_policy",
+            choices=["fcfs", "priority"],
+            help="fcfs: requests in arrival order; priority: by each request's `priority` "
+            "(lower first, then arrival), which also picks whom a full KV cache preempts",
+        ),
         option(g, "--max-model-len", s, "max_model_len", help="0: the model's context length"),
         option(g, "--block-size", c, "block_size", help="tokens per KV block"),
         option(g, "--kv-cache-gb", c, "kv_cache_memory_gb", help="memory for the KV pool (CPU)"),

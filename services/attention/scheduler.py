@@ -7,8 +7,8 @@ chunks when it exceeds the step's token budget. There is no separate prefill/dec
 
 The step is three verbs: `schedule()` emits a plain-data plan, the runner executes it, and
 `update()` applies the sampled tokens. Under KV-cache pressure running requests are preempted by
-recompute: their blocks are freed and they rejoin the front of the waiting queue, to be
-re-prefilled (prompt + output so far) later.
+recompute: their blocks are freed and they rejoin the waiting queue ahead of those who came
+after them, to be re-prefilled (prompt + output so far) later.
 
 With prefix caching a request admitted from the queue starts from the longest chain of cached
 full blocks of its tokens (`num_computed_tokens` starts there) and every block it fills is
@@ -20,7 +20,6 @@ logits are needed) and still leaves its blocks in the cache.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from afd import prefix
@@ -29,6 +28,7 @@ from afd.control import Logprob
 from afd.errors import ConfigError, OverloadedError, RequestError
 from services.attention.block_manager import BlockManager
 from services.attention.request import Request, RequestStatus
+from services.attention.waiting import WaitingQueue, victim
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS continuous batching over a `BlockManager`, bounded by `max_num_seqs` requests and
-    `max_num_batched_tokens` tokens per step."""
+    """Continuous batching over a `BlockManager`, bounded by `max_num_seqs` requests and
+    `max_num_batched_tokens` tokens per step; admission and preemption follow the config's
+    policy (first come first served, or by priority: services/attention/waiting.py)."""
 
     def __init__(
         self,
@@ -76,8 +77,8 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []  # admission order: the tail is preempted first
+        self._waiting = WaitingQueue(config.scheduling_policy)
+        self._running: list[Request] = []  # admission order
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._num_preemptions = 0
         self.prefix_caching = prefix_caching
@@ -106,8 +107,13 @@ class Scheduler:
     # ---- requests in and out ------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        """Validate and queue a new request (FCFS); raises RequestError if it cannot be served."""
+        """Validate and queue a new request; raises RequestError if it cannot be served."""
         n = req.num_prompt_tokens
+        if req.sampling.priority and self.config.scheduling_policy != "priority":
+            raise RequestError(
+                f"priority {req.sampling.priority} was given but this server schedules first "
+                "come, first served (start it with --scheduling-policy priority)"
+            )
         if n == 0:
             raise RequestError("the prompt is empty: at least one token is needed")
         if n >= self.max_model_len:
@@ -123,7 +129,7 @@ class Scheduler:
             raise RequestError(f"request {req.request_id!r} is not fresh (status {req.status})")
         self._check_fits_pool(req)
         self._check_backpressure(n)
-        self._waiting.append(req)
+        self._waiting.add(req)
         self._requests[req.request_id] = req
 
     def _check_backpressure(self, n: int) -> None:
@@ -173,7 +179,8 @@ class Scheduler:
     # ---- schedule -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: running requests first (in order), then admit waiting ones (FCFS)."""
+        """Plan one step: running requests first (in order), then admit waiting ones (in the
+        policy's order)."""
         scheduled: list[ScheduledSeq] = []
         preempted: list[str] = []
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
@@ -194,16 +201,22 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            # Preempt from the tail (latest admitted) until this request's blocks fit. The tail
-            # is never an already-scheduled request: those sit before index i.
+            # Preempt the policy's victim until this request's blocks fit. Under fcfs that is
+            # the tail, never a request already planned this step (those sit before index i);
+            # under priority it may be one, whose plan is then taken back.
             while not self._grow(req, n):
-                victim = self._running[-1]
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
+                out = victim(self._running, self.config.scheduling_policy)
+                planned = self._running.index(out) < i
+                self._preempt(out)
+                preempted.append(out.request_id)
+                if out is req:
                     break
+                if planned:
+                    k = next(k for k, seq in enumerate(scheduled) if seq.request is out)
+                    budget += scheduled.pop(k).num_new_tokens
+                    i -= 1
             if req.status is not RequestStatus.RUNNING:
-                break  # it preempted itself, so it was the last running request
+                continue  # it preempted itself: running[i] is the next request now, if any
             scheduled.append(self._plan(req, n))
             budget -= n
             i += 1
@@ -211,14 +224,14 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
-            req = self._waiting[0]
+            req = self._waiting.head()
             self._take_cached_prefix(req)
             n = self._num_new_tokens(req, budget)
-            # FCFS: if the head does not fit (budget or blocks), nobody behind it jumps ahead
+            # if the head does not fit (budget or blocks), nobody behind it jumps ahead
             if n == 0 or not self._grow(req, n):
                 self._release(req)
                 break
-            self._waiting.popleft()
+            self._waiting.pop_head()
             if req.num_cached_tokens is None:  # first admission: what the cache gave it
                 req.num_cached_tokens = req.num_computed_tokens
                 self.prefix_queries += req.num_prompt_tokens
@@ -309,7 +322,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self._num_preemptions += 1
-        self._waiting.appendleft(req)
+        self._waiting.readmit(req)
 
     # ---- update -------------------------------------------------------------------------------
 

@@ -129,6 +129,7 @@ async def plan(
                 guide_after=after,
                 bad_words=bad_words,
                 allowed_token_ids=tuple(req.allowed_token_ids or ()),
+                priority=req.priority,
             )
             spec = ChoiceSpec(
                 j, f"{request_id}.{nonce}.{j}", ids, params, req.stop_strings, echo,

@@ -98,6 +98,7 @@ class ResponsesRequest(_Model):
     max_output_tokens: Annotated[Int, Field(ge=1, le=INT64)] | None = None
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 1.0
+    priority: Int = 0  # vLLM extra, as on a chat (checked there)
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: Bool = True
@@ -126,6 +127,7 @@ class ResponsesRequest(_Model):
             "model": self.model,
             "messages": self._messages(instructions_role),
             "parallel_tool_calls": self.parallel_tool_calls,
+            "priority": self.priority,
         }
         # only those given: the model's sampling defaults fill the rest, as in a chat
         body |= {

@@ -16,6 +16,7 @@ from afd.sampling import (
     MAX_CACHE_SALT,
     MAX_GUIDE,
     MAX_LOGIT_BIAS,
+    PRIORITY_LIMIT,
 )
 from services.gateway import tool_calls
 from services.gateway.chat_messages import MAX_TOOLS, ChatMessage, NamedToolChoice, Tool
@@ -123,6 +124,8 @@ class _SamplingRequest(_Model):
     ) = None
     # vLLM extra: requests with different salts share no prefix-cache blocks
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
+    # vLLM extra: under `--scheduling-policy priority`, lower is served first (else only 0)
+    priority: Annotated[Int, Field(ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)] = 0
     user: str | None = None
 
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its older

@@ -87,6 +87,31 @@ def test_chunked_prefill_and_preemption(refs, family):
 
 
 @pytest.mark.parametrize("family", TRANSFORMERS_REFERENCED)
+def test_priority_scheduling_under_preemption(refs, family):
+    """--scheduling-policy priority on a pool too small for all four: the most urgent request
+    arrives last, after two steps, and is never the one preempted; every output stays the
+    reference's."""
+    path, _, ref = refs[family]
+    cfg = engine_cfg(path, S=2, blocks=16, budget=8)
+    cfg = replace(cfg, scheduler=replace(cfg.scheduler, scheduling_policy="priority"))
+
+    def params(priority: int) -> SamplingParams:
+        return SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, priority=priority)
+
+    with local_engine(cfg, 1, progress=False) as eng:
+        reqs = [eng.add_request(p, params(i)) for i, p in enumerate(PROMPTS[:3])]
+        for _ in range(2):
+            eng.step()
+        reqs.append(eng.add_request(PROMPTS[3], params(-1)))
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.blocks.num_free_blocks == eng.blocks.num_blocks, "KV blocks leaked"
+        assert eng.scheduler.num_preemptions > 0
+    assert reqs[3].num_preemptions == 0
+    assert [r.output_token_ids for r in reqs] == ref
+
+
+@pytest.mark.parametrize("family", TRANSFORMERS_REFERENCED)
 def test_bf16_within_near_tie_tolerance(refs, family, kernel_path):
     """On every kernel path this machine runs (AFD_KERNELS): afd's kernels, oneDNN, torch."""
     path, ref_model, _ = refs[family]

@@ -217,6 +217,19 @@ def test_a_stop_token_ends_the_text_before_it_unless_asked(model, client):
     assert cut.text == text[: i + 1]
 
 
+def test_a_priority_needs_the_priority_policy(client):
+    """The request's priority crosses the wire; this cluster schedules first come, first
+    served, so its attention servers refuse one, naming the flag (a 400), and go on serving."""
+    with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority"):
+        client.completions.create(
+            model="tiny", prompt="hi", max_tokens=2, extra_body={"priority": 3}
+        )
+    ok = client.completions.create(
+        model="tiny", prompt="hi", max_tokens=2, extra_body={"priority": 0}
+    )
+    assert ok.choices[0].text is not None
+
+
 def test_responses_api_answers_as_the_chat_it_stands_for(client):
     """The official client's Responses calls (whole, and its streaming helper, which checks
     every event against the snapshot it builds) give the chat's greedy answer; cut at

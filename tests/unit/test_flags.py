@@ -52,6 +52,14 @@ def test_every_flag_default_is_its_config_default(command):
     assert checked >= 5
 
 
+@pytest.mark.parametrize("command", SERVING)
+def test_no_two_flags_fill_one_field(command):
+    """`afd serve` takes every group's flags: two fields of one name (a scheduling policy and
+    a routing policy, say) would have one flag silently fill both."""
+    dests = [a.dest for a in _flags(_subparsers(build_parser())[command])]
+    assert sorted({d for d in dests if dests.count(d) > 1}) == []
+
+
 def test_the_walk_can_fail():
     p = argparse.ArgumentParser()
     p.add_argument("--micro-batches", type=int, default=2)  # the drift this rules out

@@ -168,3 +168,4 @@ def test_instructions_go_where_the_models_template_reads_them():
     req = ResponsesRequest(input="x", instructions="be brief")
     assert [m.role for m in req.to_chat().messages] == ["system", "user"]
     assert req.to_chat("developer").messages[0].role == "developer"  # gpt-oss's harmony
+    assert ResponsesRequest(input="x", priority=-2).to_chat().priority == -2  # vLLM's extra
