@@ -111,8 +111,15 @@ class ModelTokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """add_special_tokens: what the tokenizer's post-processor puts around a text (a BOS,
+        for some), as transformers' tokenizer(text) does; special tokens written in the text
+        are read as such either way."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_strs(self, ids: list[int]) -> list[str | None]:
+        """Each id as the vocabulary spells it (byte-level tokens in their printable form)."""
+        return [self.tok.id_to_token(i) for i in ids]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -121,7 +121,9 @@ def run(job: GenerateJob) -> int:
         tok.apply_chat_template([{"role": "user", "content": p}]) if job.chat else p
         for p in job.prompts
     ]
-    prompts = [tok.encode(t) for t in texts]
+    # a raw prompt gets the tokenizer's own special tokens (a BOS, for some), as vLLM's
+    # LLM.generate gives it; a chat's template writes them itself
+    prompts = [tok.encode(t, add_special_tokens=not job.chat) for t in texts]
     from afd_cli.local import local_engine  # torch: only once a generation runs
 
     with local_engine(job.engine, job.num_ffn) as eng:

@@ -14,6 +14,7 @@ import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -315,14 +316,18 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
                     tools=req.tools,
                     chat_template_kwargs=req.chat_template_kwargs,
                     continue_final_message=req.continue_final_message,
+                    add_special_tokens=bool(req.add_special_tokens),
                 )
             except ValidationError as e:
                 msg, param = validation_message(e.errors(include_url=False))
                 raise invalid(msg, param=param) from None
             ids = await prompts.chat_prompt(state, chat)
         else:
-            ids = state.tokenizer.encode(req.prompt or "")
-        out = {"tokens": ids, "count": len(ids)}
+            special = req.add_special_tokens is not False
+            ids = state.tokenizer.encode(req.prompt or "", special)
+        out: dict[str, Any] = {"tokens": ids, "count": len(ids)}
+        if req.return_token_strs:
+            out["token_strs"] = state.tokenizer.token_strs(ids)
         try:
             out["max_model_len"] = await state.balancer.max_model_len()
         except APIError:

@@ -36,7 +36,7 @@ async def chat_prompt(state: GatewayState, req: ChatCompletionRequest) -> list[i
             f"cannot apply the chat template to these messages: {type(e).__name__}: {e}",
             param="messages",
         ) from None
-    return state.tokenizer.encode(text)
+    return state.tokenizer.encode(text, req.add_special_tokens)
 
 
 def check_tools(state: GatewayState, req: ChatCompletionRequest) -> None:
@@ -54,7 +54,7 @@ def completion_prompts(state: GatewayState, req: CompletionRequest) -> list[tupl
     out = []
     for p in req.prompts():
         if isinstance(p, str):
-            out.append((state.tokenizer.encode(p), p if req.echo else ""))
+            out.append((state.tokenizer.encode(p, req.add_special_tokens), p if req.echo else ""))
         else:
             check_token_ids(state, p, "prompt")
             out.append((p, state.tokenizer.decode(p) if req.echo else ""))

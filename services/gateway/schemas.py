@@ -215,6 +215,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM extra: each prompt token's logprob and the top n, as the response's prompt_logprobs
     prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: Bool = True  # vLLM extra
+    add_special_tokens: Bool = False  # vLLM extra: the template writes BOS and the like itself
     # vLLM extras: the prompt ends inside the last message (the model goes on with it), and
     # the answer starts with the last message's text when it is the assistant's
     continue_final_message: Bool = False
@@ -308,8 +309,11 @@ class CompletionRequest(_SamplingRequest):
     # the OpenAI default here; 0 with echo scores the prompt only (lm-eval, perplexity)
     max_tokens: Annotated[Int, Field(ge=0, le=INT64)] | None = 16
     echo: Bool = False
-    logprobs: Annotated[Int, Field(ge=0, le=5)] | None = None
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # OpenAI's: 5
     suffix: str | None = None
+    # vLLM extra: a text prompt gets the tokenizer's own special tokens (the BOS of Llama,
+    # Mistral and DeepSeek tokenizers), as transformers' tokenizer(text) does
+    add_special_tokens: Bool = True
     # vLLM extra: each prompt token's logprob and the top n, as `prompt_logprobs` in a choice
     prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
@@ -361,6 +365,8 @@ class TokenizeRequest(_Model):
     continue_final_message: Bool = False
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: Bool | None = None  # vLLM's defaults: a prompt's yes, a chat's no
+    return_token_strs: Bool = False  # vLLM extra: each token as the vocabulary spells it
 
     @model_validator(mode="after")
     def _one(self) -> TokenizeRequest:

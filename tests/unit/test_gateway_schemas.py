@@ -49,7 +49,7 @@ def test_four_prompt_shapes(prompt, expected):
         {"prompt": "x", "seed": 2**64},
         {"prompt": "x", "stop": [""]},
         {"prompt": "x", "stop": ["s"] * (MAX_STOP + 1)},
-        {"prompt": "x", "logprobs": 6},
+        {"prompt": "x", "logprobs": 21},
         {"prompt": "x", "prompt_logprobs": 1, "stream": True},
         {"prompt": "x", "prompt_logprobs": 21},
         {"prompt": "x", "suffix": "tail"},
