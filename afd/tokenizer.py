@@ -108,6 +108,10 @@ class ModelTokenizer:
         self.chat_template, self._template = template, None
 
     @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.tok.token_to_id(self.eos_token)
+
+    @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 

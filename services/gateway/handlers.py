@@ -17,6 +17,8 @@ from afd import metrics
 from afd.tokenizer import ModelTokenizer
 from services.gateway.answers import Reader, answer_readers, read_delta, read_whole
 from services.gateway.balancer import Balancer
+from services.gateway.beam_search import BeamOptions, beam_choices
+from services.gateway.beam_search import check_request as check_beam_request
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, invalid, validation_message
 from services.gateway.generation import ChoiceRun, ChoiceSpec, ChoiceStreams, Delta
@@ -101,7 +103,14 @@ async def respond(
         req.include_usage,
     )
     fmt.ids_as_tokens = req.return_tokens_as_token_ids
-    streams = start_choices(state, request, specs, req.n)
+    beams = None
+    if req.use_beam_search:
+        check_beam_request(req)
+        beams = BeamOptions(
+            req.n, 0, req.length_penalty, state.tokenizer.eos_token_id, req.ignore_eos,
+            req.include_stop_str_in_output,
+        )  # fmt: skip
+    streams = start_choices(state, request, specs, req.n, beams)
     if req.continuous_usage:
         fmt.usage_so_far = lambda: usage(
             streams.prompt_tokens, streams.completion_tokens, streams.cached_tokens
@@ -116,10 +125,18 @@ async def respond(
         return await event_stream(
             streams,
             lambda first: _sse(
-                streams, fmt, first, with_lp, chat, req.include_usage, readers, echo
-            ),
+                streams,
+                fmt,
+                first,
+                with_lp,
+                chat,
+                req.include_usage,
+                readers,
+                echo,
+                specs if req.return_token_ids else None,
+            ),  # fmt: skip
         )
-    choices, prompt_lps, reasons = await collect(streams, len(specs))
+    choices, prompt_lps, reasons, ids = await collect(streams, len(specs))
     if streams.disconnected:
         return Response(status_code=499)  # nobody is listening any more
     use = usage(streams.prompt_tokens, streams.completion_tokens, streams.cached_tokens)
@@ -133,6 +150,8 @@ async def respond(
         choices = [(echo + text, lps, finish) for text, lps, finish in choices]
         body = fmt.response(choices, with_lp, use)
     body = _stop_reasons(body, reasons)
+    if req.return_token_ids:
+        _token_ids(body, chat, specs, ids)
     if isinstance(req, CompletionRequest) and req.prompt_logprobs is not None:
         assert isinstance(fmt, CompletionFormatter)
         fmt.add_prompt_logprobs(body, [prompt_lps[s.index] for s in specs])
@@ -159,14 +178,22 @@ async def event_stream(
 
 
 def start_choices(
-    state: GatewayState, request: Request, specs: list[ChoiceSpec], n: int
+    state: GatewayState,
+    request: Request,
+    specs: list[ChoiceSpec],
+    n: int,
+    beams: BeamOptions | None = None,
 ) -> ChoiceStreams:
-    """Every choice running, their deltas on one stream that ends if the client leaves."""
+    """Every choice running, their deltas on one stream that ends if the client leaves; with
+    `beams`, the choices are the best hypotheses of each prompt's beam search."""
     t_arrival = getattr(request.state, "t_arrival", None) or time.perf_counter()
-    runs = [
-        ChoiceRun(s, state.balancer, state.tokenizer, ChoiceTiming(t_arrival, state.sla))
-        for s in specs
-    ]
+    if beams is not None:
+        runs: list = beam_choices(specs, n, state.balancer, beams, state.tokenizer.decode)
+    else:
+        runs = [
+            ChoiceRun(s, state.balancer, state.tokenizer, ChoiceTiming(t_arrival, state.sla))
+            for s in specs
+        ]
     streams = ChoiceStreams(runs, n)
     streams.start(lambda: _disconnected(request))
     return streams
@@ -174,9 +201,11 @@ def start_choices(
 
 async def collect(
     streams: ChoiceStreams, n: int
-) -> tuple[list[tuple[str, list, str]], list[list], list[int | str | None]]:
-    """Each choice's (text, logprobs, finish reason), its prompt logprobs and stop reason."""
+) -> tuple[list[tuple[str, list, str]], list[list], list[int | str | None], list[list[int]]]:
+    """Each choice's (text, logprobs, finish reason), its prompt logprobs, stop reason and
+    token ids."""
     texts: list[list[str]] = [[] for _ in range(n)]
+    ids: list[list[int]] = [[] for _ in range(n)]
     lps: list[list] = [[] for _ in range(n)]
     prompt_lps: list[list] = [[] for _ in range(n)]
     finish = [""] * n
@@ -184,13 +213,27 @@ async def collect(
     try:
         while (d := await streams.next()) is not None:
             texts[d.index].append(d.text)
+            ids[d.index] += d.token_ids
             lps[d.index] += d.logprobs
             prompt_lps[d.index] += d.prompt_logprobs
             finish[d.index] = d.finish_reason or finish[d.index]
             reasons[d.index] = d.stop_reason if d.finish_reason else reasons[d.index]
     finally:
         await streams.close()
-    return [("".join(texts[i]), lps[i], finish[i]) for i in range(n)], prompt_lps, reasons
+    choices = [("".join(texts[i]), lps[i], finish[i]) for i in range(n)]
+    return choices, prompt_lps, reasons, ids
+
+
+def _token_ids(body: dict, chat: bool, specs: list[ChoiceSpec], ids: list[list[int]]) -> None:
+    """vLLM's return_token_ids: each choice's token ids and its prompt's (a chat's at the top,
+    a completion's in each choice)."""
+    if chat:
+        body["prompt_token_ids"] = specs[0].prompt_ids
+    for choice in body["choices"]:
+        i = choice["index"]
+        choice["token_ids"] = ids[i]
+        if not chat:
+            choice["prompt_token_ids"] = specs[i].prompt_ids
 
 
 def _stop_reasons(body: dict, reasons: list[int | str | None]) -> dict:
@@ -209,7 +252,9 @@ async def _sse(
     include_usage: bool,
     readers: list[Reader] | None = None,
     echo: str = "",
+    id_specs: list[ChoiceSpec] | None = None,  # return_token_ids: the choices' prompts
 ) -> AsyncIterator[bytes]:
+    sent: set[int] = set()  # choices whose prompt ids went out
     try:
         if chat:
             for i in range(len(streams.runs)):
@@ -221,9 +266,16 @@ async def _sse(
             if readers is not None:
                 assert isinstance(fmt, ChatFormatter)
                 d, piece = read_delta(readers[d.index], d)
-                yield sse(fmt.chunk(d, with_lp, piece.calls, piece.reasoning))
+                chunk = fmt.chunk(d, with_lp, piece.calls, piece.reasoning)
             else:
-                yield sse(fmt.chunk(d, with_lp))
+                chunk = fmt.chunk(d, with_lp)
+            if id_specs is not None:  # vLLM's: each chunk's tokens, the prompt's in the first
+                chunk["choices"][0]["token_ids"] = d.token_ids
+                if d.index not in sent:
+                    sent.add(d.index)
+                    where = chunk if chat else chunk["choices"][0]
+                    where["prompt_token_ids"] = id_specs[d.index].prompt_ids
+            yield sse(chunk)
             d = await streams.next()
         if streams.disconnected:
             return

@@ -41,7 +41,7 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
         return await h.event_stream(
             streams, lambda first: _events(streams, out, first, readers, state.tokenizer)
         )
-    (answer,), _, _ = await h.collect(streams, 1)
+    (answer,), _, _, _ = await h.collect(streams, 1)
     if streams.disconnected:
         return Response(status_code=499)
     h.count_finished(streams)

@@ -126,6 +126,10 @@ class _SamplingRequest(_Model):
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     # vLLM extra: under `--scheduling-policy priority`, lower is served first (else only 0)
     priority: Annotated[Int, Field(ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)] = 0
+    # vLLM extras: beam search, n its width (services/gateway/beam_search.py)
+    use_beam_search: Bool = False
+    return_token_ids: Bool = False  # vLLM extra: the prompt's and each choice's token ids
+    length_penalty: Annotated[Float, Field(ge=-100.0, le=100.0)] = 1.0
     user: str | None = None
 
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its older

@@ -95,11 +95,19 @@ def gateway(tmp_path_factory):
     loop.close()
 
 
-def check(r: httpx.Response, what) -> None:
+# how a Responses API stream ends (it has no [DONE]: OpenAI's streams end on one of these)
+RESPONSE_ENDS = {"response.completed", "response.incomplete", "response.failed", "error"}
+
+
+def check(r: httpx.Response, what, path: str = "") -> None:
     assert r.status_code in DOCUMENTED, (what, r.status_code, r.text[:300])
     if r.status_code >= 400:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], what
+    elif "text/event-stream" in r.headers.get("content-type", "") and path == "/v1/responses":
+        last = r.text.rstrip().rsplit("\n", 1)[-1]
+        assert last.startswith("data: {"), (what, r.text[-200:])
+        assert json.loads(last[6:])["type"] in RESPONSE_ENDS, (what, r.text[-200:])
     elif "text/event-stream" in r.headers.get("content-type", ""):
         assert r.text.rstrip().endswith("data: [DONE]"), (what, r.text[-200:])
 
@@ -124,7 +132,7 @@ def test_fuzzed_bodies_never_5xx(gateway, path):
         headers = {"content-type": "application/json"}
         r = gateway.run(gateway.client.post(path, content=body, headers=headers))
         statuses[r.status_code] += 1
-        check(r, body[:200])
+        check(r, body[:200], path)
 
     one()
     print(f"\nfuzz {path}: statuses {dict(statuses)}")

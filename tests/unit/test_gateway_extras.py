@@ -90,3 +90,27 @@ def test_bad_words_and_allowed_token_ids_reach_the_engine(tokenizer):
     ]:
         r, _ = _complete(tokenizer, {"prompt": "a", **bad})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_return_token_ids_whole_and_streamed(tokenizer):
+    r, _ = _complete(tokenizer, {"prompt": "hi", "return_token_ids": True})
+    (choice,) = r.json()["choices"]
+    assert choice["token_ids"] == list(b"abc")
+    assert choice["prompt_token_ids"] == tokenizer.encode("hi")
+    r, _ = _complete(tokenizer, {"prompt": "hi", "stream": True, "return_token_ids": True})
+    chunks = [e["choices"][0] for e in sse_events(r.text) if e["choices"]]
+    assert sum((c["token_ids"] for c in chunks), []) == list(b"abc")
+    assert chunks[0]["prompt_token_ids"] == tokenizer.encode("hi")
+    assert "prompt_token_ids" not in chunks[-1]
+    plain, _ = _complete(tokenizer, {"prompt": "hi"})
+    assert "token_ids" not in plain.json()["choices"][0]
+
+    async def chat():
+        async with make(tokenizer, [FakeClient(text="ab", finish="stop")]) as c:
+            body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                    "return_token_ids": True}  # fmt: skip
+            return await post(c, "/v1/chat/completions", body)
+
+    body = run(chat()).json()
+    assert body["choices"][0]["token_ids"] == list(b"ab")
+    assert body["prompt_token_ids"][0] == tokenizer.encode("<|begin|>")[0]
