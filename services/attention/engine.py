@@ -51,6 +51,12 @@ from services.attention.scheduler import Scheduler
 from services.attention.step_record import StepTiming
 
 log = logging.getLogger("afd.attention")
+# a request whose constraints leave no token to choose (a grammar and allowed_token_ids that
+# share none, say) ends with this; the step's other requests go on
+NO_TOKEN = RequestError(
+    "no token can be chosen: the request's structured output, allowed_token_ids, bad_words "
+    "and min_tokens together exclude every token of the vocabulary"
+)
 
 
 @dataclass(frozen=True)
@@ -239,7 +245,7 @@ class Engine:
         if not plan.scheduled:
             return StepResult()
         try:
-            sampled, logprobs, prompt_logprobs, ended = self.runner.execute(plan)
+            sampled, logprobs, prompt_logprobs, ended, stuck = self.runner.execute(plan)
         except TransportError as e:
             if self._hold():  # the step is planned again once the shard is back
                 return StepResult(paused=True)
@@ -254,7 +260,11 @@ class Engine:
                 "--max-num-batched-tokens or --gpu-memory-utilization"
             )
             return StepResult(self._fail(plan, why), tokens, self.dispatcher.timing)
+        failed = self._fail_requests(
+            [s.request for s in plan.scheduled if s.request.request_id in stuck], NO_TOKEN
+        )
         updated = self.scheduler.update(plan, sampled, logprobs, prompt_logprobs, ended)
+        updated += failed
         self.dispatcher.count_routed(flush=not self.scheduler.has_unfinished())
         for req in updated:
             if req.finished:
@@ -299,9 +309,12 @@ class Engine:
         ran out of memory): its requests end with a typed error, the engine itself keeps
         serving the rest."""
         log.error("step failed, failing %d requests: %s", len(plan.scheduled), error)
+        return self._fail_requests([s.request for s in plan.scheduled], error)
+
+    def _fail_requests(self, reqs: list[Request], error: AfdError) -> list[Request]:
+        """End these requests with a typed error; the others go on."""
         failed = []
-        for s in plan.scheduled:
-            req = s.request
+        for req in reqs:
             self.abort(req.request_id)
             req.finish_reason, req.error, req.error_code = "error", str(error), error.code
             failed.append(req)

@@ -12,7 +12,7 @@ from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.pipeline import run_layers
 from services.attention.request import Request
-from services.attention.sampler import sample, score
+from services.attention.sampler import exclude_, sample, score
 from services.attention.scheduler import SchedulerOutput
 from services.attention.stack import DecodeStack
 
@@ -43,9 +43,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, plan: SchedulerOutput
-    ) -> tuple[dict[str, int], dict[str, Logprob], dict[str, list[Logprob]], set[str]]:
+    ) -> tuple[dict[str, int], dict[str, Logprob], dict[str, list[Logprob]], set[str], set[str]]:
         """(sampled token, its logprob when asked, and the prompt logprobs this step scored)
-        per request id, and the requests whose grammar (structured outputs) has ended."""
+        per request id, the requests whose grammar (structured outputs) has ended, and those
+        left with no token they may choose (no sampled token: they cannot go on)."""
         groups = batch.split(plan.scheduled, self.micro_batches)
         dev = self.model.device
         mbs = [batch.to_device(batch.build(g, self.cache.block_size), dev) for g in groups]
@@ -60,7 +61,7 @@ class ModelRunner:
         per_mb = run_layers(self.model, self.cache, self.dispatcher, mbs, head, self.stack)
         seqs = [s for mb in mbs for s in mb.sample_seqs]
         if not seqs:
-            return {}, {}, prompt_lps, set()
+            return {}, {}, prompt_lps, set(), set()
         parts = [x for x in per_mb if x.numel()]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B, V] float32
         params = [s.request.sampling for s in seqs]
@@ -74,13 +75,14 @@ class ModelRunner:
         ]
         outputs = [r.output_token_ids for r in reqs]
         banned = [_banned(r) for r in reqs]
-        tokens, lps = sample(logits, params, gens, prompts, outputs, banned)
-        sampled = dict(zip(ids, tokens, strict=True))
+        stuck = {ids[i] for i in exclude_(logits, params, banned, self.guides.active)}
+        tokens, lps = sample(logits, params, gens, prompts, outputs)
+        sampled = {r: t for r, t in zip(ids, tokens, strict=True) if r not in stuck}
         ended = {r for r, t in sampled.items() if self.guides.active and self.guides.accept(r, t)}
         logprobs = {
             s.request.request_id: lp for s, lp in zip(seqs, lps, strict=True) if lp is not None
         }
-        return sampled, logprobs, prompt_lps, ended
+        return sampled, logprobs, prompt_lps, ended, stuck
 
     def _score_prompts(
         self, mb: batch.MicroBatch, h: torch.Tensor, out: dict[str, list[Logprob]]

@@ -18,11 +18,11 @@ def sample(
     generators: list[torch.Generator | None],
     prompts: Sequence[torch.Tensor | Sequence[int]] | None = None,  # for penalties: B rows'
     outputs: Sequence[Sequence[int]] | None = None,  # prompt ids and generated ids so far
-    banned: Sequence[Sequence[int]] = (),  # per row, tokens it may not choose (min_tokens)
 ) -> tuple[list[int], list[Logprob | None]]:
     """One token per row, chosen after the row's biases and penalties; with logprobs asked,
     the sampled token's and the top-n alternatives' log-probabilities under the model's own
-    (unscaled, unpenalized) distribution, as vLLM reports them."""
+    (unscaled, unpenalized) distribution, as vLLM reports them. Tokens a row may not choose
+    are -inf already (`exclude_`)."""
     B = logits.shape[0]
     dev = logits.device  # index tensors live beside the logits (a CUDA device's, say)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -35,9 +35,6 @@ def sample(
         if prompts is None or outputs is None:
             raise ValueError("penalties need every row's prompt and output token ids")
         penalties.adjust_(logits, params, prompts, outputs)
-    penalties.ban_(logits, banned)
-    if any(p.allowed_token_ids for p in params):
-        penalties.allow_only_(logits, [p.allowed_token_ids for p in params])
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == B and not want:  # the common decode case
         return _argmax(logits).tolist(), [None] * B
@@ -74,6 +71,28 @@ def sample(
             alts = list(zip(top_ids[row][:n], top_lps[row][:n], strict=True)) if n else []
             lps[i] = Logprob(out_tokens[i], chosen[row], alts)
     return out_tokens, lps
+
+
+def exclude_(
+    logits: torch.Tensor,  # [B, V] float32, the model's (a grammar's mask applied): in place
+    params: list[SamplingParams],
+    banned: Sequence[Sequence[int]],  # per row, tokens it may not choose now (min_tokens, ...)
+    masked: bool = False,  # a grammar masked some rows already
+) -> list[int]:
+    """Set to -inf every token a row may not choose (its bans, and all but its
+    allowed_token_ids); returns the rows left with no token at all (a grammar and
+    allowed_token_ids that share none, say), whose logits become harmless zeros: those
+    requests cannot go on, and one of them must not fail the step of the others."""
+    penalties.ban_(logits, banned)
+    allowed = any(p.allowed_token_ids for p in params)
+    if allowed:
+        penalties.allow_only_(logits, [p.allowed_token_ids for p in params])
+    if not (masked or allowed or any(banned)):
+        return []
+    empty = torch.isneginf(logits).all(dim=-1).nonzero().flatten().tolist()
+    for i in empty:
+        logits[i].zero_()
+    return empty
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64

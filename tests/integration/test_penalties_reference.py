@@ -14,7 +14,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from afd.control import SamplingParams
-from afd.errors import RequestError
+from afd.errors import ErrorCode, RequestError
 from afd_cli.local import local_engine
 from tests.helpers.checkpoints import hf_greedy, hf_model
 from tests.integration.test_engine_reference import engine_cfg
@@ -181,3 +181,25 @@ def test_bad_words_and_allowed_tokens_match_transformers(qwen3_dir, hf, plain):
         ]:
             with pytest.raises(RequestError, match=f"{name} token id"):
                 eng.add_request([1], sp)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_left_no_token_fails_alone(qwen3_dir, plain, temperature):
+    """allowed_token_ids and bad_words that share no token leave the request nothing to
+    choose: it ends with its own 400-class error (a sampled row of all -inf used to fail
+    torch.multinomial, and with it the step of every request beside it), the others' tokens
+    stay transformers'."""
+    sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    none_left = SamplingParams(
+        max_tokens=NEW, temperature=temperature, allowed_token_ids=(7,), bad_words=((7,),)
+    )
+    with local_engine(engine_cfg(qwen3_dir), 1, progress=False) as eng:
+        reqs = [eng.add_request(p, sp) for p in PROMPTS[:2]]
+        bad = eng.add_request(PROMPTS[2], none_left)
+        reqs += [eng.add_request(PROMPTS[3], sp)]
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    assert bad.finish_reason == "error" and bad.output_token_ids == []
+    assert bad.error_code is ErrorCode.INVALID_REQUEST and "no token can be chosen" in bad.error
+    assert [r.output_token_ids for r in reqs] == plain[:2] + plain[3:]
