@@ -81,7 +81,10 @@ def answer_readers(
         return None
     return [
         AnswerReader(
-            think, None if mode == "none" else CallStream(mode, tool_parser, name, parallel)
+            think,
+            None
+            if mode == "none"
+            else CallStream(mode, tool_parser, name, parallel, req.tool_dicts),
         )
         for _ in range(n)
     ]

@@ -74,7 +74,8 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             choices=["", *TOOL_PARSER_NAMES],
             help="how tool calls are read out of the model's text (vLLM's names: hermes for "
             "Qwen 2.5, Qwen3, Hermes; deepseek_v3 for DeepSeek-V3 and R1-0528; deepseek_v31 "
-            "for DeepSeek-V3.1 and V3.2; mistral for Mistral and Mixtral; openai for gpt-oss)",
+            "for DeepSeek-V3.1 and V3.2; mistral for Mistral and Mixtral; step3 for Step-3; "
+            "openai for gpt-oss)",
         ),
         option(
             g,
@@ -91,7 +92,7 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "reasoning_parser",
             choices=["", *REASONING_PARSER_NAMES],
             help="split a thinking model's reasoning off its chat answers, as reasoning_content "
-            "(vLLM's names: qwen3, deepseek_r1; gpt-oss's is read without one)",
+            "(vLLM's names: qwen3, deepseek_r1, step3; gpt-oss's is read without one)",
         ),
         option(g, "--sla-ttft", SLA, "ttft_s", help="TTFT target, s, for goodput (0: none)"),
         option(

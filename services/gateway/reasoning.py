@@ -83,7 +83,15 @@ class DeepSeekR1Parser(ThinkParser):
     opens_in_reasoning = True
 
 
-PARSERS: dict[str, type[ThinkParser]] = {"qwen3": Qwen3Parser, "deepseek_r1": DeepSeekR1Parser}
+class Step3Parser(DeepSeekR1Parser):
+    """Step-3: as DeepSeek-R1, everything before </think> is reasoning."""
+
+
+PARSERS: dict[str, type[ThinkParser]] = {
+    "qwen3": Qwen3Parser,
+    "deepseek_r1": DeepSeekR1Parser,
+    "step3": Step3Parser,
+}
 
 
 def think_marker(parser: str, tokenizer: ModelTokenizer, prompt_ids: list[int]) -> tuple[int, ...]:

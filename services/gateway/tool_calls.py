@@ -61,12 +61,23 @@ class CallStream:
     """One choice's text -> (content, tool-call deltas), piece by piece; `final` marks the
     last piece. The deltas are OpenAI's stream shape; `merge` makes a message's calls."""
 
-    def __init__(self, mode: str, parser: str = "", name: str = "", parallel: bool = True):
+    def __init__(
+        self,
+        mode: str,
+        parser: str = "",
+        name: str = "",
+        parallel: bool = True,
+        tools: list[dict[str, Any]] | None = None,  # the request's, as the template takes them
+    ):
         self.mode = mode  # auto, required or named
         self.name = name  # the named function
         self.parallel = parallel
         self.calls = 0  # calls started so far
         self._parser = PARSERS[parser]() if mode == "auto" else None
+        if self._parser is not None and tools:
+            self._parser.schemas = {
+                t["function"]["name"]: t["function"].get("parameters") or {} for t in tools
+            }
         self._text: list[str] = []  # "required": the whole output, read at the end
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:

@@ -9,7 +9,9 @@ Fed a whole text at once or a character at a time, it returns the same content a
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import secrets
 import string
 from dataclasses import dataclass
@@ -27,6 +29,9 @@ class ToolCallParser:
 
     # the format's tags are special tokens: the choice's text must keep them
     keeps_special_tokens = False
+    # function name -> its parameters' JSON schema (the request's tools), for formats that
+    # write arguments as text and type them by it
+    schemas: dict[str, dict[str, Any]] = {}
 
     @staticmethod
     def new_id() -> str:
@@ -159,6 +164,57 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
         return _arguments(name.strip(), args) if sep and name.strip() else None
 
 
+class Step3Parser(TaggedJsonParser):
+    """Step-3: a run of calls between <｜tool_calls_begin｜> and <｜tool_calls_end｜>, each
+    <｜tool_call_begin｜>function<｜tool_sep｜> then a steptml invoke, then <｜tool_call_end｜>:
+    <steptml:invoke name="NAME"><steptml:parameter name="KEY">VALUE</steptml:parameter>...
+    </steptml:invoke>. Values are text, typed by the tool's schema as vLLM types them
+    (integer, number, boolean, null; objects and arrays from their JSON too)."""
+
+    keeps_special_tokens = True
+    open_tag = "<｜tool_call_begin｜>"
+    close_tag = "<｜tool_call_end｜>"
+    wrapper_tags = ("<｜tool_calls_begin｜>", "<｜tool_calls_end｜>")
+    sep = "<｜tool_sep｜>"
+
+    def parse(self, body: str) -> ParsedCall | None:
+        kind, sep, invoke = body.partition(self.sep)
+        m = _INVOKE.fullmatch(invoke.strip())
+        if not sep or kind.strip() != "function" or m is None:
+            return None
+        name, params = m.group(1), m.group(2)
+        found = _PARAM.findall(params)
+        if _PARAM.sub("", params).strip():  # something besides parameters: not a call
+            return None
+        props = self.schemas.get(name, {}).get("properties", {})
+        args = {k: _typed(html.unescape(v).strip(), props.get(k, {})) for k, v in found}
+        return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+
+
+_INVOKE = re.compile(r'<steptml:invoke name="([^"]+)">(.*)</steptml:invoke>', re.DOTALL)
+_PARAM = re.compile(r'<steptml:parameter name="([^"]+)">(.*?)</steptml:parameter>', re.DOTALL)
+
+
+def _typed(value: str, schema: dict[str, Any]) -> Any:
+    """A parameter's text as its schema's type says; the text itself where it does not fit."""
+    kind = schema.get("type")
+    try:
+        if kind == "integer":
+            return int(value)
+        if kind == "number":
+            return float(value)
+        if kind == "boolean" and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if kind == "null" and value.lower() == "null":
+            return None
+        if kind in ("object", "array"):
+            got = json.loads(value)
+            return got if isinstance(got, dict if kind == "object" else list) else value
+    except (ValueError, RecursionError):
+        pass
+    return value
+
+
 class MistralParser(ToolCallParser):
     """Mistral (Mixtral-8x22B-Instruct, Mistral Small, ...): [TOOL_CALLS] then the calls,
     either a JSON list of {"name": ..., "arguments": {...}} or, from the v11 tokenizer on,
@@ -288,6 +344,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "deepseek_v3": DeepSeekV3Parser,
     "deepseek_v31": DeepSeekV31Parser,
     "mistral": MistralParser,
+    "step3": Step3Parser,
 }
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.reasoning import DeepSeekR1Parser, Qwen3Parser, think_marker
+from services.gateway.reasoning import DeepSeekR1Parser, Qwen3Parser, Step3Parser, think_marker
 from tests.unit.test_gateway_app import FakeClient, make, post, run, sse_events
 from tests.unit.test_gateway_app import tokenizer as tokenizer  # noqa: F401 - the fixture
 from tests.unit.test_gateway_tools import WEATHER, _streamed
@@ -24,6 +24,8 @@ CASES = [
     (DeepSeekR1Parser, "<think>Hmm.</think>It is 4.", "Hmm.", "It is 4."),
     (DeepSeekR1Parser, "never closed", "never closed", ""),
     (DeepSeekR1Parser, "a <b> c \n </think>", "a <b> c", ""),
+    (Step3Parser, "Hmm, 2+2.</think>It is 4.", "Hmm, 2+2.", "It is 4."),
+    (Step3Parser, "never closed", "never closed", ""),
 ]
 
 

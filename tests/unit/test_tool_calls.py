@@ -15,6 +15,7 @@ from services.gateway.tool_parsers import (
     HermesParser,
     MistralParser,
     ParsedCall,
+    Step3Parser,
     ToolCallParser,
 )
 
@@ -44,6 +45,15 @@ BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 V3_W = f'{CALL}function{SEP}get_weather\n```json\n{{"city": "Zürich", "days": 2}}\n```{CALL_END}'
 V31_W = f'{CALL}get_weather{SEP}{{"city": "Zürich", "days": 2}}{CALL_END}'
+# Step-3's tags
+S3_BEGIN, S3_END = "<｜tool_calls_begin｜>", "<｜tool_calls_end｜>"
+S3_CALL, S3_CALL_END, S3_SEP = "<｜tool_call_begin｜>", "<｜tool_call_end｜>", "<｜tool_sep｜>"
+S3_W = (
+    f'{S3_CALL}function{S3_SEP}<steptml:invoke name="get_weather">'
+    '<steptml:parameter name="city"> Zürich &amp; co</steptml:parameter>'
+    '<steptml:parameter name="days">2</steptml:parameter></steptml:invoke>'
+    f"{S3_CALL_END}"
+)
 TAGGED_CASES = [
     # (parser, text, content, [(name, arguments)])
     (DeepSeekV3Parser, "no call, a ｜ bar", "no call, a ｜ bar", []),
@@ -70,6 +80,16 @@ TAGGED_CASES = [
                                       ("noop", {})]),
     (MistralParser, '[TOOL_CALLS][{"name": "get_w', '[TOOL_CALLS][{"name": "get_w', []),
     (MistralParser, "[TOOL_CALLS]noop[ARGS]{} and text", "[TOOL_CALLS]noop[ARGS]{} and text", []),
+    # Step-3: steptml invokes between its own tags (values are text without a schema)
+    (Step3Parser, "no call, a <steptml:invoke> word", "no call, a <steptml:invoke> word", []),
+    (Step3Parser, f"Let me look.{S3_BEGIN}{S3_W}{S3_CALL}function{S3_SEP}"
+     f'<steptml:invoke name="noop"></steptml:invoke>{S3_CALL_END}{S3_END}', "Let me look.",
+     [("get_weather", {"city": "Zürich & co", "days": "2"}), ("noop", {})]),
+    (Step3Parser, f"{S3_BEGIN}{S3_CALL}function{S3_SEP}<steptml:invoke name=\"f\">stray"
+     f"</steptml:invoke>{S3_CALL_END}{S3_END}", f"{S3_CALL}function{S3_SEP}"
+     '<steptml:invoke name="f">stray</steptml:invoke>' f"{S3_CALL_END}", []),
+    (Step3Parser, f"cut off {S3_BEGIN}{S3_CALL}function{S3_SEP}<steptml:inv",
+     f"cut off {S3_CALL}function{S3_SEP}<steptml:inv", []),
 ]  # fmt: skip
 
 
@@ -187,3 +207,29 @@ def test_mistral_calls_get_the_nine_character_ids_its_templates_want():
         '<tool_call>{"name": "noop", "arguments": {}}</tool_call>', final=True
     )
     assert hermes["id"].startswith("call_")
+
+
+def test_step3_types_its_text_arguments_by_the_tools_schema():
+    params = {
+        "type": "object",
+        "properties": {
+            "days": {"type": "integer"}, "t": {"type": "number"}, "on": {"type": "boolean"},
+            "tags": {"type": "array"}, "where": {"type": "object"}, "name": {"type": "string"},
+            "bad": {"type": "integer"},
+        },
+    }  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    values = {"days": "3", "t": "1.5", "on": "True", "tags": '["a", 1]', "where": '{"x": 1}',
+              "name": " 42 ", "bad": "many", "other": "7"}  # fmt: skip
+    body = "".join(
+        f'<steptml:parameter name="{k}">{v}</steptml:parameter>' for k, v in values.items()
+    )
+    text = f'{S3_BEGIN}{S3_CALL}function{S3_SEP}<steptml:invoke name="f">{body}</steptml:invoke>'
+    s = CallStream("auto", "step3", tools=tools)
+    content, deltas = s.feed(text + f"{S3_CALL_END}{S3_END}", final=True)
+    (call,) = merge(deltas)
+    assert content == "" and call["function"]["name"] == "f"
+    assert json.loads(call["function"]["arguments"]) == {
+        "days": 3, "t": 1.5, "on": True, "tags": ["a", 1], "where": {"x": 1}, "name": "42",
+        "bad": "many", "other": "7",
+    }  # fmt: skip
