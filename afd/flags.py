@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any, TypeVar
@@ -93,9 +94,22 @@ def forward(args: argparse.Namespace, actions: list[argparse.Action]) -> list[st
             continue
         if isinstance(a, argparse._StoreTrueAction | argparse._StoreFalseAction):
             argv.append(a.option_strings[0])
+        elif isinstance(value, tuple):  # a list flag's value: its JSON form, as it was given
+            argv += [a.option_strings[0], json.dumps(list(value))]
         else:
             argv += [a.option_strings[0], str(value)]
     return argv
+
+
+def json_strings(text: str) -> tuple[str, ...]:
+    """A flag's JSON list of strings (vLLM's form: --allowed-origins '["https://a.example"]')."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings")
+    return tuple(value)
 
 
 # ---- groups every service takes ----------------------------------------------------------

@@ -16,7 +16,7 @@ from afd.flags import build, forward, option
 from afd_cli.cluster import TRANSPORTS, Cluster, ClusterConfig
 from afd_cli.supervisor import Supervisor
 from services.attention.flags import add_engine_flags, engine_config
-from services.gateway.app import GatewayConfig
+from services.gateway.config import GatewayConfig
 from services.gateway.flags import add_api_flags, add_api_key_flag, api_key
 from services.gateway.latency import SLA
 from services.gateway.routing import RoutingConfig

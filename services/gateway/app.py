@@ -13,38 +13,36 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from afd import metrics
 from afd.config import ModelConfig, check
 from afd.runtime import freeze_startup_heap
-from afd.security import Security
 from afd.tokenizer import ModelTokenizer
 from services.gateway import choices, model_defaults, prompts, responses_api
 from services.gateway import handlers as h
 from services.gateway.auth import APIKeyMiddleware
 from services.gateway.balancer import Balancer
 from services.gateway.client import AttentionClient
+from services.gateway.config import GatewayConfig
 from services.gateway.detok import TokenBytes
 from services.gateway.errors import APIError, error_body, invalid, validation_message
 from services.gateway.harmony import (
     HARMONY_REASONING,
     HARMONY_TOOLS,
-    REASONING_PARSER_NAMES,
-    TOOL_PARSER_NAMES,
 )
-from services.gateway.latency import SLA, publish_sla
+from services.gateway.latency import publish_sla
 from services.gateway.lifecycle import DrainingServer, DrainMiddleware
 from services.gateway.middleware import BodyLimitMiddleware, CountingMiddleware, RequestIdMiddleware
 from services.gateway.openapi import openapi
 from services.gateway.responses_schema import ResponsesRequest
-from services.gateway.routing import RoutingConfig
 from services.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,66 +65,6 @@ ENDPOINTS = (
     "/detokenize",
     "/openapi.json",
 )
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    model_dir: str  # for the tokenizer and chat template
-    attention: tuple[str, ...]  # control-plane addresses, host:port
-    model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str = ""  # empty: no authentication
-    public_metrics: bool = True  # /metrics without the key
-    max_body_bytes: int = 4 << 20
-    generate_timeout_s: float = 600.0  # deadline of one request on the control plane
-    rpc_timeout_s: float = 2.0  # deadline of Health / Stats / Abort
-    notice: str = ""  # shown on the model card
-    sla: SLA = field(default_factory=SLA)  # targets of the SLA-attainment (goodput) counters
-    # On SIGTERM: answer new requests 503 and let those in flight finish for up to this long.
-    drain_timeout_s: float = 30.0
-    template_timeout_s: float = 2.0  # chat-template rendering, at most (slower: a 400)
-    max_tokens_limit: int = 0  # max_tokens, at most (0: whatever the context leaves)
-    # A request that arrives while the cluster is starting (no attention server ready yet)
-    # waits this long for one, then gets a 503 'starting'.
-    startup_wait_s: float = 60.0
-    security: Security = field(default_factory=Security)  # TLS to the attention servers
-    routing: RoutingConfig = field(default_factory=RoutingConfig)
-    # vLLM's two flags: tool_choice "auto" (the default with tools) reads calls out of the
-    # text with this parser, and only when enabled
-    tool_call_parser: str = ""
-    enable_auto_tool_choice: bool = False
-    reasoning_parser: str = ""  # vLLM's flag: a thinking model's reasoning as reasoning_content
-    chat_template: str = ""  # vLLM's flag: a template file (or text) in place of the model's
-    # vLLM's flag: where requests' sampling defaults come from (auto: the model's
-    # generation_config.json; vllm: none; else a directory holding one)
-    generation_config: str = "auto"
-
-    def __post_init__(self) -> None:
-        check(bool(self.attention), "at least one attention server address is needed")
-        check(0 <= self.port < 65536, f"port {self.port} is not a port")
-        check(self.max_body_bytes >= 1, "the body limit must be >= 1 byte")
-        check(
-            self.generate_timeout_s > 0 and self.rpc_timeout_s > 0,
-            "request and RPC timeouts must be > 0",
-        )
-        check(self.drain_timeout_s >= 0, "the drain timeout must be >= 0")
-        check(self.template_timeout_s > 0, "the template timeout must be > 0")
-        check(self.max_tokens_limit >= 0, "the max_tokens limit must be >= 0 (0: none)")
-        check(self.startup_wait_s >= 0, "the start-up wait must be >= 0")
-        check(
-            self.tool_call_parser in ("", *TOOL_PARSER_NAMES),
-            f"no tool-call parser {self.tool_call_parser!r}; known: {', '.join(TOOL_PARSER_NAMES)}",
-        )
-        check(
-            self.reasoning_parser in ("", *REASONING_PARSER_NAMES),
-            f"no reasoning parser {self.reasoning_parser!r}; known: "
-            f"{', '.join(REASONING_PARSER_NAMES)}",
-        )
-        check(
-            bool(self.tool_call_parser) or not self.enable_auto_tool_choice,
-            "--enable-auto-tool-choice needs a --tool-call-parser",
-        )
 
 
 def build_state(cfg: GatewayConfig) -> h.GatewayState:
@@ -174,8 +112,8 @@ def check_parsers(cfg: GatewayConfig, chat_format: str) -> None:
 
 
 def create_app(state: h.GatewayState, cfg: GatewayConfig):
-    """The ASGI application: FastAPI routes wrapped in request-id, counting, auth and
-    body-limit middleware (outermost first)."""
+    """The ASGI application: FastAPI routes wrapped in CORS, request-id, counting, draining,
+    auth and body-limit middleware (outermost first)."""
 
     metrics.register("gateway")
     publish_sla(cfg.sla)
@@ -207,7 +145,14 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
     asgi = CountingMiddleware(
         asgi, lambda e, s: metrics.GATEWAY_REQUESTS.labels(e, str(s)).inc(), ENDPOINTS
     )
-    return RequestIdMiddleware(asgi)
+    # outermost: a browser's preflight carries no API key, and every answer needs its headers
+    return CORSMiddleware(
+        RequestIdMiddleware(asgi),
+        allow_origins=cfg.allowed_origins,
+        allow_methods=cfg.allowed_methods,
+        allow_headers=cfg.allowed_headers,
+        allow_credentials=cfg.allow_credentials,
+    )
 
 
 def _add_error_handlers(app: FastAPI) -> None:

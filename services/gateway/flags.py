@@ -10,7 +10,7 @@ from pathlib import Path
 from afd import flags
 from afd.errors import ConfigError
 from afd.flags import build, option
-from services.gateway.app import GatewayConfig
+from services.gateway.config import GatewayConfig
 from services.gateway.harmony import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 from services.gateway.latency import SLA
 from services.gateway.routing import POLICIES, RoutingConfig
@@ -28,6 +28,22 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             g, "--private-metrics", c, "public_metrics", help="require the API key for /metrics too"
         ),
         option(g, "--max-body-bytes", c, "max_body_bytes", help="largest request body"),
+        *(
+            option(
+                g,
+                flag,
+                c,
+                name,
+                type=flags.json_strings,
+                help=f"CORS: allowed {what}, as a JSON list",
+            )
+            for flag, name, what in (
+                ("--allowed-origins", "allowed_origins", "origins"),
+                ("--allowed-methods", "allowed_methods", "methods"),
+                ("--allowed-headers", "allowed_headers", "headers"),
+            )
+        ),
+        option(g, "--allow-credentials", c, "allow_credentials", help="CORS: allow credentials"),
         option(g, "--request-timeout", c, "generate_timeout_s", help="deadline per request, s"),
         option(
             g,
