@@ -209,6 +209,12 @@ class Engine:
             "bad_words": [t for w in sampling.bad_words for t in w],
             "allowed_token_ids": sampling.allowed_token_ids,
         }
+        for name, k in (
+            ("logprobs", sampling.logprobs),
+            ("prompt_logprobs", sampling.prompt_logprobs),
+        ):
+            if k is not None and k > vocab:
+                raise RequestError(f"{k} {name} asked for; the vocabulary has {vocab} tokens")
         for name, ids in named.items():
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:

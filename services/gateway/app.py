@@ -125,6 +125,7 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
         startup_wait_s=cfg.startup_wait_s,
         tool_parser=cfg.tool_call_parser if cfg.enable_auto_tool_choice else "",
         reasoning_parser=cfg.reasoning_parser,
+        max_logprobs=cfg.max_logprobs,
     )
 
     @asynccontextmanager

@@ -34,6 +34,7 @@ async def plan(
     request_id: str,
 ) -> list[ChoiceSpec]:
     """One ChoiceSpec per (prompt, choice), checked against the context length."""
+    _check_logprobs(state, req)
     if len(prompts) * req.n > MAX_CHOICES:
         raise invalid(
             f"{len(prompts)} prompts x n={req.n} asks for {len(prompts) * req.n} choices; "
@@ -157,6 +158,19 @@ def _sampling(**fields) -> SamplingParams:
         return SamplingParams(**fields)
     except RequestError as e:
         raise invalid(str(e)) from None
+
+
+def _check_logprobs(state: GatewayState, req: ChatCompletionRequest | CompletionRequest) -> None:
+    """vLLM's --max-logprobs (-1: the vocabulary) bounds every count of alternatives asked."""
+    limit = state.vocab_size if state.max_logprobs < 0 else state.max_logprobs
+    for name, n in (("logprobs", req.num_logprobs), ("prompt_logprobs", _prompt_logprobs(req))):
+        if n is not None and n > limit:
+            raise invalid(
+                f"{n} {name} were asked for; this server returns at most {limit} (--max-logprobs)",
+                "top_logprobs"
+                if name == "logprobs" and isinstance(req, ChatCompletionRequest)
+                else name,
+            )
 
 
 def _prompt_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:

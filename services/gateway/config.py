@@ -49,6 +49,7 @@ class GatewayConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    max_logprobs: int = 20  # vLLM's: alternatives a request may ask for, at most (-1: any)
 
     def __post_init__(self) -> None:
         check(bool(self.attention), "at least one attention server address is needed")
@@ -62,6 +63,7 @@ class GatewayConfig:
         check(self.template_timeout_s > 0, "the template timeout must be > 0")
         check(self.max_tokens_limit >= 0, "the max_tokens limit must be >= 0 (0: none)")
         check(self.startup_wait_s >= 0, "the start-up wait must be >= 0")
+        check(self.max_logprobs >= -1, "--max-logprobs must be >= 0, or -1 for no limit")
         check(
             self.tool_call_parser in ("", *TOOL_PARSER_NAMES),
             f"no tool-call parser {self.tool_call_parser!r}; known: {', '.join(TOOL_PARSER_NAMES)}",

@@ -28,6 +28,14 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             g, "--private-metrics", c, "public_metrics", help="require the API key for /metrics too"
         ),
         option(g, "--max-body-bytes", c, "max_body_bytes", help="largest request body"),
+        option(
+            g,
+            "--max-logprobs",
+            c,
+            "max_logprobs",
+            help="alternatives (logprobs, top_logprobs, prompt_logprobs) a request may ask for; "
+            "-1: the whole vocabulary",
+        ),
         *(
             option(
                 g,

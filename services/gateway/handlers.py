@@ -57,6 +57,7 @@ class GatewayState:
     chat_format: str = "text"  # the model's (afd.config.ModelConfig.chat_format)
     # request field -> its default where the request leaves it out (model_defaults.py)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    max_logprobs: int = 20  # alternatives a request may ask for (-1: the vocabulary)
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:

@@ -28,7 +28,9 @@ MAX_PROMPTS = 64  # prompts in one completions request
 MAX_CHOICES = 128  # prompts x n: generations one request may start
 MAX_STOP = 16  # stop strings
 MAX_STOP_LEN = 256  # characters in one stop string
-MAX_TOP_LOGPROBS = 20
+# logprobs a request may ask for, at most: the server's --max-logprobs is checked with the model
+# (services/gateway/choices.py); this only bounds what is parsed
+MAX_TOP_LOGPROBS = 1 << 20
 MAX_STOP_TOKEN_IDS = 64
 
 TokenId = Annotated[StrictInt, Field(ge=0)]

@@ -110,6 +110,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on(q
             eng.add_request([-1])
         with pytest.raises(RequestError, match=f"logit_bias token id {V + 3}"):
             eng.add_request([1], SamplingParams(logit_bias=((V + 3, 1.0),)))
+        with pytest.raises(RequestError, match=f"{V + 1} logprobs asked for"):
+            eng.add_request([1], SamplingParams(logprobs=V + 1))
         sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
         assert [r.output_token_ids for r in eng.generate(PROMPTS, sp)] == plain
 

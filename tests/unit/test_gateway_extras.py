@@ -114,3 +114,26 @@ def test_return_token_ids_whole_and_streamed(tokenizer):
     body = run(chat()).json()
     assert body["choices"][0]["token_ids"] == list(b"ab")
     assert body["prompt_token_ids"][0] == tokenizer.encode("<|begin|>")[0]
+
+
+def test_max_logprobs_bounds_every_count_of_alternatives(tokenizer):
+    async def go(body, path="/v1/completions", **cfg):
+        async with make(tokenizer, [FakeClient(text="ab", finish="stop")], **cfg) as c:
+            return await post(c, path, {"max_tokens": 2, **body})
+
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True}
+    for body, path, param in [
+        ({"prompt": "a", "logprobs": 21}, "/v1/completions", "logprobs"),
+        ({"prompt": "a", "prompt_logprobs": 21}, "/v1/completions", "prompt_logprobs"),
+        ({**chat, "top_logprobs": 21}, "/v1/chat/completions", "top_logprobs"),
+    ]:
+        r = run(go(body, path))  # vLLM's default: 20
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "--max-logprobs" in r.json()["error"]["message"]
+    r = run(go({**chat, "top_logprobs": 30}, "/v1/chat/completions", max_logprobs=30))
+    assert r.status_code == 200
+    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 30
+    r = run(go({"prompt": "a", "logprobs": 300}, max_logprobs=-1))  # the vocabulary's 320
+    assert r.status_code == 200
+    r = run(go({"prompt": "a", "logprobs": 321}, max_logprobs=-1))
+    assert r.status_code == 400
