@@ -2,7 +2,8 @@
 made in the gateway out of one-token generations.
 
 Each step asks the attention servers for one token of every live beam with the top 2 x width
-log-probabilities (the prefix cache supplies the K/V the beams share). Over all beams'
+log-probabilities (the prefix cache supplies the K/V the beams share; more when the request
+asks for more logprobs, which then come from the same answers). Over all beams'
 candidates, each scored by its beam's cumulative log-probability plus its own: an EOS candidate
 (unless `ignore_eos`) ends a finished hypothesis; the best `width` of the others are the next
 step's beams. After `max_tokens` steps the finished hypotheses and the live beams are ranked by
@@ -20,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
-from afd.control import SamplingParams
+from afd.control import Logprob, SamplingParams
 from services.gateway.balancer import Balancer
 from services.gateway.errors import internal, invalid
 from services.gateway.generation import ChoiceSpec, Delta
@@ -29,7 +30,7 @@ from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 # what a beam search cannot honour: it reads only the model's own log-probabilities and
 # answers once at the end (vLLM ignores most of these; here they are the client's 400)
 _UNSUPPORTED = (
-    "logprobs", "top_logprobs", "prompt_logprobs", "echo", "stop", "stop_token_ids",
+    "prompt_logprobs", "echo", "stop", "stop_token_ids",
     "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_p", "min_tokens", "bad_words", "allowed_token_ids", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -54,6 +55,7 @@ def check_request(req: ChatCompletionRequest | CompletionRequest) -> None:
 class Beam:
     tokens: tuple[int, ...]  # generated tokens (an ending EOS only with include_stop)
     cum_logprob: float
+    logprobs: tuple[Logprob, ...] = ()  # one per token, when asked
     finish_reason: str = "length"  # "stop": it ended on EOS
     stop_reason: int | None = None  # that EOS
 
@@ -66,6 +68,7 @@ class BeamOptions:
     eos_token_id: int | None  # the tokenizer's, as vLLM takes it; None: nothing ends a beam
     ignore_eos: bool = False
     include_stop: bool = False  # a finished beam's tokens end with its EOS
+    logprobs: int | None = None  # alternatives per token to report (None: no logprobs)
 
 
 def score(beam: Beam, prompt_len: int, length_penalty: float, eos: int | None) -> float:
@@ -83,7 +86,7 @@ async def search(balancer: Balancer, spec: ChoiceSpec, opts: BeamOptions) -> lis
         max_tokens=1,
         temperature=0.0,
         ignore_eos=True,  # the step's token is never used: only its alternatives are read
-        logprobs=2 * opts.width,
+        logprobs=max(2 * opts.width, opts.logprobs or 0),
         cache_salt=spec.params.cache_salt,
         priority=spec.params.priority,
     )
@@ -98,13 +101,21 @@ async def search(balancer: Balancer, spec: ChoiceSpec, opts: BeamOptions) -> lis
         )
         candidates: list[Beam] = []
         for beam, top in zip(live, tops, strict=True):
-            for token, logprob in top:
+            search_top = top[: 2 * opts.width]
+            shown = top[: opts.logprobs] if opts.logprobs is not None else None
+            for token, logprob in search_top:
                 cum = beam.cum_logprob + logprob
+                lps = beam.logprobs
+                if shown is not None:
+                    lps += (Logprob(token, logprob, shown),)
                 if token == opts.eos_token_id and not opts.ignore_eos:
-                    ended = beam.tokens + (token,) if opts.include_stop else beam.tokens
-                    done.append(Beam(ended, cum, "stop", token))
+                    # the EOS, its logprob too, only where it stays among the tokens
+                    if opts.include_stop:
+                        done.append(Beam(beam.tokens + (token,), cum, lps, "stop", token))
+                    else:
+                        done.append(Beam(beam.tokens, cum, beam.logprobs, "stop", token))
                 else:
-                    candidates.append(Beam(beam.tokens + (token,), cum))
+                    candidates.append(Beam(beam.tokens + (token,), cum, lps))
         # stable: ties keep the beams' order, then the alternatives' rank
         live = sorted(candidates, key=lambda b: -b.cum_logprob)[: opts.width]
         if not live:
@@ -176,7 +187,8 @@ class BeamChoice:
         self.completion_tokens = len(tokens)
         self.finish_reason = beam.finish_reason
         # as vLLM's beam search: an EOS that ended a beam is its stop_reason
-        emit(Delta(self.spec.index, text, tokens, [], beam.finish_reason, [], beam.stop_reason))
+        lps = list(beam.logprobs)
+        emit(Delta(self.spec.index, text, tokens, lps, beam.finish_reason, [], beam.stop_reason))
 
 
 def beam_choices(

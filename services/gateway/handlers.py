@@ -109,7 +109,7 @@ async def respond(
         check_beam_request(req)
         beams = BeamOptions(
             req.n, 0, req.length_penalty, state.tokenizer.eos_token_id, req.ignore_eos,
-            req.include_stop_str_in_output,
+            req.include_stop_str_in_output, req.num_logprobs,
         )  # fmt: skip
     streams = start_choices(state, request, specs, req.n, beams)
     if req.continuous_usage:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from afd.demo import write_tokenizer
-from tests.helpers.checkpoints import hf_model, qwen3_moe
+from tests.helpers.checkpoints import hf_logits, hf_model, qwen3_moe
 from tests.system.test_gateway import start_serve
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
@@ -58,13 +58,22 @@ def test_beams_are_transformers_beams(served, width):
     path, url = served
     body = _post(
         url, "/completions", prompt=PROMPT, max_tokens=NEW, n=width, use_beam_search=True,
-        ignore_eos=True, length_penalty=0.5, return_token_ids=True,
+        ignore_eos=True, length_penalty=0.5, return_token_ids=True, logprobs=2,
+        return_tokens_as_token_ids=True,
     )  # fmt: skip
     ref = _reference(path, width, 0.5)
     choices = sorted(body["choices"], key=lambda c: c["index"])
     assert [c["token_ids"] for c in choices] == ref
     assert [c["text"] for c in choices] == [_text(url, r) for r in ref]
     assert choices[0]["prompt_token_ids"] == PROMPT
+    # each token's logprob is the model's own: transformers' teacher-forced log-softmax
+    seq = PROMPT + ref[0]
+    logp = torch.log_softmax(hf_logits(hf_model(path, torch.float32), seq), dim=-1)
+    want = [logp[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(ref[0])]
+    lp = choices[0]["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) == 2 for top in lp["top_logprobs"])
+    assert lp["tokens"] == [f"token_id:{t}" for t in ref[0]]
     assert all(c["finish_reason"] == "length" for c in body["choices"])
     assert body["usage"]["completion_tokens"] == width * NEW
     assert body["usage"]["prompt_tokens"] == len(PROMPT)
@@ -91,7 +100,7 @@ def test_a_chat_stream_gets_the_best_beam(served):
 
 def test_what_a_beam_search_cannot_do_is_a_400(served):
     _, url = served
-    for extra, param in (({"logprobs": 1}, "logprobs"), ({"stop": ["x"]}, "stop")):
+    for extra, param in (({"echo": True}, "echo"), ({"stop": ["x"]}, "stop")):
         r = httpx.post(
             f"{url}/completions",
             json={"prompt": "hi", "max_tokens": 2, "n": 2, "use_beam_search": True, **extra},

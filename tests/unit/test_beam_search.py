@@ -91,3 +91,17 @@ def test_ignore_eos_keeps_eos_as_a_token_and_include_stop_keeps_it_in_the_beam()
 def test_a_failed_step_fails_the_search():
     with pytest.raises(APIError, match="gone"):
         _search(FakeClient(fail=True))
+
+
+def test_logprobs_come_with_each_beams_tokens():
+    spec = ChoiceSpec(0, "r", [0], SamplingParams(max_tokens=2))
+    client = FakeClient()
+    opts = BeamOptions(2, 2, 1.0, 3, logprobs=1)
+    best, second = asyncio.run(search(FakeBalancer(client), spec, opts))
+    assert client.calls[0][1].logprobs == 4  # the search's 2 x width, which covers 1
+    assert best.tokens == (1,) and [lp.token_id for lp in best.logprobs] == [1]
+    assert best.logprobs[0].logprob == -0.1 and best.logprobs[0].top == [(1, -0.1)]
+    assert [(lp.token_id, lp.logprob) for lp in second.logprobs] == [(2, -0.5), (2, -0.2)]
+    opts = BeamOptions(2, 2, 1.0, 3, include_stop=True, logprobs=0)
+    best = asyncio.run(search(FakeBalancer(FakeClient()), spec, opts))[0]
+    assert [lp.token_id for lp in best.logprobs] == [1, 3]  # the EOS kept, with its logprob
