@@ -12,6 +12,7 @@ import signal
 import threading
 
 from afd import flags
+from afd.errors import ConfigError
 from afd.flags import build, forward, option
 from afd_cli.cluster import TRANSPORTS, Cluster, ClusterConfig
 from afd_cli.supervisor import Supervisor
@@ -28,6 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="start a local cluster: FFN + attention + gateway")
     c = ClusterConfig
     flags.add_model_flag(p)
+    # as `vllm serve MODEL`: the checkpoint directory may come first, without --model
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="as --model")
     option(p, "--attention", c, "attention", help="N attention servers")
     option(p, "--ffn", c, "ffn", help="M FFN servers (expert shards; with --elastic-ffn, at start)")
     option(
@@ -108,6 +111,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def config(args: argparse.Namespace) -> ClusterConfig:
+    if args.model_path is not None:
+        if args.model and args.model != args.model_path:
+            raise ConfigError(f"two models given: {args.model_path} and --model {args.model}")
+        args.model = args.model_path
     # What the children would refuse is refused here, before anything starts.
     engine_config(args, ffn_addresses=("inproc://check",))
     build(

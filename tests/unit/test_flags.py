@@ -119,6 +119,19 @@ def test_serve_refuses_what_its_children_would_before_starting_them():
             config(parser.parse_args(["serve", *argv]))
 
 
+def test_serve_takes_the_model_first_as_vllm_serve_does(tmp_path):
+    from afd.demo import TINY_CONFIG, write_step3_checkpoint
+    from afd_cli.serve import config
+
+    model = write_step3_checkpoint(tmp_path / "m", TINY_CONFIG, seed=0, init_std=0.2)
+    parser = build_parser()
+    cfg = config(parser.parse_args(["serve", str(model), "--attention", "2"]))
+    assert cfg.model == str(model) and cfg.attention == 2
+    assert config(parser.parse_args(["serve", "--model", str(model)])).model == str(model)
+    with pytest.raises(ConfigError, match="two models"):
+        config(parser.parse_args(["serve", str(model), "--model", str(tmp_path)]))
+
+
 def _gateway_args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["gateway", "--attention", "a:1", *argv])
 
