@@ -178,6 +178,12 @@ class ControlServicer(pb_grpc.AttentionServiceServicer):
     async def Stats(self, request, context):
         return stats_to_pb(replace(self.loop.engine.load(), draining=self.draining))
 
+    async def ResetPrefixCache(self, request, context):
+        blocks = self.loop.engine.blocks  # on the engine thread: between steps
+        forgotten = await asyncio.wrap_future(self.loop.call(blocks.reset_cache))
+        log.info("prefix cache reset: %d cached blocks forgotten", forgotten)
+        return pb.ResetPrefixCacheReply(forgotten=forgotten)
+
     async def drain(self, timeout: float) -> int:
         """Refuse new requests and wait (up to `timeout`) for those in flight; returns how
         many were still running when the time ran out."""

@@ -10,6 +10,7 @@ state); on SIGTERM the gateway drains (services/gateway/lifecycle.py) and exits 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
@@ -63,6 +64,7 @@ ENDPOINTS = (
     "/metrics",
     "/tokenize",
     "/detokenize",
+    "/reset_prefix_cache",
     "/openapi.json",
 )
 
@@ -223,6 +225,18 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
     @app.get("/health")
     async def health():
         return {"status": "ok"}  # liveness of this process only; /ready covers the cluster
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's: every attention server forgets its cached prefixes (a cold-cache
+        benchmark's start); requests running keep their blocks."""
+        counts = await asyncio.gather(
+            *(c.reset_prefix_cache() for c in state.balancer.clients), return_exceptions=True
+        )
+        failed = next((e for e in counts if isinstance(e, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return {"forgotten_blocks": sum(counts)}
 
     @app.get("/version")
     async def version():

@@ -170,6 +170,16 @@ class AttentionClient:
             raise rpc_error(e, self.address) from None
         return health_from_pb(r)
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget the server's cached prefixes; returns how many cached blocks it forgot."""
+        try:
+            r = await self._stub.ResetPrefixCache(
+                pb.ResetPrefixCacheRequest(), timeout=self.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            raise rpc_error(e, self.address) from None
+        return r.forgotten
+
     async def stats(self) -> Stats:
         try:
             r = await self._stub.Stats(pb.StatsRequest(), timeout=self.rpc_timeout_s)

@@ -99,6 +99,13 @@ def openapi(version: str = "0.1.0") -> dict[str, Any]:
                 {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
             ]
         paths[path] = {"get": op}
+    paths["/reset_prefix_cache"] = {
+        "post": {
+            "summary": "Forget every attention server's cached prefixes (vLLM's)",
+            "operationId": "reset_prefix_cache",
+            "responses": _responses({"description": "OK: the cached blocks forgotten"}),
+        }
+    }
     return {
         "openapi": "3.1.0",
         "info": {"title": "afd gateway (OpenAI-compatible)", "version": version},

@@ -217,6 +217,25 @@ def test_a_stop_token_ends_the_text_before_it_unless_asked(model, client):
     assert cut.text == text[: i + 1]
 
 
+def test_reset_prefix_cache_forgets_what_the_servers_cached(cluster, client):
+    """vLLM's /reset_prefix_cache over the control plane: a prompt found in the cache is
+    computed whole again after it (and the route needs the API key)."""
+    prompt = "a prompt long enough to fill two or three blocks of the cache " * 2
+    args = dict(model="tiny", prompt=prompt, max_tokens=2, **GREEDY)
+    client.completions.create(**args)
+    again = client.completions.create(**args)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    url = cluster[0].removesuffix("/v1")
+    assert httpx.post(f"{url}/reset_prefix_cache").status_code == 401
+    r = httpx.post(f"{url}/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.json()["forgotten_blocks"] > 0
+    cold = client.completions.create(**args)
+    assert (
+        not cold.usage.prompt_tokens_details or not cold.usage.prompt_tokens_details.cached_tokens
+    )
+    assert cold.choices[0].text == again.choices[0].text
+
+
 def test_a_priority_needs_the_priority_policy(client):
     """The request's priority crosses the wire; this cluster schedules first come, first
     served, so its attention servers refuse one, naming the flag (a 400), and go on serving."""
