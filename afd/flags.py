@@ -94,11 +94,25 @@ def forward(args: argparse.Namespace, actions: list[argparse.Action]) -> list[st
             continue
         if isinstance(a, argparse._StoreTrueAction | argparse._StoreFalseAction):
             argv.append(a.option_strings[0])
-        elif isinstance(value, tuple):  # a list flag's value: its JSON form, as it was given
-            argv += [a.option_strings[0], json.dumps(list(value))]
+        elif isinstance(value, tuple | dict):  # a JSON flag's value, in its JSON form
+            argv += [
+                a.option_strings[0],
+                json.dumps(list(value) if isinstance(value, tuple) else value),
+            ]
         else:
             argv += [a.option_strings[0], str(value)]
     return argv
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (vLLM's form: --default-chat-template-kwargs '{"a": 1}')."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def json_strings(text: str) -> tuple[str, ...]:

@@ -128,6 +128,7 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
         tool_parser=cfg.tool_call_parser if cfg.enable_auto_tool_choice else "",
         reasoning_parser=cfg.reasoning_parser,
         max_logprobs=cfg.max_logprobs,
+        chat_template_defaults=dict(cfg.default_chat_template_kwargs or {}),
     )
 
     @asynccontextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from afd.config import check
 from afd.security import Security
@@ -50,6 +51,8 @@ class GatewayConfig:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     max_logprobs: int = 20  # vLLM's: alternatives a request may ask for, at most (-1: any)
+    # vLLM's: chat-template variables every chat gets unless it sets them itself
+    default_chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check(bool(self.attention), "at least one attention server address is needed")

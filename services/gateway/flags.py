@@ -30,6 +30,15 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
         option(g, "--max-body-bytes", c, "max_body_bytes", help="largest request body"),
         option(
             g,
+            "--default-chat-template-kwargs",
+            c,
+            "default_chat_template_kwargs",
+            type=flags.json_object,
+            help="chat-template variables every chat gets unless it sets them, as a JSON "
+            "object (Qwen3: '{\"enable_thinking\": false}')",
+        ),
+        option(
+            g,
             "--max-logprobs",
             c,
             "max_logprobs",

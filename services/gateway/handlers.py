@@ -58,6 +58,8 @@ class GatewayState:
     # request field -> its default where the request leaves it out (model_defaults.py)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_logprobs: int = 20  # alternatives a request may ask for (-1: the vocabulary)
+    # chat-template variables a chat gets unless it sets them (--default-chat-template-kwargs)
+    chat_template_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:

@@ -25,7 +25,7 @@ async def chat_prompt(state: GatewayState, req: ChatCompletionRequest) -> list[i
             req.add_generation_prompt,
             state.template_timeout_s,
             req.tool_dicts,
-            req.chat_template_kwargs,
+            {**state.chat_template_defaults, **(req.chat_template_kwargs or {})} or None,
             req.continue_final_message,
         )
     except AfdError as e:  # no template, a time or size limit

@@ -156,3 +156,16 @@ def test_api_key_from_flag_file_or_environment(tmp_path, monkeypatch):
             bad.write_text("\n")
         with pytest.raises(ConfigError, match=why):
             api_key(_gateway_args("--api-key-file", str(bad)))
+
+
+def test_json_flags_pass_on_in_their_json_form():
+    parser = build_parser()
+    args = parser.parse_args(
+        ["serve", "--default-chat-template-kwargs", '{"enable_thinking": false}']
+    )
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    passed = forward(args, args.api_actions)
+    child = parser.parse_args(["gateway", "--attention", "x:1", *passed])
+    assert child.default_chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--default-chat-template-kwargs", "[1]"])

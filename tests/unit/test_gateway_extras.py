@@ -137,3 +137,26 @@ def test_max_logprobs_bounds_every_count_of_alternatives(tokenizer):
     assert r.status_code == 200
     r = run(go({"prompt": "a", "logprobs": 321}, max_logprobs=-1))
     assert r.status_code == 400
+
+
+def test_default_chat_template_kwargs_fill_what_a_chat_leaves_out(tmp_path):
+    from afd.demo import write_tokenizer
+    from afd.tokenizer import ModelTokenizer
+
+    write_tokenizer(tmp_path)
+    tok = ModelTokenizer(tmp_path)
+    tok.use_chat_template("{{ greeting | default('none') }}:{{ messages[0]['content'] }}")
+    defaults = {"greeting": "hey", "other": 1}
+
+    async def go(body, **cfg):
+        fake = FakeClient(text="ab", finish="stop")
+        async with make(tok, [fake], **cfg) as c:
+            msgs = [{"role": "user", "content": "x"}]
+            r = await post(c, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, **body})
+            assert r.status_code == 200, r.text
+        return tok.decode(fake.calls[0][1])
+
+    assert run(go({})) == "none:x"
+    assert run(go({}, default_chat_template_kwargs=defaults)) == "hey:x"
+    mine = {"chat_template_kwargs": {"greeting": "yo"}}
+    assert run(go(mine, default_chat_template_kwargs=defaults)) == "yo:x"
