@@ -25,7 +25,7 @@ async def chat_prompt(state: GatewayState, req: ChatCompletionRequest) -> list[i
             req.add_generation_prompt,
             state.template_timeout_s,
             req.tool_dicts,
-            {**state.chat_template_defaults, **(req.chat_template_kwargs or {})} or None,
+            _template_kwargs(state, req),
             req.continue_final_message,
         )
     except AfdError as e:  # no template, a time or size limit
@@ -37,6 +37,13 @@ async def chat_prompt(state: GatewayState, req: ChatCompletionRequest) -> list[i
             param="messages",
         ) from None
     return state.tokenizer.encode(text, req.add_special_tokens)
+
+
+def _template_kwargs(state: GatewayState, req: ChatCompletionRequest) -> dict | None:
+    """The template's extra variables: the server's defaults, the request's reasoning_effort,
+    then the request's own chat_template_kwargs (each overriding the one before)."""
+    effort = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort else {}
+    return {**state.chat_template_defaults, **effort, **(req.chat_template_kwargs or {})} or None
 
 
 def check_tools(state: GatewayState, req: ChatCompletionRequest) -> None:

@@ -228,6 +228,8 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: Bool = False
     # vLLM extra: more variables for the chat template (Qwen3's enable_thinking, say)
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; reaches the template as the variable gpt-oss's reads (as vLLM passes it)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     # None: "auto" when tools are given, else "none" (OpenAI's defaults)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -160,3 +160,25 @@ def test_default_chat_template_kwargs_fill_what_a_chat_leaves_out(tmp_path):
     assert run(go({}, default_chat_template_kwargs=defaults)) == "hey:x"
     mine = {"chat_template_kwargs": {"greeting": "yo"}}
     assert run(go(mine, default_chat_template_kwargs=defaults)) == "yo:x"
+
+
+def test_reasoning_effort_reaches_the_template(tmp_path):
+    from afd.demo import write_tokenizer
+    from afd.tokenizer import ModelTokenizer
+
+    write_tokenizer(tmp_path)
+    tok = ModelTokenizer(tmp_path)
+    tok.use_chat_template("{{ reasoning_effort | default('medium') }}")
+
+    async def go(body):
+        fake = FakeClient(text="ab", finish="stop")
+        async with make(tok, [fake]) as c:
+            msgs = [{"role": "user", "content": "x"}]
+            r = await post(c, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, **body})
+        return r.status_code, tok.decode(fake.calls[0][1]) if fake.calls else r.text
+
+    assert run(go({})) == (200, "medium")
+    assert run(go({"reasoning_effort": "high"})) == (200, "high")
+    mine = {"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}
+    assert run(go(mine)) == (200, "low")
+    assert run(go({"reasoning_effort": "extreme"}))[0] == 400
