@@ -12,7 +12,7 @@ from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.pipeline import run_layers
 from services.attention.request import Request
-from services.attention.sampler import exclude_, sample, score
+from services.attention.sampler import sample, score
 from services.attention.scheduler import SchedulerOutput
 from services.attention.stack import DecodeStack
 
@@ -75,8 +75,10 @@ class ModelRunner:
         ]
         outputs = [r.output_token_ids for r in reqs]
         banned = [_banned(r) for r in reqs]
-        stuck = {ids[i] for i in exclude_(logits, params, banned, self.guides.active)}
-        tokens, lps = sample(logits, params, gens, prompts, outputs)
+        tokens, lps, empty = sample(
+            logits, params, gens, prompts, outputs, banned, self.guides.active
+        )
+        stuck = {ids[i] for i in empty}
         sampled = {r: t for r, t in zip(ids, tokens, strict=True) if r not in stuck}
         ended = {r for r, t in sampled.items() if self.guides.active and self.guides.accept(r, t)}
         logprobs = {

@@ -18,11 +18,14 @@ def sample(
     generators: list[torch.Generator | None],
     prompts: Sequence[torch.Tensor | Sequence[int]] | None = None,  # for penalties: B rows'
     outputs: Sequence[Sequence[int]] | None = None,  # prompt ids and generated ids so far
-) -> tuple[list[int], list[Logprob | None]]:
-    """One token per row, chosen after the row's biases and penalties; with logprobs asked,
-    the sampled token's and the top-n alternatives' log-probabilities under the model's own
-    (unscaled, unpenalized) distribution, as vLLM reports them. Tokens a row may not choose
-    are -inf already (`exclude_`)."""
+    banned: Sequence[Sequence[int]] = (),  # per row, tokens it may not choose (min_tokens)
+    masked: bool = False,  # a grammar masked some rows already
+) -> tuple[list[int], list[Logprob | None], list[int]]:
+    """One token per row, chosen after the row's biases, penalties and exclusions; with
+    logprobs asked, the sampled token's and the top-n alternatives' log-probabilities under
+    the model's own (unscaled, unpenalized, unrestricted) distribution, as vLLM reports them.
+    The third list: the rows that had no token left to choose (`exclude_`); their tokens
+    mean nothing."""
     B = logits.shape[0]
     dev = logits.device  # index tensors live beside the logits (a CUDA device's, say)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -35,9 +38,10 @@ def sample(
         if prompts is None or outputs is None:
             raise ValueError("penalties need every row's prompt and output token ids")
         penalties.adjust_(logits, params, prompts, outputs)
+    empty = exclude_(logits, params, banned, masked)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == B and not want:  # the common decode case
-        return _argmax(logits).tolist(), [None] * B
+        return _argmax(logits).tolist(), [None] * B, empty
     tokens = torch.empty(B, dtype=torch.long, device=dev)
     if greedy:
         idx = torch.tensor(greedy, device=dev)
@@ -70,7 +74,7 @@ def sample(
             n = params[i].logprobs or 0
             alts = list(zip(top_ids[row][:n], top_lps[row][:n], strict=True)) if n else []
             lps[i] = Logprob(out_tokens[i], chosen[row], alts)
-    return out_tokens, lps
+    return out_tokens, lps, empty
 
 
 def exclude_(

@@ -47,8 +47,8 @@ def test_greedy_rows_sample_the_native_argmax():
     logits = torch.randn(4, 1000, generator=gen)
     params = [SamplingParams(temperature=0)] * 2 + [SamplingParams(temperature=0, seed=1)] * 2
     want = logits.argmax(dim=-1).tolist()
-    tokens, _ = sample(logits.clone(), params, [None] * 4)
+    tokens, _, _ = sample(logits.clone(), params, [None] * 4)
     assert tokens == want
     mixed = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)] * 2
-    tokens, _ = sample(logits.clone(), mixed, [None, torch.Generator().manual_seed(3)] * 2)
+    tokens, _, _ = sample(logits.clone(), mixed, [None, torch.Generator().manual_seed(3)] * 2)
     assert [tokens[0], tokens[2]] == [want[0], want[2]]

@@ -69,7 +69,7 @@ def test_greedy_follows_the_penalties_and_logprobs_stay_the_models():
     logits = torch.tensor([[4.0, 3.9, -1.0, 0.0]])
     raw = torch.log_softmax(logits, -1)
     p = SamplingParams(temperature=0, repetition_penalty=1.5, logprobs=1)
-    tokens, lps = sample(logits.clone(), [p], [None], [[0]], [[]])
+    tokens, lps, _ = sample(logits.clone(), [p], [None], [[0]], [[]])
     assert tokens == [1]  # 4.0 / 1.5 < 3.9
     assert lps[0].logprob == pytest.approx(raw[0, 1].item())  # not the penalized one
     assert lps[0].top[0] == (0, pytest.approx(raw[0, 0].item()))

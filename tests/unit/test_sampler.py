@@ -59,7 +59,7 @@ def test_draws_stay_inside_each_rows_top_k_and_top_p():
     allowed = [~torch.isinf(_reference_row(logits[i], p)) for i, p in enumerate(PARAMS)]
     seen = [set() for _ in PARAMS]
     for _ in range(200):
-        tokens, _ = sample(logits, PARAMS, [None] * len(PARAMS))
+        tokens, _, _ = sample(logits, PARAMS, [None] * len(PARAMS))
         for i, t in enumerate(tokens):
             assert allowed[i][t], (i, t)
             seen[i].add(t)
@@ -76,8 +76,8 @@ def test_a_seeded_row_draws_the_same_alone_or_in_a_batch():
         out = []
         for _ in range(5):
             others = [None] * (rows - 1)
-            tokens, _ = sample(logits[:rows], [p] + [SamplingParams(temperature=1.0)] * (rows - 1),
-                               [gen, *others])  # fmt: skip
+            params = [p] + [SamplingParams(temperature=1.0)] * (rows - 1)
+            tokens, _, _ = sample(logits[:rows], params, [gen, *others])
             out.append(tokens[0])
         return out
 
@@ -89,9 +89,25 @@ def test_logprobs_of_the_chosen_token_and_the_top_n(greedy):
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3))
     t = 0.0 if greedy else 1.0
     params = [SamplingParams(temperature=t, logprobs=3), SamplingParams(temperature=t)]
-    tokens, lps = sample(logits, params, [None, None])
+    tokens, lps, _ = sample(logits, params, [None, None])
     logp = torch.log_softmax(logits[0], -1)
     assert lps[1] is None and lps[0].token_id == tokens[0]
     assert lps[0].logprob == pytest.approx(float(logp[tokens[0]]))
     top = torch.topk(logp, 3)
     assert [a for a, _ in lps[0].top] == top.indices.tolist()
+
+
+def test_logprobs_stay_the_models_own_under_restrictions():
+    """allowed_token_ids, bans (min_tokens, bad words) choose the token; the logprobs reported
+    are still the model's own distribution's, as vLLM's raw logprobs are."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    raw = torch.log_softmax(logits[0], dim=-1)
+    p = SamplingParams(temperature=0, logprobs=2, allowed_token_ids=(2, 3))
+    tokens, lps, empty = sample(logits.clone(), [p], [None], banned=[[2]])
+    assert tokens == [3] and empty == []
+    assert lps[0].logprob == pytest.approx(raw[3].item())
+    assert [t for t, _ in lps[0].top] == [0, 1]
+    assert [v for _, v in lps[0].top] == pytest.approx(raw[:2].tolist())
+    _, _, empty = sample(logits.repeat(2, 1), [p, SamplingParams(temperature=1.0)], [None, None],
+                         banned=[[2, 3], []])  # fmt: skip
+    assert empty == [0]
