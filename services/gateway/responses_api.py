@@ -14,13 +14,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from afd.control import Logprob
 from afd.sampling import SamplingParams
 from services.gateway import choices, prompts
 from services.gateway import handlers as h
 from services.gateway.answers import answer_readers, read_delta, read_whole
 from services.gateway.errors import APIError
 from services.gateway.generation import ChoiceStreams, Delta, Piece
-from services.gateway.responses import sse
+from services.gateway.responses import ChatFormatter, sse
 from services.gateway.responses_schema import ResponsesRequest
 
 
@@ -35,7 +36,8 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
     readers = answer_readers(
         chat, state.tool_parser, state.reasoning_parser, 1, state.chat_format, guide_waits=waits
     )
-    out = Output(req, state.model_name, rid, specs[0].params)
+    fmt = ChatFormatter(rid, state.model_name, state.token_bytes, False)
+    out = Output(req, state.model_name, rid, specs[0].params, fmt if req.wants_logprobs else None)
     streams = h.start_choices(state, request, specs, 1)
     if req.stream:
         return await h.event_stream(
@@ -45,19 +47,28 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
     if streams.disconnected:
         return Response(status_code=499)
     h.count_finished(streams)
-    content, _, finish = answer
+    content, lps, finish = answer
     piece = Piece(content=content)
     if readers is not None:
         _, (piece,) = read_whole([answer], readers)
-    out.add_whole(piece)
+    out.add_whole(piece, lps)
     return JSONResponse(out.response(finish, _usage(streams, out.reasoning, state.tokenizer)))
 
 
 class Output:
     """One response's output items, built whole or event by event."""
 
-    def __init__(self, req: ResponsesRequest, model: str, rid: str, params: SamplingParams):
+    def __init__(
+        self,
+        req: ResponsesRequest,
+        model: str,
+        rid: str,
+        params: SamplingParams,
+        logprobs: ChatFormatter | None = None,  # writes the tokens' logprobs, when asked
+    ):
         self.req, self.model = req, model
+        self._lp = logprobs
+        self._pending: list[Logprob] = []  # logprobs not yet sent with a text delta
         self.params = params  # what ran (the model's defaults filled in)
         self.id = f"resp_{rid.replace('-', '')[:32]}"
         self.created = int(time.time())
@@ -100,12 +111,13 @@ class Output:
             "usage": usage,
         }
 
-    def add_whole(self, piece: Piece) -> None:
+    def add_whole(self, piece: Piece, logprobs: list[Logprob] = ()) -> None:
         if piece.reasoning:
             self.reasoning = piece.reasoning
             self.items.append(_reasoning(piece.reasoning, "completed"))
         if piece.content or not piece.calls:
             self.items.append(_message(piece.content, "completed"))
+            self.items[-1]["content"][0]["logprobs"] = self._entries(list(logprobs))
         for call in piece.calls:
             fn = call["function"]
             self.items.append(_call(call.get("id") or "", fn["name"], fn["arguments"], "completed"))
@@ -123,8 +135,13 @@ class Output:
             self.event("response.in_progress", response=r),
         ]
 
-    def feed(self, piece: Piece) -> list[bytes]:
-        """The events of one delta's reasoning, content and calls."""
+    def _entries(self, lps: list[Logprob]) -> list[dict[str, Any]]:
+        return self._lp.logprobs(lps)["content"] if self._lp is not None and lps else []
+
+    def feed(self, piece: Piece, logprobs: list[Logprob] = ()) -> list[bytes]:
+        """The events of one delta's reasoning, content and calls; its tokens' logprobs go
+        with the next text delta (all of the answer's, as a whole response has them)."""
+        self._pending += logprobs
         out: list[bytes] = []
         if piece.reasoning:
             self.reasoning += piece.reasoning
@@ -132,7 +149,9 @@ class Output:
             out.append(self._delta("response.reasoning_text.delta", piece.reasoning))
         if piece.content:
             out += self._open_item("message")
-            out.append(self._delta("response.output_text.delta", piece.content, logprobs=[]))
+            lps, self._pending = self._entries(self._pending), []
+            self.items[-1]["content"][0]["logprobs"] += lps
+            out.append(self._delta("response.output_text.delta", piece.content, logprobs=lps))
         for call in piece.calls:
             fn = call.get("function", {})
             if "name" in fn:  # a call's first delta opens its item
@@ -158,7 +177,8 @@ class Output:
         if self._open == "message":
             part = item["content"][0]
             text = part["text"]
-            out.append(self.event("response.output_text.done", **at, text=text, logprobs=[]))
+            lps = part["logprobs"]
+            out.append(self.event("response.output_text.done", **at, text=text, logprobs=lps))
             out.append(self.event("response.content_part.done", **at, part=part))
         elif self._open == "reasoning":
             part = item["content"][0]
@@ -211,7 +231,7 @@ async def _events(
                 piece = Piece(piece.reasoning, d.text, piece.calls)
             else:
                 piece = Piece(content=d.text)
-            for e in out.feed(piece):
+            for e in out.feed(piece, d.logprobs):
                 yield e
             finish = d.finish_reason or finish
             d = await streams.next()

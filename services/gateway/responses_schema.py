@@ -91,6 +91,9 @@ class Reasoning(_Model):
     effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
 class ResponsesRequest(_Model):
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_ITEMS)]
@@ -99,6 +102,10 @@ class ResponsesRequest(_Model):
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 1.0
     priority: Int = 0  # vLLM extra, as on a chat (checked there)
+    # each output token's logprob, with this many alternatives (OpenAI's: with include
+    # "message.output_text.logprobs")
+    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    include: list[str] | None = None  # only "message.output_text.logprobs" changes anything
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: Bool = True
@@ -119,6 +126,10 @@ class ResponsesRequest(_Model):
             )
         return self
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
+
     def to_chat(self, instructions_role: str = "system") -> ChatCompletionRequest:
         """The same request as a chat completion, `instructions` as a message of that role
         (gpt-oss's template reads them from the developer's); a combination the chat request
@@ -135,6 +146,8 @@ class ResponsesRequest(_Model):
         }
         if self.max_output_tokens is not None:
             body["max_tokens"] = self.max_output_tokens
+        if self.wants_logprobs:
+            body |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         if self.tools:
             body["tools"] = [
                 {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}

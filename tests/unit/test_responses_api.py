@@ -91,6 +91,27 @@ def test_text_whole_and_streamed(tokenizer):
     assert text == "Sunny." and events[-1].response.output_text == "Sunny."
 
 
+def test_output_text_logprobs_whole_and_streamed(tokenizer):
+    body = {"input": "weather?", "top_logprobs": 2}
+    whole = _response(_post(tokenizer, FakeClient(text="Sunny."), body).json())
+    (part,) = whole.output[0].content
+    assert [e.token for e in part.logprobs] == list("Sunny.")
+    assert all(e.logprob == -0.5 and len(e.top_logprobs) == 2 for e in part.logprobs)
+    s = _post(tokenizer, FakeClient(text="Sunny."), {**body, "stream": True})
+    events = _events(s.text)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    want = [lp.model_dump() for lp in part.logprobs]
+    assert [lp.model_dump() for e in deltas for lp in e.logprobs] == want
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.model_dump() for lp in done.logprobs] == want
+    # asked by include alone: no alternatives; not asked: none
+    inc = {"input": "weather?", "include": ["message.output_text.logprobs"]}
+    (part,) = _response(_post(tokenizer, FakeClient(text="Hi"), inc).json()).output[0].content
+    assert len(part.logprobs) == 2 and part.logprobs[0].top_logprobs == []
+    plain = _response(_post(tokenizer, FakeClient(text="Hi"), {"input": "x"}).json())
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_reasoning_and_calls_get_their_items_whole_and_streamed(tokenizer):
     body = {"input": "weather?", "tools": [WEATHER]}
     r = _post(tokenizer, FakeClient(text=THOUGHT + "Let me look. " + CALL), body, **CFG)
