@@ -40,10 +40,12 @@ _UNSUPPORTED = (
 
 def check_request(req: ChatCompletionRequest | CompletionRequest) -> None:
     """A beam-search request asks nothing of what the search cannot do."""
+    fields = type(req).model_fields
+    # set to something that matters (a client sending the neutral value is welcome)
     given = [
         f
         for f in _UNSUPPORTED
-        if f in req.model_fields_set and getattr(req, f) not in (None, False)
+        if f in fields and getattr(req, f) not in (fields[f].default, None, False, [], {})
     ]
     if isinstance(req, ChatCompletionRequest) and req.tool_mode in ("required", "named"):
         given.append("tool_choice")

@@ -105,3 +105,22 @@ def test_logprobs_come_with_each_beams_tokens():
     opts = BeamOptions(2, 2, 1.0, 3, include_stop=True, logprobs=0)
     best = asyncio.run(search(FakeBalancer(FakeClient()), spec, opts))[0]
     assert [lp.token_id for lp in best.logprobs] == [1, 3]  # the EOS kept, with its logprob
+
+
+def test_what_the_search_cannot_honour_is_refused_and_neutral_values_are_not():
+    from services.gateway.beam_search import check_request
+    from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+    neutral = {"repetition_penalty": 1.0, "stop_token_ids": [], "presence_penalty": 0.0}
+    check_request(CompletionRequest(prompt="x", use_beam_search=True, **neutral))
+    for bad, param in (({"stop": "x"}, "stop"), ({"min_tokens": 2}, "min_tokens"),
+                       ({"repetition_penalty": 1.1}, "repetition_penalty")):  # fmt: skip
+        with pytest.raises(APIError, match="beam search does not take") as e:
+            check_request(CompletionRequest(prompt="x", use_beam_search=True, **bad))
+        assert e.value.param == param
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    chat = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice="required"
+    )
+    with pytest.raises(APIError, match="tool_choice"):
+        check_request(chat)
