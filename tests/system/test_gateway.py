@@ -236,6 +236,13 @@ def test_reset_prefix_cache_forgets_what_the_servers_cached(cluster, client):
     assert cold.choices[0].text == again.choices[0].text
 
 
+def test_max_tokens_zero_without_echo_answers_nothing(client):
+    """The attention server ends a max_tokens 0 request at once (the gateway unit tests' fake
+    server does the same: the HTTP fuzz relies on it)."""
+    c = client.completions.create(model="tiny", prompt="hi", max_tokens=0).choices[0]
+    assert (c.text, c.finish_reason) == ("", "length")
+
+
 def test_a_priority_needs_the_priority_policy(client):
     """The request's priority crosses the wire; this cluster schedules first come, first
     served, so its attention servers refuse one, naming the flag (a 400), and go on serving."""

@@ -50,6 +50,10 @@ class FakeClient:
         self.calls.append((request_id, list(prompt), params))
         ids = list(self.text.encode() if self.ids is None else self.ids)[: params.max_tokens]
         done = False
+        if not ids:  # max_tokens 0: as the attention server, one event that ends it
+            done = True
+            yield TokenEvent(request_id, [], [], "length", prompt_tokens=len(prompt))
+            return
         try:
             for k, t in enumerate(ids, 1):
                 if self.error and k > self.error_after:
