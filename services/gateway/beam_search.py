@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from afd.control import Logprob, SamplingParams
 from services.gateway.balancer import Balancer
@@ -65,7 +65,6 @@ class Beam:
 @dataclass(frozen=True)
 class BeamOptions:
     width: int
-    max_tokens: int
     length_penalty: float
     eos_token_id: int | None  # the tokenizer's, as vLLM takes it; None: nothing ends a beam
     ignore_eos: bool = False
@@ -83,7 +82,8 @@ def score(beam: Beam, prompt_len: int, length_penalty: float, eos: int | None) -
 
 
 async def search(balancer: Balancer, spec: ChoiceSpec, opts: BeamOptions) -> list[Beam]:
-    """The `width` best hypotheses for `spec`'s prompt, best first."""
+    """The `width` best hypotheses for `spec`'s prompt after its max_tokens steps, best
+    first."""
     step_params = SamplingParams(
         max_tokens=1,
         temperature=0.0,
@@ -94,7 +94,7 @@ async def search(balancer: Balancer, spec: ChoiceSpec, opts: BeamOptions) -> lis
     )
     live = [Beam((), 0.0)]
     done: list[Beam] = []
-    for step in range(opts.max_tokens):
+    for step in range(spec.params.max_tokens):
         tops = await asyncio.gather(
             *(
                 _alternatives(balancer, f"{spec.request_id}.s{step}.b{i}", spec, beam, step_params)
@@ -206,11 +206,10 @@ def beam_choices(
         spec = specs[first]
         loop = asyncio.get_running_loop()
         shared: asyncio.Future = loop.create_future()
-        o = replace(opts, max_tokens=spec.params.max_tokens)
 
-        async def start(spec=spec, shared=shared, o=o) -> None:
+        async def start(spec=spec, shared=shared) -> None:
             try:
-                shared.set_result(await search(balancer, spec, o))
+                shared.set_result(await search(balancer, spec, opts))
             except asyncio.CancelledError:
                 shared.cancel()
                 raise

@@ -110,7 +110,7 @@ async def respond(
     if req.use_beam_search:
         check_beam_request(req)
         beams = BeamOptions(
-            req.n, 0, req.length_penalty, state.tokenizer.eos_token_id, req.ignore_eos,
+            req.n, req.length_penalty, state.tokenizer.eos_token_id, req.ignore_eos,
             req.include_stop_str_in_output, req.num_logprobs,
         )  # fmt: skip
     streams = start_choices(state, request, specs, req.n, beams)
@@ -137,7 +137,7 @@ async def respond(
                 readers,
                 echo,
                 specs if req.return_token_ids else None,
-            ),  # fmt: skip
+            ),
         )
     choices, prompt_lps, reasons, ids = await collect(streams, len(specs))
     if streams.disconnected:

@@ -57,7 +57,7 @@ class FakeBalancer:
 
 def _search(client, length_penalty=1.0, ignore_eos=False, include_stop=False):
     spec = ChoiceSpec(0, "r", [0], SamplingParams(max_tokens=2))
-    opts = BeamOptions(2, 2, length_penalty, 3, ignore_eos, include_stop)
+    opts = BeamOptions(2, length_penalty, 3, ignore_eos, include_stop)
     return asyncio.run(search(FakeBalancer(client), spec, opts))
 
 
@@ -96,13 +96,13 @@ def test_a_failed_step_fails_the_search():
 def test_logprobs_come_with_each_beams_tokens():
     spec = ChoiceSpec(0, "r", [0], SamplingParams(max_tokens=2))
     client = FakeClient()
-    opts = BeamOptions(2, 2, 1.0, 3, logprobs=1)
+    opts = BeamOptions(2, 1.0, 3, logprobs=1)
     best, second = asyncio.run(search(FakeBalancer(client), spec, opts))
     assert client.calls[0][1].logprobs == 4  # the search's 2 x width, which covers 1
     assert best.tokens == (1,) and [lp.token_id for lp in best.logprobs] == [1]
     assert best.logprobs[0].logprob == -0.1 and best.logprobs[0].top == [(1, -0.1)]
     assert [(lp.token_id, lp.logprob) for lp in second.logprobs] == [(2, -0.5), (2, -0.2)]
-    opts = BeamOptions(2, 2, 1.0, 3, include_stop=True, logprobs=0)
+    opts = BeamOptions(2, 1.0, 3, include_stop=True, logprobs=0)
     best = asyncio.run(search(FakeBalancer(FakeClient()), spec, opts))[0]
     assert [lp.token_id for lp in best.logprobs] == [1, 3]  # the EOS kept, with its logprob
 
