@@ -43,7 +43,7 @@ from services.gateway.latency import publish_sla
 from services.gateway.lifecycle import DrainingServer, DrainMiddleware
 from services.gateway.middleware import BodyLimitMiddleware, CountingMiddleware, RequestIdMiddleware
 from services.gateway.openapi import openapi
-from services.gateway.responses_schema import ResponsesRequest
+from services.gateway.response_store import ResponseStore
 from services.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -57,6 +57,9 @@ ENDPOINTS = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/responses",
+    "/v1/responses/{response_id}",
+    "/v1/responses/{response_id}/cancel",
+    "/v1/responses/{response_id}/input_items",
     "/v1/models",
     "/version",
     "/health",
@@ -129,6 +132,7 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
         reasoning_parser=cfg.reasoning_parser,
         max_logprobs=cfg.max_logprobs,
         chat_template_defaults=dict(cfg.default_chat_template_kwargs or {}),
+        responses=ResponseStore(cfg.responses_store_mb << 20),
     )
 
     @asynccontextmanager
@@ -140,6 +144,7 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
     app = FastAPI(title="afd", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     _add_error_handlers(app)
     _add_openai_routes(app, state)
+    responses_api.add_routes(app, state)
     _add_service_routes(app, state)
     asgi = BodyLimitMiddleware(app, cfg.max_body_bytes)
     if cfg.api_key:
@@ -184,11 +189,6 @@ def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> None:
         prompt = [(await prompts.chat_prompt(state, req), "")]
         specs = await choices.plan(state, req, prompt, request.state.request_id)
         return await h.respond(state, request, req, specs)
-
-    @app.post("/v1/responses")
-    async def responses(request: Request):
-        req = await h.parse(request, ResponsesRequest)
-        return await responses_api.respond(state, request, req)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

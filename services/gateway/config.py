@@ -53,6 +53,9 @@ class GatewayConfig:
     max_logprobs: int = 20  # vLLM's: alternatives a request may ask for, at most (-1: any)
     # vLLM's: chat-template variables every chat gets unless it sets them itself
     default_chat_template_kwargs: dict[str, Any] | None = None
+    # the Responses API's store (GET by id, previous_response_id, background), in memory;
+    # 0: nothing is stored
+    responses_store_mb: int = 64
 
     def __post_init__(self) -> None:
         check(bool(self.attention), "at least one attention server address is needed")
@@ -66,6 +69,7 @@ class GatewayConfig:
         check(self.template_timeout_s > 0, "the template timeout must be > 0")
         check(self.max_tokens_limit >= 0, "the max_tokens limit must be >= 0 (0: none)")
         check(self.startup_wait_s >= 0, "the start-up wait must be >= 0")
+        check(self.responses_store_mb >= 0, "--responses-store-mb must be >= 0 (0: no store)")
         check(self.max_logprobs >= -1, "--max-logprobs must be >= 0, or -1 for no limit")
         check(
             self.tool_call_parser in ("", *TOOL_PARSER_NAMES),

@@ -45,6 +45,14 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             help="alternatives (logprobs, top_logprobs, prompt_logprobs) a request may ask for; "
             "-1: the whole vocabulary",
         ),
+        option(
+            g,
+            "--responses-store-mb",
+            c,
+            "responses_store_mb",
+            help="memory for stored Responses API responses (GET by id, previous_response_id, "
+            "background), least recently used dropped first; 0: none stored",
+        ),
         *(
             option(
                 g,

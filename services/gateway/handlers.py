@@ -24,6 +24,7 @@ from services.gateway.errors import APIError, invalid, validation_message
 from services.gateway.generation import ChoiceRun, ChoiceSpec, ChoiceStreams, Delta
 from services.gateway.latency import SLA, ChoiceTiming
 from services.gateway.lifecycle import Lifecycle
+from services.gateway.response_store import ResponseStore
 from services.gateway.responses import (
     SSE_DONE,
     ChatFormatter,
@@ -60,6 +61,7 @@ class GatewayState:
     max_logprobs: int = 20  # alternatives a request may ask for (-1: the vocabulary)
     # chat-template variables a chat gets unless it sets them (--default-chat-template-kwargs)
     chat_template_defaults: dict[str, Any] = field(default_factory=dict)
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))  # Responses API
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -186,6 +188,7 @@ def start_choices(
     specs: list[ChoiceSpec],
     n: int,
     beams: BeamOptions | None = None,
+    watch_client: bool = True,  # False: it runs on when the client leaves (a background one)
 ) -> ChoiceStreams:
     """Every choice running, their deltas on one stream that ends if the client leaves; with
     `beams`, the choices are the best hypotheses of each prompt's beam search."""
@@ -198,7 +201,7 @@ def start_choices(
             for s in specs
         ]
     streams = ChoiceStreams(runs, n)
-    streams.start(lambda: _disconnected(request))
+    streams.start((lambda: _disconnected(request)) if watch_client else None)
     return streams
 
 

@@ -109,19 +109,28 @@ class BodyLimitMiddleware:
 
 
 class CountingMiddleware:
-    """Counts answered requests by endpoint and status; unknown paths share one label so a
-    scanner cannot blow up the metric's cardinality."""
+    """Counts answered requests by endpoint and status; a path with an id is counted under its
+    template ("/v1/responses/{response_id}"), unknown paths share one label, so a scanner
+    cannot blow up the metric's cardinality."""
 
     def __init__(self, app, count: Callable[[str, int], None], endpoints: Iterable[str]):
         self.app = app
         self._count = count
-        self._endpoints = frozenset(endpoints)
+        self._endpoints = frozenset(e for e in endpoints if "{" not in e)
+        self._templates = [
+            (re.compile(re.sub(r"\{[^/]+\}", "[^/]+", e) + "$"), e) for e in endpoints if "{" in e
+        ]
+
+    def _label(self, path: str) -> str:
+        if path in self._endpoints:
+            return path
+        return next((e for pattern, e in self._templates if pattern.match(path)), "other")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"] if scope["path"] in self._endpoints else "other"
+        path = self._label(scope["path"])
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":

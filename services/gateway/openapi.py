@@ -8,6 +8,7 @@ requests from it.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic.json_schema import models_json_schema
@@ -57,6 +58,8 @@ _POSTS = {
 _GETS = {
     "/v1/models": "The served model",
     "/v1/models/{name}": "One model by name",
+    "/v1/responses/{response_id}": "A stored response (Responses API)",
+    "/v1/responses/{response_id}/input_items": "A stored response's input items, a page of them",
     "/health": "Liveness of this process",
     "/ready": "Ready while at least one attention server is; every server's state",
     "/metrics": "Prometheus metrics",
@@ -69,6 +72,13 @@ def _responses(ok: dict[str, Any]) -> dict[str, Any]:
     out = {"200": ok}
     out.update({code: {"description": why, **err} for code, why in _ERRORS.items()})
     return out
+
+
+def _path_parameters(path: str) -> list[dict[str, Any]]:
+    return [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in re.findall(r"\{(\w+)\}", path)
+    ]
 
 
 def openapi(version: str = "0.1.0") -> dict[str, Any]:
@@ -91,14 +101,28 @@ def openapi(version: str = "0.1.0") -> dict[str, Any]:
     for path, summary in _GETS.items():
         op: dict[str, Any] = {
             "summary": summary,
-            "operationId": "get_" + (path.strip("/").replace("/", "_").strip("{}") or "root"),
+            "operationId": "get_"
+            + (re.sub(r"[{}]", "", path.strip("/").replace("/", "_")) or "root"),
             "responses": _responses({"description": "OK"}),
         }
-        if "{name}" in path:
-            op["parameters"] = [
-                {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
-            ]
+        if "{" in path:
+            op["parameters"] = _path_parameters(path)
         paths[path] = {"get": op}
+    one = "/v1/responses/{response_id}"
+    paths[one]["delete"] = {
+        "summary": "Delete a stored response",
+        "operationId": "delete_response",
+        "parameters": _path_parameters(one),
+        "responses": _responses({"description": "OK: deleted"}),
+    }
+    paths[one + "/cancel"] = {
+        "post": {
+            "summary": "Cancel a background response",
+            "operationId": "cancel_response",
+            "parameters": _path_parameters(one),
+            "responses": _responses({"description": "OK: the response, cancelled"}),
+        }
+    }
     paths["/reset_prefix_cache"] = {
         "post": {
             "summary": "Forget every attention server's cached prefixes (vLLM's)",

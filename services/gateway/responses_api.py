@@ -1,33 +1,74 @@
-"""OpenAI's Responses API (`POST /v1/responses`): the request runs as the chat it translates to
-(responses_schema.py), through the same prompts, guides and answer readers; its answer comes
-back as output items (reasoning, a message, function calls), whole or as the API's typed
-stream events (`response.created` ... `response.completed`, each with its sequence number).
+"""OpenAI's Responses API routes: `POST /v1/responses` runs the request as the chat it
+translates to (responses_schema.py), through the same prompts, guides and answer readers, and
+answers whole, as a stream of events (responses_output.py), or at once as a queued background
+response; a stored response (response_store.py) is read, listed, cancelled and deleted by id.
 """
 
 from __future__ import annotations
 
-import secrets
-import time
-from collections.abc import AsyncIterator
+import asyncio
+import functools
+import logging
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from afd.control import Logprob
-from afd.sampling import SamplingParams
 from services.gateway import choices, prompts
 from services.gateway import handlers as h
-from services.gateway.answers import answer_readers, read_delta, read_whole
-from services.gateway.errors import APIError
-from services.gateway.generation import ChoiceStreams, Delta, Piece
-from services.gateway.responses import ChatFormatter, sse
+from services.gateway.answers import answer_readers, read_whole
+from services.gateway.errors import APIError, invalid
+from services.gateway.generation import ChoiceStreams, Piece
+from services.gateway.response_store import ResponseStore, Stored
+from services.gateway.responses import ChatFormatter
+from services.gateway.responses_output import Output, events, usage
 from services.gateway.responses_schema import ResponsesRequest
+
+log = logging.getLogger("afd.gateway")
+
+MAX_LIST = 100  # input items per page, at most (OpenAI's bound)
+
+
+def add_routes(app: FastAPI, state: h.GatewayState) -> None:
+    @app.post("/v1/responses")
+    async def create(request: Request):
+        req = await h.parse(request, ResponsesRequest)
+        return await respond(state, request, req)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(request: Request, response_id: str):
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise invalid("streaming a stored response again is not served; GET it whole", "stream")
+        return JSONResponse(_stored(state, response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str):
+        _stored(state, response_id)
+        state.responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str):
+        return JSONResponse(await _cancel(_stored(state, response_id)))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(request: Request, response_id: str):
+        return JSONResponse(_page(_stored(state, response_id).input, request.query_params))
 
 
 async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest) -> Response:
     h.check_model(state, req.model)
-    chat = req.to_chat("developer" if state.chat_format == "harmony" else "system")
+    store = state.responses
+    if req.background and not store.enabled:
+        raise invalid(
+            "background responses need the response store, which this gateway runs without "
+            "(--responses-store-mb 0)",
+            "background",
+        )
+    history = []
+    if req.previous_response_id is not None:
+        history = _store(state).conversation(req.previous_response_id)
+    chat = req.to_chat("developer" if state.chat_format == "harmony" else "system", history)
     prompts.check_tools(state, chat)
     ids = await prompts.chat_prompt(state, chat)
     rid = request.state.request_id
@@ -38,249 +79,125 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
     )
     fmt = ChatFormatter(rid, state.model_name, state.token_bytes, False)
     out = Output(req, state.model_name, rid, specs[0].params, fmt if req.wants_logprobs else None)
+    entry = None
+    if req.store and store.enabled:
+        out.stored = True
+        first = out.response(None, status="queued" if req.background else "")
+        entry = Stored(first, req.input_items(), req.previous_response_id)
+        store.put(entry)
+    done = store.update if entry is not None else (lambda _r: None)
+    if entry is not None and req.background:
+        start = functools.partial(h.start_choices, state, request, specs, 1, watch_client=False)
+        entry.task = asyncio.create_task(_background(state, start, out, readers))
+        return JSONResponse(entry.response)
     streams = h.start_choices(state, request, specs, 1)
-    if req.stream:
-        return await h.event_stream(
-            streams, lambda first: _events(streams, out, first, readers, state.tokenizer)
-        )
+    try:
+        if req.stream:
+            return await h.event_stream(
+                streams, lambda first: events(streams, out, first, readers, state.tokenizer, done)
+            )
+        final = await _whole(state, streams, out, readers)
+    except APIError as e:
+        done(out.response(None, status="failed", error=e))
+        raise
+    except BaseException:
+        done(out.response(None, status="cancelled"))
+        raise
+    if final is None:  # the client left
+        done(out.response(None, status="cancelled"))
+        return Response(status_code=499)
+    done(final)
+    return JSONResponse(final)
+
+
+async def _whole(
+    state: h.GatewayState, streams: ChoiceStreams, out: Output, readers
+) -> dict[str, Any] | None:
+    """The finished Response object; None if the client left first."""
     (answer,), _, _, _ = await h.collect(streams, 1)
     if streams.disconnected:
-        return Response(status_code=499)
+        return None
     h.count_finished(streams)
     content, lps, finish = answer
     piece = Piece(content=content)
     if readers is not None:
         _, (piece,) = read_whole([answer], readers)
     out.add_whole(piece, lps)
-    return JSONResponse(out.response(finish, _usage(streams, out.reasoning, state.tokenizer)))
+    return out.response(finish, usage(streams, out.reasoning, state.tokenizer))
 
 
-class Output:
-    """One response's output items, built whole or event by event."""
-
-    def __init__(
-        self,
-        req: ResponsesRequest,
-        model: str,
-        rid: str,
-        params: SamplingParams,
-        logprobs: ChatFormatter | None = None,  # writes the tokens' logprobs, when asked
-    ):
-        self.req, self.model = req, model
-        self._lp = logprobs
-        self._pending: list[Logprob] = []  # logprobs not yet sent with a text delta
-        self.params = params  # what ran (the model's defaults filled in)
-        self.id = f"resp_{rid.replace('-', '')[:32]}"
-        self.created = int(time.time())
-        self.items: list[dict[str, Any]] = []  # output items so far (the open one included)
-        self.reasoning = ""  # all of it, for the usage's reasoning tokens
-        self._open: str = ""  # the type of the item still being written ("" none)
-        self._seq = 0
-
-    def response(self, finish: str | None, usage: dict | None = None) -> dict[str, Any]:
-        """The Response object: in progress (finish None), completed or incomplete (the
-        output cut at max_output_tokens)."""
-        status = "in_progress" if finish is None else "completed"
-        if finish == "length":
-            status = "incomplete"
-        req = self.req
-        fmt = req.text.format if req.text and req.text.format else None
-        choice: Any = req.tool_choice or ("auto" if req.tools else "none")
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "model": self.model,
-            "status": status,
-            "error": None,
-            "incomplete_details": (
-                {"reason": "max_output_tokens"} if status == "incomplete" else None
-            ),
-            "instructions": req.instructions,
-            "max_output_tokens": req.max_output_tokens,
-            "metadata": req.metadata or {},
-            "output": self.items if finish is not None else [],
-            "parallel_tool_calls": req.parallel_tool_calls,
-            "temperature": self.params.temperature,
-            "top_p": self.params.top_p,
-            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
-            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
-            "text": {"format": _dump(fmt) if fmt else {"type": "text"}},
-            "reasoning": req.reasoning.model_dump() if req.reasoning else None,
-            "store": False,
-            "usage": usage,
-        }
-
-    def add_whole(self, piece: Piece, logprobs: list[Logprob] = ()) -> None:
-        if piece.reasoning:
-            self.reasoning = piece.reasoning
-            self.items.append(_reasoning(piece.reasoning, "completed"))
-        if piece.content or not piece.calls:
-            self.items.append(_message(piece.content, "completed"))
-            self.items[-1]["content"][0]["logprobs"] = self._entries(list(logprobs))
-        for call in piece.calls:
-            fn = call["function"]
-            self.items.append(_call(call.get("id") or "", fn["name"], fn["arguments"], "completed"))
-
-    # the stream
-
-    def event(self, kind: str, **fields: Any) -> bytes:
-        self._seq += 1
-        return sse({"type": kind, "sequence_number": self._seq - 1, **fields}, kind)
-
-    def begin(self) -> list[bytes]:
-        r = self.response(None)
-        return [
-            self.event("response.created", response=r),
-            self.event("response.in_progress", response=r),
-        ]
-
-    def _entries(self, lps: list[Logprob]) -> list[dict[str, Any]]:
-        return self._lp.logprobs(lps)["content"] if self._lp is not None and lps else []
-
-    def feed(self, piece: Piece, logprobs: list[Logprob] = ()) -> list[bytes]:
-        """The events of one delta's reasoning, content and calls; its tokens' logprobs go
-        with the next text delta (all of the answer's, as a whole response has them)."""
-        self._pending += logprobs
-        out: list[bytes] = []
-        if piece.reasoning:
-            self.reasoning += piece.reasoning
-            out += self._open_item("reasoning")
-            out.append(self._delta("response.reasoning_text.delta", piece.reasoning))
-        if piece.content:
-            out += self._open_item("message")
-            lps, self._pending = self._entries(self._pending), []
-            self.items[-1]["content"][0]["logprobs"] += lps
-            out.append(self._delta("response.output_text.delta", piece.content, logprobs=lps))
-        for call in piece.calls:
-            fn = call.get("function", {})
-            if "name" in fn:  # a call's first delta opens its item
-                out += self.close()
-                item = _call(call.get("id") or "", fn["name"], "", "in_progress")
-                out += self._add(item, "function_call")
-            if fn.get("arguments"):
-                item = self.items[-1]
-                item["arguments"] += fn["arguments"]
-                at = {"item_id": item["id"], "output_index": len(self.items) - 1}
-                delta = fn["arguments"]
-                out.append(self.event("response.function_call_arguments.delta", **at, delta=delta))
-        return out
-
-    def close(self) -> list[bytes]:
-        """The open item's closing events, if one is open."""
-        if not self._open:
-            return []
-        item, index = self.items[-1], len(self.items) - 1
-        where = {"item_id": item["id"], "output_index": index}
-        at = {**where, "content_index": 0}
-        out = []
-        if self._open == "message":
-            part = item["content"][0]
-            text = part["text"]
-            lps = part["logprobs"]
-            out.append(self.event("response.output_text.done", **at, text=text, logprobs=lps))
-            out.append(self.event("response.content_part.done", **at, part=part))
-        elif self._open == "reasoning":
-            part = item["content"][0]
-            out.append(self.event("response.reasoning_text.done", **at, text=part["text"]))
-            out.append(self.event("response.content_part.done", **at, part=part))
-        else:
-            args = item["arguments"]
-            out.append(self.event("response.function_call_arguments.done", **where, arguments=args))
-        item["status"] = "completed"
-        out.append(self.event("response.output_item.done", output_index=index, item=item))
-        self._open = ""
-        return out
-
-    def _open_item(self, kind: str) -> list[bytes]:
-        if self._open == kind:
-            return []
-        out = self.close()
-        item = _message("", "in_progress") if kind == "message" else _reasoning("", "in_progress")
-        out += self._add(item, kind)
-        at = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
-        out.append(self.event("response.content_part.added", **at, part=dict(item["content"][0])))
-        return out
-
-    def _add(self, item: dict[str, Any], kind: str) -> list[bytes]:
-        self.items.append(item)
-        self._open = kind
-        # as added: no content parts yet (content_part.added brings each)
-        snapshot = {**item, "content": []} if "content" in item else dict(item)
-        index = len(self.items) - 1
-        return [self.event("response.output_item.added", output_index=index, item=snapshot)]
-
-    def _delta(self, kind: str, text: str, **extra: Any) -> bytes:
-        item = self.items[-1]
-        item["content"][0]["text"] += text
-        return self.event(kind, item_id=item["id"], output_index=len(self.items) - 1,
-                          content_index=0, delta=text, **extra)  # fmt: skip
-
-
-async def _events(
-    streams: ChoiceStreams, out: Output, first: Delta | None, readers, tokenizer
-) -> AsyncIterator[bytes]:
-    finish: str | None = None
+async def _background(state: h.GatewayState, start, out: Output, readers) -> None:
+    """A background response's generation: its stored object goes from queued to in
+    progress to how it ended. Counted in flight, so a draining gateway waits for it."""
+    store = state.responses
+    final = out.response(None, status="cancelled")  # unless it ends otherwise
+    state.lifecycle.inflight += 1
     try:
-        for e in out.begin():
-            yield e
-        d = first
-        while d is not None:
-            if readers is not None:
-                d, piece = read_delta(readers[0], d)
-                piece = Piece(piece.reasoning, d.text, piece.calls)
-            else:
-                piece = Piece(content=d.text)
-            for e in out.feed(piece, d.logprobs):
-                yield e
-            finish = d.finish_reason or finish
-            d = await streams.next()
-        if streams.disconnected:
-            return
-        h.count_finished(streams)
-        for e in out.close():
-            yield e
-        final = out.response(finish or "stop", _usage(streams, out.reasoning, tokenizer))
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        yield out.event(kind, response=final)
-    except APIError as e:  # the status line is gone: the error travels as an event
-        yield out.event("error", code=e.code, message=e.message, param=e.param)
+        store.update(out.response(None))
+        final = await _whole(state, start(), out, readers) or final
+    except APIError as e:
+        final = out.response(None, status="failed", error=e)
+    except Exception as e:  # noqa: BLE001 - whatever it was, the response says it failed
+        log.exception("background response %s failed", out.id)
+        final = out.response(None, status="failed", error=APIError(500, f"internal error: {e}"))
     finally:
-        await streams.close()
+        state.lifecycle.inflight -= 1
+        store.update(final)
 
 
-def _dump(fmt: Any) -> dict[str, Any]:
-    return fmt.model_dump(by_alias=True, exclude_none=True)
+async def _cancel(entry: Stored) -> dict[str, Any]:
+    if entry.task is None:
+        raise invalid(
+            "only a background response can be cancelled; this one was answered as it ran",
+            "response_id",
+        )
+    if entry.running:
+        entry.task.cancel()
+        await asyncio.wait([entry.task])
+        if entry.running:  # cancelled before it ever ran
+            entry.response = {**entry.response, "status": "cancelled"}
+    return entry.response
 
 
-def _usage(streams: ChoiceStreams, reasoning: str, tokenizer) -> dict[str, Any]:
-    """OpenAI's usage; the reasoning tokens as the tokenizer counts the reasoning's text."""
+def _store(state: h.GatewayState) -> ResponseStore:
+    if not state.responses.enabled:
+        raise APIError(
+            404,
+            "this gateway stores no responses (--responses-store-mb 0)",
+            "invalid_request_error",
+            None,
+            "not_found",
+        )
+    return state.responses
+
+
+def _stored(state: h.GatewayState, response_id: str) -> Stored:
+    return _store(state).get(response_id)
+
+
+def _page(items: list[dict[str, Any]], query) -> dict[str, Any]:
+    """One page of a stored response's input items, as OpenAI's cursor lists them."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order must be asc or desc", "order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_LIST:
+        raise invalid(f"limit must be an integer from 1 to {MAX_LIST}", "limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        at = next((k for k, i in enumerate(ordered) if i["id"] == after), None)
+        if at is None:
+            raise invalid(f"no input item {after!r} in this response", "after")
+        ordered = ordered[at + 1 :]
+    page = ordered[:limit]
     return {
-        "input_tokens": streams.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": streams.cached_tokens},
-        "output_tokens": streams.completion_tokens,
-        "output_tokens_details": {
-            "reasoning_tokens": len(tokenizer.encode(reasoning)) if reasoning else 0
-        },
-        "total_tokens": streams.prompt_tokens + streams.completion_tokens,
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > limit,
     }
-
-
-def _message(text: str, status: str) -> dict[str, Any]:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    return {"type": "message", "id": _id("msg"), "role": "assistant", "status": status,
-            "content": [part]}  # fmt: skip
-
-
-def _reasoning(text: str, status: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": _id("rs"), "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
-
-
-def _call(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}  # fmt: skip
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"

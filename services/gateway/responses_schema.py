@@ -2,15 +2,17 @@
 translation: into the chat request the gateway already serves (messages, tools, guide).
 
 An input is a string (one user message) or a list of items: messages (text parts), the
-model's earlier function calls and reasoning, and the calls' outputs. Nothing is stored, so a
-conversation goes in whole; `previous_response_id` and `conversation` are refused by name.
+model's earlier function calls and reasoning, and the calls' outputs. A conversation goes in
+whole, or goes on from a stored response (`previous_response_id`: its conversation and output
+come first; response_store.py); OpenAI's Conversations API (`conversation`) is not served.
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
 from services.gateway.chat_messages import MAX_TOOLS, FunctionName
 from services.gateway.errors import invalid, validation_message
@@ -59,6 +61,7 @@ class ReasoningItem(_Model):
 InputItem = Annotated[
     InputMessage | FunctionCallItem | FunctionCallOutput | ReasoningItem, Field(union_mode="smart")
 ]
+_ITEMS = TypeAdapter(list[InputItem])  # a stored conversation's items, read back
 
 
 class FunctionTool(_Model):
@@ -112,31 +115,53 @@ class ResponsesRequest(_Model):
     text: TextOptions | None = None
     reasoning: Reasoning | None = None
     stream: Bool = False
-    store: Bool = False  # accepted; this server keeps nothing (answered as store: false)
+    store: Bool = True  # OpenAI's default: kept for GET and previous_response_id
+    background: Bool = False  # answered at once (queued); GET it until it is done
     metadata: dict[str, str] | None = None
     previous_response_id: str | None = None
     conversation: Any = None
 
     @model_validator(mode="after")
-    def _stateless(self) -> ResponsesRequest:
-        if self.previous_response_id is not None or self.conversation is not None:
+    def _served(self) -> ResponsesRequest:
+        if self.conversation is not None:
             raise ValueError(
-                "this server keeps no responses or conversations; send the whole "
-                "conversation as input (previous_response_id and conversation are not served)"
+                "conversation objects are not served; go on from a stored response with "
+                "previous_response_id, or send the whole conversation as input"
+            )
+        if self.background and not self.store:
+            raise ValueError("a background response needs store: true (it is fetched by id)")
+        if self.background and self.stream:
+            raise ValueError(
+                "background streaming is not served; create it with stream: false and poll "
+                "GET /v1/responses/{id}, or stream it without background"
             )
         return self
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """This request's input as the API lists items (GET .../input_items): each with an
+        id and a status, a message's text as content parts (a string input is one user
+        message)."""
+        items = (
+            [InputMessage(role="user", content=self.input)]
+            if isinstance(self.input, str)
+            else self.input
+        )
+        return [_listed(i) for i in items]
 
     @property
     def wants_logprobs(self) -> bool:
         return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
 
-    def to_chat(self, instructions_role: str = "system") -> ChatCompletionRequest:
+    def to_chat(
+        self, instructions_role: str = "system", history: list[dict[str, Any]] = ()
+    ) -> ChatCompletionRequest:
         """The same request as a chat completion, `instructions` as a message of that role
-        (gpt-oss's template reads them from the developer's); a combination the chat request
-        refuses is the client's 400."""
+        (gpt-oss's template reads them from the developer's), after the `history` items (a
+        stored response's conversation; its instructions are not carried over, as OpenAI's
+        are not); a combination the chat request refuses is the client's 400."""
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": self._messages(instructions_role),
+            "messages": self._messages(instructions_role, _ITEMS.validate_python(list(history))),
             "parallel_tool_calls": self.parallel_tool_calls,
             "priority": self.priority,
         }
@@ -174,14 +199,14 @@ class ResponsesRequest(_Model):
             msg, param = validation_message(e.errors(include_url=False))
             raise invalid(msg, param=param) from None
 
-    def _messages(self, instructions_role: str) -> list[dict[str, Any]]:
+    def _messages(self, instructions_role: str, history: list[Any]) -> list[dict[str, Any]]:
         """The input as chat messages: consecutive function calls join one assistant message
         (after its text, if the message just before is the assistant's), a reasoning item
         goes with the assistant message or calls that follow it."""
         out: list[dict[str, Any]] = []
         if self.instructions:
             out.append({"role": instructions_role, "content": self.instructions})
-        items = (
+        items = history + (
             [InputMessage(role="user", content=self.input)]
             if isinstance(self.input, str)
             else self.input
@@ -210,3 +235,28 @@ class ResponsesRequest(_Model):
                 out[-1]["reasoning_content"] = thought
             thought = None
         return out
+
+
+_ID_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+def _listed(item: Any) -> dict[str, Any]:
+    out = item.model_dump(exclude_none=True)
+    if isinstance(item, InputMessage):
+        kind = "output_text" if item.role == "assistant" else "input_text"
+        parts = (
+            [{"type": kind, "text": item.content}]
+            if isinstance(item.content, str)
+            else out["content"]
+        )
+        if item.role == "assistant":
+            parts = [{**p, "annotations": []} for p in parts]
+        out["content"] = parts
+    if not isinstance(item, ReasoningItem):
+        out["status"] = "completed"
+    return {"id": f"{_ID_PREFIX[out['type']]}_{secrets.token_hex(12)}", **out}

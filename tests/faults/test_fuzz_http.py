@@ -146,3 +146,30 @@ def test_fuzzed_bodies_never_5xx(gateway, path):
 def test_fuzzed_paths_never_5xx(gateway, name):
     r = gateway.run(gateway.client.get(f"/v1/models/{quote(name, safe='')}"))
     check(r, name)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(
+    name=st.text(min_size=1, max_size=30),
+    query=st.dictionaries(
+        st.sampled_from(["limit", "order", "after", "stream", "include"]),
+        st.text(max_size=12),
+        max_size=3,
+    ),
+    real=st.booleans(),
+)
+def test_fuzzed_stored_response_calls_never_5xx(gateway, name, query, real):
+    """Stored-response calls on arbitrary ids and query strings, and on a stored one's."""
+    if real:
+        made = gateway.run(gateway.client.post("/v1/responses", json=VALID["/v1/responses"]))
+        name = made.json()["id"]
+    at = f"/v1/responses/{quote(name, safe='')}"
+    c = gateway.client
+    for call in (
+        c.get(at, params=query),
+        c.get(at + "/input_items", params=query),
+        c.post(at + "/cancel"),
+        c.delete(at),
+    ):
+        r = gateway.run(call)
+        check(r, (name, query))

@@ -274,6 +274,40 @@ def test_responses_api_answers_as_the_chat_it_stands_for(client):
     assert events[-1].response.output_text == whole.output_text
 
 
+def test_stored_responses_go_on_as_the_chat_of_the_whole_conversation(client):
+    """The official client's stored-response calls: a turn that goes on from a response by
+    previous_response_id answers as the chat of the whole conversation; a background response
+    polled to its end answers as the same request run whole; its input is listed; deleted, it
+    is gone (the client's NotFoundError)."""
+    import openai
+
+    args = dict(model="tiny", max_output_tokens=6, temperature=0)
+    first = client.responses.create(input=CHAT[0]["content"], **args)
+    second = client.responses.create(input="and then?", previous_response_id=first.id, **args)
+    messages = [
+        *CHAT,
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "and then?"},
+    ]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                          temperature=0)  # fmt: skip
+    assert second.output_text == chat.choices[0].message.content
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    queued = client.responses.create(input=CHAT[0]["content"], background=True, **args)
+    assert queued.status in ("queued", "in_progress", "incomplete")
+    deadline = time.monotonic() + 60
+    done = queued
+    while done.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        done = client.responses.retrieve(queued.id)
+    assert done.status == "incomplete" and done.output_text == first.output_text
+    (item,) = client.responses.input_items.list(second.id).data
+    assert item.content[0].text == "and then?"
+    client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)
+
+
 def test_n_and_seeds_are_reproducible(client):
     args = dict(model="tiny", messages=CHAT, max_tokens=8, temperature=1.0, n=3, seed=1234)
     a = [c.message.content for c in client.chat.completions.create(**args).choices]
