@@ -149,6 +149,10 @@ class Output:
         out = []
         if self._open == "message":
             part = item["content"][0]
+            # the tokens after the last text delta (a stop token's): in the done event and the
+            # final response, as a whole response has them
+            part["logprobs"] += self._entries(self._pending)
+            self._pending = []
             text = part["text"]
             lps = part["logprobs"]
             out.append(self.event("response.output_text.done", **at, text=text, logprobs=lps))

@@ -104,6 +104,17 @@ def test_output_text_logprobs_whole_and_streamed(tokenizer):
     assert [lp.model_dump() for e in deltas for lp in e.logprobs] == want
     done = next(e for e in events if e.type == "response.output_text.done")
     assert [lp.model_dump() for lp in done.logprobs] == want
+    # a last token without text (the stop token) has its logprob in a stream's done event
+    # and final response too, as in the whole one
+    stop = {"ids": list(b"Sunny.") + [2], "stop_token": True}
+    whole = _response(_post(tokenizer, FakeClient(**stop), body).json())
+    want = [lp.model_dump() for lp in whole.output[0].content[0].logprobs]
+    assert len(want) == 7 and whole.output_text == "Sunny."
+    events = _events(_post(tokenizer, FakeClient(**stop), {**body, "stream": True}).text)
+    done = next(e for e in events if e.type == "response.output_text.done")
+    final = events[-1].response.output[0].content[0]
+    assert [lp.model_dump() for lp in done.logprobs] == want
+    assert [lp.model_dump() for lp in final.logprobs] == want
     # asked by include alone: no alternatives; not asked: none
     inc = {"input": "weather?", "include": ["message.output_text.logprobs"]}
     (part,) = _response(_post(tokenizer, FakeClient(text="Hi"), inc).json()).output[0].content
