@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.errors import APIError, invalid
@@ -30,10 +31,42 @@ class Stored:
     previous: str | None  # the response it goes on from
     size: int = 0  # bytes counted against the budget
     task: asyncio.Task | None = None  # a background response's generation
+    # a background stream's events, as sent (index = sequence number), for every follower
+    events: list[bytes] | None = None
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)  # set on each new event
 
     @property
     def running(self) -> bool:
         return self.response["status"] in RUNNING
+
+    def run(self, task: asyncio.Task) -> None:
+        """Its background generation; followers wake when it ends, however (even cancelled
+        before it began)."""
+        self.task = task
+        task.add_done_callback(lambda _t: self._wake_all())
+
+    def publish(self, event: bytes) -> None:
+        assert self.events is not None
+        self.events.append(event)
+        self._wake_all()
+
+    async def follow(self, start: int) -> AsyncIterator[bytes]:
+        """The events from sequence number `start` on, as they come, until the generation
+        ends; a follower that leaves stops nothing."""
+        assert self.events is not None
+        i = max(start, 0)
+        while True:
+            wake, running = self._wake, self.working  # before sending: no wake-up is missed
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if not running:
+                return
+            await wake.wait()
+
+    def _wake_all(self) -> None:
+        self._wake.set()
+        self._wake = asyncio.Event()
 
     @property
     def working(self) -> bool:
@@ -70,7 +103,7 @@ class ResponseStore:
         rid = entry.response["id"]
         if rid in self._entries:
             self.used -= self._entries.pop(rid).size
-        entry.size = _size(entry.response) + _size(entry.input)
+        entry.size = _size(entry.response) + _size(entry.input) + sum(map(len, entry.events or ()))
         self._entries[rid] = entry
         self.used += entry.size
         self._evict()

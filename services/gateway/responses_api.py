@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway import choices, prompts
 from services.gateway import handlers as h
@@ -37,9 +37,18 @@ def add_routes(app: FastAPI, state: h.GatewayState) -> None:
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(request: Request, response_id: str):
-        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
-            raise invalid("streaming a stored response again is not served; GET it whole", "stream")
-        return JSONResponse(_stored(state, response_id).response)
+        entry = _stored(state, response_id)
+        if request.query_params.get("stream", "false").lower() in ("false", "0"):
+            return JSONResponse(entry.response)
+        if entry.events is None:
+            raise invalid(
+                "only a background response created with stream: true can be streamed again",
+                "stream",
+            )
+        after = request.query_params.get("starting_after", "-1")
+        if not after.lstrip("-").isdigit():
+            raise invalid("starting_after must be an event's sequence number", "starting_after")
+        return _sse(entry.follow(int(after) + 1))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str):
@@ -88,7 +97,11 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
     done = store.update if entry is not None else (lambda _r: None)
     if entry is not None and req.background:
         start = functools.partial(h.start_choices, state, request, specs, 1, watch_client=False)
-        entry.task = asyncio.create_task(_background(state, start, out, readers))
+        if req.stream:  # followed from its buffer: the client may leave and come back
+            entry.events = []
+            entry.run(asyncio.create_task(_background_stream(state, entry, start, out, readers)))
+            return _sse(entry.follow(0))
+        entry.run(asyncio.create_task(_background(state, start, out, readers)))
         return JSONResponse(entry.response)
     streams = h.start_choices(state, request, specs, 1)
     try:
@@ -143,6 +156,37 @@ async def _background(state: h.GatewayState, start, out: Output, readers) -> Non
     finally:
         state.lifecycle.inflight -= 1
         store.update(final)
+
+
+async def _background_stream(
+    state: h.GatewayState, entry: Stored, start, out: Output, readers
+) -> None:
+    """A background stream's generation: its events into the entry's buffer, whoever
+    follows them; the stored object ends as the stream does."""
+    store = state.responses
+    state.lifecycle.inflight += 1
+    try:
+        store.update(out.response(None))
+        for event in out.begin():  # at once: the client learns the id to come back with
+            entry.publish(event)
+        streams = start()
+        try:
+            first = await streams.next()
+        except APIError as e:
+            await streams.close()
+            store.update(out.response(None, status="failed", error=e))
+            entry.publish(out.event("error", code=e.code, message=e.message, param=e.param))
+            return
+        tokenizer = state.tokenizer
+        async for event in events(streams, out, first, readers, tokenizer, store.update, True):
+            entry.publish(event)
+    finally:
+        state.lifecycle.inflight -= 1
+
+
+def _sse(body) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
 async def _cancel(entry: Stored) -> dict[str, Any]:

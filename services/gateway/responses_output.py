@@ -201,11 +201,12 @@ async def events(
     readers,
     tokenizer,
     done: Callable[[dict[str, Any]], None],  # gets the final Response object, however it ends
+    begun: bool = False,  # the opening events went out already
 ) -> AsyncIterator[bytes]:
     finish: str | None = None
     final = out.response(None, status="cancelled")  # unless it ends otherwise
     try:
-        for e in out.begin():
+        for e in [] if begun else out.begin():
             yield e
         d = first
         while d is not None:

@@ -130,11 +130,6 @@ class ResponsesRequest(_Model):
             )
         if self.background and not self.store:
             raise ValueError("a background response needs store: true (it is fetched by id)")
-        if self.background and self.stream:
-            raise ValueError(
-                "background streaming is not served; create it with stream: false and poll "
-                "GET /v1/responses/{id}, or stream it without background"
-            )
         return self
 
     def input_items(self) -> list[dict[str, Any]]:

@@ -308,6 +308,30 @@ def test_stored_responses_go_on_as_the_chat_of_the_whole_conversation(client):
         client.responses.retrieve(second.id)
 
 
+def test_a_background_stream_left_early_is_resumed_where_it_was_left(client):
+    """The official client streams a background response, leaves after a few events (closing
+    the connection), and resumes with retrieve(stream=True, starting_after=...): the events
+    it gets are the rest, and the text adds up to the same request answered whole."""
+    args = dict(model="tiny", input=CHAT[0]["content"], max_output_tokens=24, temperature=0)
+    whole = client.responses.create(**args, store=False)
+    stream = client.responses.create(**args, background=True, stream=True)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()  # the client leaves; the generation runs on
+    rid = seen[0].response.id
+    rest = list(
+        client.responses.retrieve(rid, stream=True, starting_after=seen[-1].sequence_number)
+    )
+    numbers = [e.sequence_number for e in seen + rest]
+    assert numbers == list(range(len(numbers)))
+    text = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")
+    assert text == whole.output_text and rest[-1].type == "response.incomplete"
+    assert client.responses.retrieve(rid).output_text == whole.output_text
+
+
 def test_n_and_seeds_are_reproducible(client):
     args = dict(model="tiny", messages=CHAT, max_tokens=8, temperature=1.0, n=3, seed=1234)
     a = [c.message.content for c in client.chat.completions.create(**args).choices]

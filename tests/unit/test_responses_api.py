@@ -187,7 +187,6 @@ def test_guides_limits_and_refusals(tokenizer):
         ({"input": "x", "previous_response_id": "resp_1"}, "no response 'resp_1' is stored"),
         ({"input": "x", "conversation": "conv_1"}, "conversation objects are not served"),
         ({"input": "x", "background": True, "store": False}, "needs store: true"),
-        ({"input": "x", "background": True, "stream": True}, "background streaming"),
         ({"input": []}, "input"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice needs tools"),
         ({"input": "x", "model": "other"}, "does not exist"),

@@ -5,6 +5,7 @@ background response answered at once, polled, cancelled; the store's byte bound.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from pydantic import TypeAdapter
@@ -179,6 +180,59 @@ def test_background_response_is_answered_at_once_then_polled_or_cancelled(tokeni
     assert again.json()["status"] == "cancelled"
     assert len(fake.closed_early) == 1  # the cancelled generation was stopped
     assert refused.status_code == 400 and "only a background" in refused.json()["error"]["message"]
+
+
+def test_background_stream_runs_on_when_its_client_leaves_and_is_followed_again(tokenizer):
+    fake = GatedClient(text="Later.")
+    body = {"input": "x", "background": True, "stream": True}
+    rid = "resp_bg1"  # the request id X-Request-Id: bg-1 names it
+
+    async def go():
+        fake.gate = asyncio.Event()
+        async with make(tokenizer, [fake]) as c:
+            left = asyncio.create_task(
+                post(c, "/v1/responses", body, headers={"X-Request-Id": "bg-1"})
+            )
+            await asyncio.sleep(0.05)
+            left.cancel()  # the client leaves before a token
+            running = (await c.get(f"/v1/responses/{rid}")).json()
+            fake.gate.set()
+            for _ in range(200):
+                if (await c.get(f"/v1/responses/{rid}")).json()["status"] == "completed":
+                    break
+                await asyncio.sleep(0.01)
+            again = await c.get(f"/v1/responses/{rid}", params={"stream": "true"})
+            tail = await c.get(
+                f"/v1/responses/{rid}", params={"stream": "true", "starting_after": 3}
+            )
+            bad = await c.get(
+                f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "x"}
+            )
+            whole = (await post(c, "/v1/responses", {"input": "y"})).json()
+            unstreamed = await c.get(f"/v1/responses/{whole['id']}", params={"stream": "true"})
+            return running, again, tail, bad, unstreamed
+
+    running, again, tail, bad, unstreamed = run(go())
+    assert running["status"] == "in_progress" and fake.closed_early == []
+    events = _events(again.text)  # every event, in order, as the client's stream helper reads
+    assert events[0].type == "response.created" and events[0].response.id == rid
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == "Later."
+    assert [e.sequence_number for e in _events_after(tail.text)] == list(range(4, len(events)))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"
+    assert unstreamed.status_code == 400 and "stream: true" in unstreamed.json()["error"]["message"]
+
+
+def _events_after(text: str) -> list:
+    """A resumed stream's events, each checked against openai's types (from the middle: the
+    client's stream helper cannot replay them)."""
+    adapter = TypeAdapter(types.ResponseStreamEvent)
+    out = []
+    for block in (b for b in text.split("\n\n") if b.strip()):
+        obj = json.loads(block.split("\n", 1)[1][6:])
+        if "response" in obj:
+            obj["response"] = _response(obj["response"]).model_dump()
+        out.append(adapter.validate_python(obj))
+    return out
 
 
 def _entry(rid: str, text: str, previous: str | None = None, status: str = "completed"):
