@@ -27,7 +27,7 @@ from afd import metrics
 from afd.config import ModelConfig, check
 from afd.runtime import freeze_startup_heap
 from afd.tokenizer import ModelTokenizer
-from services.gateway import choices, model_defaults, prompts, responses_api
+from services.gateway import choices, model_defaults, prompts, responses_api, sagemaker
 from services.gateway import handlers as h
 from services.gateway.auth import APIKeyMiddleware
 from services.gateway.balancer import Balancer
@@ -69,6 +69,7 @@ ENDPOINTS = (
     "/detokenize",
     "/reset_prefix_cache",
     "/openapi.json",
+    *sagemaker.ROUTES,
 )
 
 
@@ -143,12 +144,13 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
 
     app = FastAPI(title="afd", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     _add_error_handlers(app)
-    _add_openai_routes(app, state)
-    responses_api.add_routes(app, state)
+    by_field = _add_openai_routes(app, state)
+    by_field["input"] = responses_api.add_routes(app, state)
+    sagemaker.add_routes(app, lambda: _readiness(state), by_field)
     _add_service_routes(app, state)
     asgi = BodyLimitMiddleware(app, cfg.max_body_bytes)
     if cfg.api_key:
-        public = ["/health", "/ready"] + (["/metrics"] if cfg.public_metrics else [])
+        public = ["/health", "/ready", "/ping"] + (["/metrics"] if cfg.public_metrics else [])
         asgi = APIKeyMiddleware(asgi, cfg.api_key, public)
     asgi = DrainMiddleware(asgi, state.lifecycle)
     asgi = CountingMiddleware(
@@ -180,7 +182,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {e}", "internal_error"), 500)
 
 
-def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> None:
+def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> dict[str, sagemaker.Handler]:
+    """The OpenAI routes; returns the inference handlers by the body field that picks each
+    (SageMaker's /invocations)."""
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await h.parse(request, ChatCompletionRequest)
@@ -207,6 +212,8 @@ def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> None:
         h.check_model(state, name)
         return await _model_card(state)
 
+    return {"messages": chat, "prompt": completions}
+
 
 async def _model_card(state: h.GatewayState) -> dict:
     """The model as /v1/models lists it; a 503 'starting' until an attention server is ready,
@@ -220,6 +227,17 @@ async def _model_card(state: h.GatewayState) -> dict:
     if state.notice:
         card["description"] = state.notice
     return card
+
+
+async def _readiness(state: h.GatewayState) -> JSONResponse:
+    """Ready while at least one attention server is ready and this gateway is not draining;
+    the body gives every server's state (ready, not ready, draining, down)."""
+    ok, reasons = await state.balancer.readiness()
+    if state.lifecycle.draining:
+        ok, reasons = False, ["this gateway is draining (shutting down)", *reasons]
+    status = "draining" if state.lifecycle.draining else "ready" if ok else "not ready"
+    body = {"status": status, "reasons": reasons, "servers": state.balancer.servers()}
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
@@ -245,14 +263,7 @@ def _add_service_routes(app: FastAPI, state: h.GatewayState) -> None:
 
     @app.get("/ready")
     async def ready():
-        """Ready while at least one attention server is ready and this gateway is not
-        draining; the body gives every server's state (ready, not ready, draining, down)."""
-        ok, reasons = await state.balancer.readiness()
-        if state.lifecycle.draining:
-            ok, reasons = False, ["this gateway is draining (shutting down)", *reasons]
-        status = "draining" if state.lifecycle.draining else "ready" if ok else "not ready"
-        body = {"status": status, "reasons": reasons, "servers": state.balancer.servers()}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        return await _readiness(state)
 
     spec = openapi()
 

@@ -62,6 +62,7 @@ _GETS = {
     "/v1/responses/{response_id}/input_items": "A stored response's input items, a page of them",
     "/health": "Liveness of this process",
     "/ready": "Ready while at least one attention server is; every server's state",
+    "/ping": "SageMaker's readiness check: as /ready",
     "/metrics": "Prometheus metrics",
     "/version": "This server's version",
 }
@@ -121,6 +122,19 @@ def openapi(version: str = "0.1.0") -> dict[str, Any]:
             "operationId": "cancel_response",
             "parameters": _path_parameters(one),
             "responses": _responses({"description": "OK: the response, cancelled"}),
+        }
+    }
+    bodies = [keys[(m, "validation")] for m in (ChatCompletionRequest, CompletionRequest,
+                                                  ResponsesRequest)]  # fmt: skip
+    paths["/invocations"] = {
+        "post": {
+            "summary": "SageMaker's inference route: a chat, completion or Responses API body",
+            "operationId": "invocations",
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"anyOf": bodies}}},
+            },
+            "responses": _responses({"description": "OK, as the body's own endpoint"}),
         }
     }
     paths["/reset_prefix_cache"] = {

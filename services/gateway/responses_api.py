@@ -29,7 +29,9 @@ log = logging.getLogger("afd.gateway")
 MAX_LIST = 100  # input items per page, at most (OpenAI's bound)
 
 
-def add_routes(app: FastAPI, state: h.GatewayState) -> None:
+def add_routes(app: FastAPI, state: h.GatewayState):
+    """The Responses API's routes; returns the create handler (for SageMaker's /invocations)."""
+
     @app.post("/v1/responses")
     async def create(request: Request):
         req = await h.parse(request, ResponsesRequest)
@@ -63,6 +65,8 @@ def add_routes(app: FastAPI, state: h.GatewayState) -> None:
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(request: Request, response_id: str):
         return JSONResponse(_page(_stored(state, response_id).input, request.query_params))
+
+    return create
 
 
 async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest) -> Response:
