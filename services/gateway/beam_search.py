@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from afd.control import Logprob, SamplingParams
 from services.gateway.balancer import Balancer
-from services.gateway.errors import internal, invalid
+from services.gateway.client import AttentionClient
+from services.gateway.errors import APIError, internal, invalid
 from services.gateway.generation import ChoiceSpec, Delta
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -137,8 +138,32 @@ async def _alternatives(
     beam: Beam,
     params: SamplingParams,
 ) -> list[tuple[int, float]]:
-    """The next token's top alternatives (id, log-probability) after `beam`."""
+    """The next token's top alternatives (id, log-probability) after `beam`. A step sends the
+    client nothing, so where a server fails on its own account (gone, draining) it is asked of
+    another, as a choice that has not started is."""
+    tried: tuple[AttentionClient, ...] = ()
     client = balancer.pick(prompt=spec.prompt_ids)
+    while True:
+        tried += (client,)
+        try:
+            return await _step_on(balancer, client, request_id, spec, beam, params)
+        except APIError as e:
+            if not await balancer.failed(client, e):
+                raise
+            try:
+                client = balancer.pick(exclude=tried, prompt=spec.prompt_ids)
+            except APIError:
+                raise e from None
+
+
+async def _step_on(
+    balancer: Balancer,
+    client: AttentionClient,
+    request_id: str,
+    spec: ChoiceSpec,
+    beam: Beam,
+    params: SamplingParams,
+) -> list[tuple[int, float]]:
     top: list[tuple[int, float]] | None = None
     with balancer.lease(client):
         stream = client.generate(request_id, [*spec.prompt_ids, *beam.tokens], params)

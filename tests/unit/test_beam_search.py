@@ -32,23 +32,35 @@ NEXT = {
 class FakeClient:
     def __init__(self, fail: bool = False):
         self.fail = fail
+        self.status = 503
         self.calls: list[tuple[list[int], SamplingParams]] = []
 
     async def generate(self, request_id, prompt, params):
         self.calls.append((list(prompt), params))
         if self.fail:
-            raise APIError(503, "attention server gone", "unavailable")
+            raise APIError(self.status, "attention server gone", "unavailable")
         top = sorted(NEXT[prompt[-1]].items(), key=lambda kv: -kv[1])[: params.logprobs]
         t, lp = top[0]
         yield TokenEvent(request_id, [t], [Logprob(t, lp, top)], "length")
 
 
 class FakeBalancer:
-    def __init__(self, client):
-        self.client = client
+    """Picks the first client not excluded; a 503 is the server's own (it retries), any other
+    error the request's."""
+
+    def __init__(self, *clients):
+        self.clients = clients
+        self.failures: list[FakeClient] = []
 
     def pick(self, exclude=(), prompt=None):
-        return self.client
+        left = [c for c in self.clients if c not in exclude]
+        if not left:
+            raise APIError(503, "no attention server left", "unavailable")
+        return left[0]
+
+    async def failed(self, client, error):
+        self.failures.append(client)
+        return error.status == 503
 
     @contextmanager
     def lease(self, client):
@@ -91,6 +103,21 @@ def test_ignore_eos_keeps_eos_as_a_token_and_include_stop_keeps_it_in_the_beam()
 def test_a_failed_step_fails_the_search():
     with pytest.raises(APIError, match="gone"):
         _search(FakeClient(fail=True))
+
+
+def test_a_step_a_server_fails_goes_to_another_and_the_search_is_the_same():
+    spec = ChoiceSpec(0, "r", [0], SamplingParams(max_tokens=2))
+    opts = BeamOptions(2, 1.0, 3, False, False)
+    gone, alive = FakeClient(fail=True), FakeClient()
+    balancer = FakeBalancer(gone, alive)
+    got = asyncio.run(search(balancer, spec, opts))
+    assert [b.tokens for b in got] == [b.tokens for b in _search(FakeClient())]
+    assert gone.calls and alive.calls and balancer.failures
+    # a failure of the request's own (a 400-class one) is never retried
+    refused = FakeClient(fail=True)
+    refused.status = 400
+    with pytest.raises(APIError):
+        asyncio.run(search(FakeBalancer(refused, FakeClient()), spec, opts))
 
 
 def test_logprobs_come_with_each_beams_tokens():
