@@ -14,7 +14,7 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for one bias: [-100, 100]
 # Structured outputs: what a request's text is held to (services/attention/guides.py), and the
 # guide's text for each kind: a JSON schema, nothing (any JSON object), a regular expression,
 # a JSON list of strings (exactly one of them), an EBNF grammar
-GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_GUIDE = 1 << 16  # characters
 MAX_GUIDE_AFTER = 16  # tokens of the marker a guide may wait for
 MAX_BAD_WORDS = 256  # token sequences one request may forbid

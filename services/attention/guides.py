@@ -1,6 +1,7 @@
 """Structured outputs: a request's tokens held to a JSON schema, any JSON object, a regular
-expression, one of a list of strings, or an EBNF grammar (afd.sampling.GUIDE_KINDS), with
-xgrammar (the engine vLLM and SGLang use for this).
+expression, one of a list of strings, an EBNF grammar, or a structural tag (free text in which
+tags hold what they say; afd.sampling.GUIDE_KINDS), with xgrammar (the engine vLLM and SGLang
+use for this).
 
 A guided request gets a grammar matcher when it is added (its guide compiled against the
 checkpoint's tokenizer, compiled guides cached); before each of its tokens is chosen, the
@@ -122,7 +123,7 @@ class Guides:
             self._compiled.move_to_end(key)
             return self._compiled[key]
         compiler = self._compiler or self._make_compiler()
-        if kind == "json":
+        if kind in ("json", "structural_tag"):  # (a structural tag holds JSON schemas)
             _check_depth(guide)
         try:
             if kind == "json":
@@ -133,6 +134,8 @@ class Guides:
                 compiled = compiler.compile_regex(guide)
             elif kind == "choice":
                 compiled = compiler.compile_grammar(_choice_grammar(guide))
+            elif kind == "structural_tag":  # xgrammar's form (the gateway writes it so)
+                compiled = compiler.compile_structural_tag(guide)
             else:  # grammar
                 compiled = compiler.compile_grammar(guide)
         except Exception as e:  # whatever xgrammar raises, a bad guide is this request's error

@@ -18,10 +18,11 @@ from afd.sampling import (
     MAX_LOGIT_BIAS,
     PRIORITY_LIMIT,
 )
-from services.gateway import tool_calls
+from services.gateway import structured, tool_calls
 from services.gateway.chat_messages import MAX_TOOLS, ChatMessage, NamedToolChoice, Tool
 from services.gateway.schema_base import INT64, Bool, Float, Int
 from services.gateway.schema_base import Model as _Model
+from services.gateway.structured import GuideText, ResponseFormat, StructuredOutputs
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -42,39 +43,6 @@ StopTokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]  # int32 on the co
 class StreamOptions(_Model):
     include_usage: Bool = False
     continuous_usage_stats: Bool = False  # vLLM's: every chunk's usage is the count so far
-
-
-GuideText = Annotated[str, Field(min_length=1)]  # a schema, regex or grammar as text
-
-
-class JsonSchemaFormat(_Model):
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: Bool | None = None
-
-
-class ResponseFormat(_Model):
-    """OpenAI's: free text, any JSON object, or JSON that fits a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format of type json_schema needs a json_schema")
-        return self
-
-
-class StructuredOutputs(_Model):
-    """vLLM's: exactly one of these."""
-
-    json_: dict[str, Any] | GuideText | None = Field(default=None, alias="json")
-    regex: GuideText | None = None
-    choice: Annotated[list[str], Field(min_length=1)] | None = None
-    grammar: GuideText | None = None
-    json_object: Bool | None = None
 
 
 class _SamplingRequest(_Model):
@@ -156,27 +124,11 @@ class _SamplingRequest(_Model):
         return self
 
     def _guides(self) -> list[tuple[str, str]]:
-        def schema(v: dict[str, Any] | str) -> str:
-            return v if isinstance(v, str) else json.dumps(v)
-
-        out = []
-        rf = self.response_format
-        if rf is not None and rf.type == "json_object":
-            out.append(("json_object", ""))
-        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
-            out.append(("json", schema(rf.json_schema.schema_)))
-        so = self.structured_outputs
-        if so is not None:
-            out += [("json", schema(so.json_))] if so.json_ is not None else []
-            out += [("regex", so.regex)] if so.regex is not None else []
-            out += [("choice", json.dumps(so.choice))] if so.choice is not None else []
-            out += [("grammar", so.grammar)] if so.grammar is not None else []
-            out += [("json_object", "")] if so.json_object else []
-        out += [("json", schema(self.guided_json))] if self.guided_json is not None else []
-        out += [("regex", self.guided_regex)] if self.guided_regex is not None else []
-        out += [("choice", json.dumps(self.guided_choice))] if self.guided_choice else []
-        out += [("grammar", self.guided_grammar)] if self.guided_grammar is not None else []
-        return out
+        legacy = {
+            k: getattr(self, k)
+            for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        }
+        return structured.guides(self.response_format, self.structured_outputs, legacy)
 
     @property
     def guide(self) -> tuple[str, str]:

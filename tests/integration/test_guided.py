@@ -36,6 +36,27 @@ GUIDES = {
     "regex": r"(yes|no), [a-z]{2,6}\.",
     "choice": json.dumps(["left", "right", 'up "high"']),
     "grammar": 'root ::= "(" num ("+" num)* ")"\nnum ::= [0-9] [0-9]?',
+    # vLLM's structural tag in xgrammar's form (the gateway writes the older form so): a
+    # tool-call-like tag holding JSON of the schema, one and only one
+    "structural_tag": json.dumps(
+        {
+            "type": "structural_tag",
+            "format": {
+                "type": "triggered_tags",
+                "triggers": ["<f"],
+                "at_least_one": True,
+                "stop_after_first": True,
+                "tags": [
+                    {
+                        "type": "tag",
+                        "begin": "<f>",
+                        "end": "</f>",
+                        "content": {"type": "json_schema", "json_schema": SCHEMA},
+                    }
+                ],
+            },
+        }
+    ),  # fmt: skip
 }
 
 
@@ -66,6 +87,8 @@ def _compile(compiler, kind: str, guide: str):
         return compiler.compile_grammar(
             "root ::= " + " | ".join(map(json.dumps, json.loads(guide)))
         )
+    if kind == "structural_tag":
+        return compiler.compile_structural_tag(guide)
     return compiler.compile_grammar(guide)
 
 
@@ -107,6 +130,12 @@ def test_guided_greedy_matches_transformers_with_xgrammar(ckpt, hf, kind):
         assert any(ended), texts
     if kind == "choice":
         assert all(t in json.loads(GUIDES["choice"]) for t in texts) and all(ended), texts
+    if kind == "structural_tag":  # the tag, its JSON, its end, and nothing after
+        for text in texts:
+            assert text.startswith("<f>") and text.endswith("</f>"), texts
+            obj = json.loads(text[3:-4])
+            assert set(obj) == {"kind", "ok"} and obj["kind"] in ("cat", "dog")
+        assert all(ended), texts
 
 
 def test_a_guide_that_does_not_compile_is_the_requests_error(ckpt):

@@ -421,6 +421,20 @@ def test_structured_outputs(client):
             model="tiny", messages=CHAT, max_tokens=4, response_format={"type": "json_object"},
             extra_body={"guided_regex": "a"},
         )  # fmt: skip
+    # vLLM's structural tag (xgrammar's form; the older one is written in it, a unit test
+    # holds that to xgrammar's own conversion): here one tag holding the schema's JSON, forced
+    tag = {"type": "tag", "begin": "<function=pet>", "end": "</function>",
+           "content": {"type": "json_schema", "json_schema": schema}}  # fmt: skip
+    fmt = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"],
+           "tags": [tag], "at_least_one": True, "stop_after_first": True}}  # fmt: skip
+    c = client.completions.create(
+        model="tiny", prompt="x", max_tokens=60, temperature=0, logit_bias=no_space,
+        extra_body={"response_format": fmt},
+    )  # fmt: skip
+    text = c.choices[0].text
+    assert text.startswith("<function=pet>") and "</function>" in text, text
+    obj = json.loads(text[len("<function=pet>") : text.index("</function>")])
+    assert set(obj) == {"pet", "n"} and obj["pet"] in ("cat", "dog"), text
 
 
 WEATHER = {
