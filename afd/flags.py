@@ -52,6 +52,8 @@ class _Store(argparse.Action):
     user gave on even when it equals the default (a launcher may otherwise choose its own)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
+        if isinstance(values, list):  # nargs: a frozen config's field is a tuple
+            values = tuple(values)
         setattr(namespace, self.dest, values)
         given = getattr(namespace, GIVEN, None) or set()
         setattr(namespace, GIVEN, given | {self.dest})

@@ -97,7 +97,8 @@ class ClusterConfig:
     drain_timeout_s: float = 30.0
     engine_args: tuple[str, ...] = ()  # engine flags for every attention server
     api_args: tuple[str, ...] = ()  # HTTP API flags for the gateway
-    served_model_name: str = ""  # the model's name in the API ("": its directory's)
+    # the model's names in the API (none: its directory's); responses carry the first
+    served_model_name: tuple[str, ...] = ()
     dtype: str = "bfloat16"  # compute dtype of the attention and FFN servers
     # where each role computes (afd/device.py); "" per role: `device`
     device: str = "auto"
@@ -176,7 +177,7 @@ class Cluster:
 
     @property
     def model_name(self) -> str:
-        return self.cfg.served_model_name or served_name(self.cfg.model)
+        return (self.cfg.served_model_name or (served_name(self.cfg.model),))[0]
 
     @property
     def topology(self) -> str:
@@ -248,7 +249,7 @@ class Cluster:
         gw = [*py, "gateway", *model, "--attention", ",".join(self.attention_addresses)]
         gw += ["--host", c.host, "--port", str(self.port)]
         gw += [*c.api_args, "--drain-timeout", str(c.drain_timeout_s)]
-        gw += ["--served-model-name", c.served_model_name] if c.served_model_name else []
+        gw += ["--served-model-name", *c.served_model_name] if c.served_model_name else []
         # The key travels in the environment: a command line is readable by every local user.
         env = {"AFD_API_KEY": c.api_key} if c.api_key else {}
         host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "") else c.host

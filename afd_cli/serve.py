@@ -81,7 +81,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--served-model-name",
         c,
         "served_model_name",
-        help="the model's name in the API (default: its directory's name)",
+        nargs="+",
+        type=str,
+        help="the model's name in the API (default: its directory's name); further names are "
+        "accepted too, and responses carry the first",
     )
     option(p, "--host", c, "host", help="the gateway's interface")
     option(p, "--port", c, "port", help="the gateway's port (0: any free)")
@@ -122,7 +125,7 @@ def config(args: argparse.Namespace) -> ClusterConfig:
         args,
         model_dir="",
         attention=("check:1",),
-        model_name="",
+        model_name="check",
         sla=build(SLA, args),
         routing=build(RoutingConfig, args),
     )

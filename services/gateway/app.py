@@ -134,6 +134,7 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
         max_logprobs=cfg.max_logprobs,
         chat_template_defaults=dict(cfg.default_chat_template_kwargs or {}),
         responses=ResponseStore(cfg.responses_store_mb << 20),
+        model_aliases=cfg.model_aliases,
     )
 
     @asynccontextmanager
@@ -205,12 +206,14 @@ def _add_openai_routes(app: FastAPI, state: h.GatewayState) -> dict[str, sagemak
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [await _model_card(state)]}
+        card = await _model_card(state)
+        names = (state.model_name, *state.model_aliases)  # one card per name, as vLLM's
+        return {"object": "list", "data": [{**card, "id": n} for n in names]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         h.check_model(state, name)
-        return await _model_card(state)
+        return {**await _model_card(state), "id": name}
 
     return {"messages": chat, "prompt": completions}
 

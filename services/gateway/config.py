@@ -16,7 +16,8 @@ from services.gateway.routing import RoutingConfig
 class GatewayConfig:
     model_dir: str  # for the tokenizer and chat template
     attention: tuple[str, ...]  # control-plane addresses, host:port
-    model_name: str
+    model_name: str  # the name responses carry
+    model_aliases: tuple[str, ...] = ()  # more names requests may use (vLLM's further names)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str = ""  # empty: no authentication
@@ -59,6 +60,9 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         check(bool(self.attention), "at least one attention server address is needed")
+        names = (self.model_name, *self.model_aliases)
+        check(all(names), "a served model name cannot be empty")
+        check(len(set(names)) == len(names), f"served model names repeat: {' '.join(names)}")
         check(0 <= self.port < 65536, f"port {self.port} is not a port")
         check(self.max_body_bytes >= 1, "the body limit must be >= 1 byte")
         check(

@@ -230,7 +230,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         required=True,
         help="attention servers' control-plane addresses, HOST:PORT, comma-separated",
     )
-    p.add_argument("--served-model-name", help="the model's name in the API (default: dir name)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="the model's name in the API (default: its directory's name); further names are "
+        "accepted too, and responses carry the first",
+    )
     option(p, "--host", GatewayConfig, "host", help="interface to serve HTTP on")
     option(p, "--port", GatewayConfig, "port")
     add_api_key_flag(p)
@@ -260,7 +265,8 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         args,
         model_dir=model_dir,
         attention=tuple(a.strip() for a in args.attention.split(",") if a.strip()),
-        model_name=args.served_model_name or flags.served_name(args.model),
+        model_name=(args.served_model_name or [flags.served_name(args.model)])[0],
+        model_aliases=tuple((args.served_model_name or [])[1:]),
         api_key=api_key(args),
         notice=notice,
         sla=build(SLA, args),

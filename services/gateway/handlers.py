@@ -42,7 +42,7 @@ class GatewayState:
     tokenizer: ModelTokenizer
     token_bytes: TokenBytes
     balancer: Balancer
-    model_name: str
+    model_name: str  # the name responses carry
     vocab_size: int  # token ids must be below this (the model's embedding rows)
     notice: str = ""  # shown on the model card (the demo model says its text is meaningless)
     sla: SLA = SLA()  # latency targets the SLA-attainment counters check
@@ -62,6 +62,7 @@ class GatewayState:
     # chat-template variables a chat gets unless it sets them (--default-chat-template-kwargs)
     chat_template_defaults: dict[str, Any] = field(default_factory=dict)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))  # Responses API
+    model_aliases: tuple[str, ...] = ()  # further names a request may use for the model
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -83,9 +84,11 @@ async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
 
 
 def check_model(state: GatewayState, name: str | None) -> None:
-    if name is not None and name != state.model_name:
+    names = (state.model_name, *state.model_aliases)
+    if name is not None and name not in names:
+        served = " or ".join(map(repr, names))
         raise invalid(
-            f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+            f"the model {name!r} does not exist; this server serves {served}",
             param="model",
             code="model_not_found",
         )

@@ -5,6 +5,7 @@ loop they replace."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 from functools import partial
 
@@ -243,9 +244,16 @@ def test_attention_servers_sharing_one_gpu_split_its_memory(monkeypatch):
 
 
 def test_served_model_name_reaches_the_gateway():
-    cluster = Cluster(ClusterConfig(served_model_name="my-moe"))
+    cluster = Cluster(ClusterConfig(served_model_name=("my-moe", "gpt-4o")))
     (gw,) = [c.argv for c in cluster.plan() if c.name == "gateway"]
-    assert gw[gw.index("--served-model-name") + 1] == "my-moe"
+    at = gw.index("--served-model-name")
+    assert gw[at + 1 : at + 3] == ["my-moe", "gpt-4o"]
     assert cluster.model_name == "my-moe"
+    from afd_cli.serve import add_parser as serve_parser  # the flag takes several names
+
+    parser = argparse.ArgumentParser()
+    serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--served-model-name", "a", "b"])
+    assert args.served_model_name == ("a", "b")
     plain = Cluster(ClusterConfig())
     assert all("--served-model-name" not in c.argv for c in plain.plan())
