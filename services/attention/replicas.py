@@ -101,8 +101,10 @@ class Replicas:
             now = time.time()
             req = replace(message, seq=seq, deadline=now + self.attempt_s(shard), t_send=now)
             if peer.client.send(req) is False:
+                # the connection was lost between steps: named as gather names a loss
                 self.mark_down(
-                    peer, f"FFN peer {peer.address} did not reply to message {seq} (not connected)"
+                    peer,
+                    f"FFN peer {peer.address} is gone (not connected when message {seq} was sent)",
                 )
                 continue
             peer.outstanding += 1
