@@ -43,6 +43,7 @@ from services.gateway.latency import publish_sla
 from services.gateway.lifecycle import DrainingServer, DrainMiddleware
 from services.gateway.middleware import BodyLimitMiddleware, CountingMiddleware, RequestIdMiddleware
 from services.gateway.openapi import openapi
+from services.gateway.request_log import RequestLog
 from services.gateway.response_store import ResponseStore
 from services.gateway.schemas import (
     ChatCompletionRequest,
@@ -135,6 +136,11 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
         chat_template_defaults=dict(cfg.default_chat_template_kwargs or {}),
         responses=ResponseStore(cfg.responses_store_mb << 20),
         model_aliases=cfg.model_aliases,
+        request_log=(
+            RequestLog(state.tokenizer.decode, cfg.log_outputs, cfg.max_log_len)
+            if cfg.log_requests
+            else None
+        ),
     )
 
     @asynccontextmanager

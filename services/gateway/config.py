@@ -57,6 +57,11 @@ class GatewayConfig:
     # the Responses API's store (GET by id, previous_response_id, background), in memory;
     # 0: nothing is stored
     responses_store_mb: int = 64
+    # vLLM's request logging: each request's prompt and parameters, each choice's output,
+    # at most this many characters of either (0: all)
+    log_requests: bool = False
+    log_outputs: bool = False
+    max_log_len: int = 0
 
     def __post_init__(self) -> None:
         check(bool(self.attention), "at least one attention server address is needed")
@@ -73,6 +78,11 @@ class GatewayConfig:
         check(self.template_timeout_s > 0, "the template timeout must be > 0")
         check(self.max_tokens_limit >= 0, "the max_tokens limit must be >= 0 (0: none)")
         check(self.startup_wait_s >= 0, "the start-up wait must be >= 0")
+        check(self.max_log_len >= 0, "--max-log-len must be >= 0 (0: no limit)")
+        check(
+            self.log_requests or not self.log_outputs,
+            "--enable-log-outputs needs --enable-log-requests",
+        )
         check(self.responses_store_mb >= 0, "--responses-store-mb must be >= 0 (0: no store)")
         check(self.max_logprobs >= -1, "--max-logprobs must be >= 0, or -1 for no limit")
         check(

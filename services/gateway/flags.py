@@ -47,6 +47,23 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         option(
             g,
+            "--enable-log-requests",
+            c,
+            "log_requests",
+            help="log each request's prompt and sampling parameters (users' data: off by default)",
+        ),
+        option(
+            g,
+            "--enable-log-outputs",
+            c,
+            "log_outputs",
+            help="log each choice's output as it finishes too (needs --enable-log-requests)",
+        ),
+        option(
+            g, "--max-log-len", c, "max_log_len", help="characters of a logged prompt or output"
+        ),
+        option(
+            g,
             "--responses-store-mb",
             c,
             "responses_store_mb",

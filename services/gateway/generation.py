@@ -176,6 +176,8 @@ class ChoiceStreams:
         self._tasks: list[asyncio.Task] = []
         self._open = len(runs)
         self.disconnected = False
+        self.texts: list[list[str]] = [[] for _ in runs]  # each choice's text so far
+        self.log: Callable[[ChoiceStreams], None] | None = None  # told when all have finished
 
     def start(self, disconnect: Callable[[], Awaitable[None]] | None = None) -> None:
         """Start every choice; `disconnect`, when given, returns once the client has gone,
@@ -221,6 +223,7 @@ class ChoiceStreams:
             if isinstance(item, APIError):
                 await self.close()
                 raise item
+            self.texts[item.index].append(item.text)
             return item
         return None
 

@@ -24,6 +24,7 @@ from services.gateway.errors import APIError, invalid, validation_message
 from services.gateway.generation import ChoiceRun, ChoiceSpec, ChoiceStreams, Delta
 from services.gateway.latency import SLA, ChoiceTiming
 from services.gateway.lifecycle import Lifecycle
+from services.gateway.request_log import RequestLog
 from services.gateway.response_store import ResponseStore
 from services.gateway.responses import (
     SSE_DONE,
@@ -63,6 +64,7 @@ class GatewayState:
     chat_template_defaults: dict[str, Any] = field(default_factory=dict)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))  # Responses API
     model_aliases: tuple[str, ...] = ()  # further names a request may use for the model
+    request_log: RequestLog | None = None  # --enable-log-requests
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -204,6 +206,9 @@ def start_choices(
             for s in specs
         ]
     streams = ChoiceStreams(runs, n)
+    if state.request_log is not None:
+        state.request_log.received(request.state.request_id, specs)
+        streams.log = state.request_log.finished if state.request_log.outputs else None
     streams.start((lambda: _disconnected(request)) if watch_client else None)
     return streams
 
@@ -312,6 +317,8 @@ async def _disconnected(request: Request) -> None:
 
 
 def count_finished(streams: ChoiceStreams) -> None:
+    if streams.log is not None:
+        streams.log(streams)
     metrics.PROMPT_TOKENS.inc(streams.prompt_tokens)
     metrics.GENERATION_TOKENS.inc(streams.completion_tokens)
     for r in streams.runs:
