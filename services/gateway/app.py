@@ -136,6 +136,8 @@ def create_app(state: h.GatewayState, cfg: GatewayConfig):
         chat_template_defaults=dict(cfg.default_chat_template_kwargs or {}),
         responses=ResponseStore(cfg.responses_store_mb << 20),
         model_aliases=cfg.model_aliases,
+        force_include_usage=cfg.force_include_usage,
+        tokens_as_token_ids=cfg.tokens_as_token_ids,
         request_log=(
             RequestLog(state.tokenizer.decode, cfg.log_outputs, cfg.max_log_len)
             if cfg.log_requests

@@ -47,6 +47,21 @@ def add_api_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         option(
             g,
+            "--enable-force-include-usage",
+            c,
+            "force_include_usage",
+            help="every stream ends with a usage chunk, as if stream_options.include_usage",
+        ),
+        option(
+            g,
+            "--return-tokens-as-token-ids",
+            c,
+            "tokens_as_token_ids",
+            help='logprobs name each token "token_id:N" (for tokens whose text is not valid '
+            "UTF-8 alone), as a request's return_tokens_as_token_ids does",
+        ),
+        option(
+            g,
             "--enable-log-requests",
             c,
             "log_requests",

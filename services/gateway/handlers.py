@@ -65,6 +65,8 @@ class GatewayState:
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))  # Responses API
     model_aliases: tuple[str, ...] = ()  # further names a request may use for the model
     request_log: RequestLog | None = None  # --enable-log-requests
+    force_include_usage: bool = False  # every stream ends with its usage
+    tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -106,13 +108,15 @@ async def respond(
     chat = isinstance(req, ChatCompletionRequest)
     rid = request.state.request_id
     fmt_cls = ChatFormatter if chat else CompletionFormatter
+    # vLLM's --enable-force-include-usage: every stream ends with its usage
+    include_usage = req.include_usage or (req.stream and state.force_include_usage)
     fmt = fmt_cls(
         f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
         state.model_name,
         state.token_bytes,
-        req.include_usage,
+        include_usage,
     )
-    fmt.ids_as_tokens = req.return_tokens_as_token_ids
+    fmt.ids_as_tokens = req.return_tokens_as_token_ids or state.tokens_as_token_ids
     beams = None
     if req.use_beam_search:
         check_beam_request(req)
@@ -140,7 +144,7 @@ async def respond(
                 first,
                 with_lp,
                 chat,
-                req.include_usage,
+                include_usage,
                 readers,
                 echo,
                 specs if req.return_token_ids else None,

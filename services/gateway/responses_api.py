@@ -91,6 +91,7 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
         chat, state.tool_parser, state.reasoning_parser, 1, state.chat_format, guide_waits=waits
     )
     fmt = ChatFormatter(rid, state.model_name, state.token_bytes, False)
+    fmt.ids_as_tokens = state.tokens_as_token_ids
     out = Output(req, state.model_name, rid, specs[0].params, fmt if req.wants_logprobs else None)
     entry = None
     if req.store and store.enabled:
