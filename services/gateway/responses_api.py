@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from services.gateway import choices, prompts
+from services.gateway import choices, prompts, responses_truncation
 from services.gateway import handlers as h
 from services.gateway.answers import answer_readers, read_whole
 from services.gateway.errors import APIError, invalid
@@ -81,9 +81,12 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
     history = []
     if req.previous_response_id is not None:
         history = _store(state).conversation(req.previous_response_id)
-    chat = req.to_chat("developer" if state.chat_format == "harmony" else "system", history)
+    role = "developer" if state.chat_format == "harmony" else "system"
+    chat = req.to_chat(role, history)
     prompts.check_tools(state, chat)
     ids = await prompts.chat_prompt(state, chat)
+    if req.truncation == "auto":
+        chat, ids = await responses_truncation.fit(state, req, role, history, chat, ids)
     rid = request.state.request_id
     specs = await choices.plan(state, chat, [(ids, "")], rid)
     waits = bool(specs[0].params.guide_after)

@@ -79,6 +79,7 @@ class Output:
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
             "text": {"format": _dump(fmt) if fmt else {"type": "text"}},
             "reasoning": req.reasoning.model_dump() if req.reasoning else None,
+            "truncation": req.truncation,
             "store": self.stored,
             "background": req.background,
             "usage": usage,

@@ -61,7 +61,7 @@ class ReasoningItem(_Model):
 InputItem = Annotated[
     InputMessage | FunctionCallItem | FunctionCallOutput | ReasoningItem, Field(union_mode="smart")
 ]
-_ITEMS = TypeAdapter(list[InputItem])  # a stored conversation's items, read back
+ITEMS = TypeAdapter(list[InputItem])  # a stored conversation's items, read back
 
 
 class FunctionTool(_Model):
@@ -117,6 +117,8 @@ class ResponsesRequest(_Model):
     stream: Bool = False
     store: Bool = True  # OpenAI's default: kept for GET and previous_response_id
     background: Bool = False  # answered at once (queued); GET it until it is done
+    # auto: the oldest items dropped where the conversation outgrows the context
+    truncation: Literal["auto", "disabled"] = "disabled"
     metadata: dict[str, str] | None = None
     previous_response_id: str | None = None
     conversation: Any = None
@@ -156,7 +158,7 @@ class ResponsesRequest(_Model):
         are not); a combination the chat request refuses is the client's 400."""
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": self._messages(instructions_role, _ITEMS.validate_python(list(history))),
+            "messages": self._messages(instructions_role, ITEMS.validate_python(list(history))),
             "parallel_tool_calls": self.parallel_tool_calls,
             "priority": self.priority,
         }
