@@ -157,6 +157,18 @@ def _add_plan(sub) -> None:
     plan_cli.add_parser(sub).set_defaults(func=plan_cli.run)
 
 
+def _add_chat(sub) -> None:
+    from afd_cli import client
+
+    client.add_parser(sub, "chat")
+
+
+def _add_complete(sub) -> None:
+    from afd_cli import client
+
+    client.add_parser(sub, "complete")
+
+
 # Subcommand -> what adds its parser. Each imports its own flags, and some of those import the
 # services (torch among them); a process that runs one command builds only that command's
 # parser, so `afd gateway` (which `afd serve` restarts when it dies) starts without torch.
@@ -170,6 +182,8 @@ COMMANDS = {
     "quantize": _add_quantize,
     "bench": _bench_parser,
     "plan": _add_plan,
+    "chat": _add_chat,
+    "complete": _add_complete,
 }
 
 

@@ -332,6 +332,45 @@ def test_a_background_stream_left_early_is_resumed_where_it_was_left(client):
     assert client.responses.retrieve(rid).output_text == whole.output_text
 
 
+def test_afd_chat_and_complete_talk_to_the_server_as_its_api_answers(cluster, client):
+    """`afd chat` (one question, then a conversation from stdin, its history kept) and `afd
+    complete` print what the API answers the same requests; a wrong key is one line and
+    exit status 2."""
+    url = cluster[0]
+    cli = [sys.executable, "-m", "afd_cli", "--log-level", "WARNING"]
+    opts = ["--url", url, "--api-key", KEY, "--max-tokens", "6", "--temperature", "0"]
+
+    def afd(*argv, stdin=""):
+        return subprocess.run([*cli, *argv, *opts], input=stdin, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+    def chat(messages):
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                           temperature=0)  # fmt: skip
+        return r.choices[0].message.content
+
+    one = afd("chat", "-q", "hi there")
+    assert one.returncode == 0, one.stderr
+    assert one.stdout == chat([{"role": "user", "content": "hi there"}]) + "\n"
+    talk = afd("chat", "--system-prompt", "be brief", stdin="hi there\nand then?\n")
+    first = chat(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    )
+    second = chat([
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": first}, {"role": "user", "content": "and then?"},
+    ])  # fmt: skip
+    assert talk.returncode == 0 and talk.stdout == f"{first}\n{second}\n", talk.stderr
+    done = afd("complete", "-q", "once upon")
+    want = client.completions.create(model="tiny", prompt="once upon", max_tokens=6,
+                                      temperature=0).choices[0].text  # fmt: skip
+    assert done.returncode == 0 and done.stdout == want + "\n", done.stderr
+    wrong = subprocess.run([*cli, "chat", "-q", "hi", "--url", url, "--api-key", "nope"],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert wrong.returncode == 2 and wrong.stderr.startswith("error: the server answered 401")
+    assert wrong.stderr.count("\n") == 1
+
+
 def test_n_and_seeds_are_reproducible(client):
     args = dict(model="tiny", messages=CHAT, max_tokens=8, temperature=1.0, n=3, seed=1234)
     a = [c.message.content for c in client.chat.completions.create(**args).choices]
