@@ -4,10 +4,9 @@
 Bounded by bytes (each entry counted as its JSON): past the budget, the least recently used
 entries go, never a background one still running and never the newest. A chained response
 keeps only its own input and points to its predecessor, so a long conversation costs each
-turn once; reading
-a response's conversation walks the chain back and touches every link, so a conversation in
-use stays while older ones go. The store belongs to one gateway process: a deployment with
-several gateways needs a client to come back to the one it stored with.
+turn once; reading a response's conversation walks the chain back and touches every link, so
+a conversation in use stays while older ones go. The store belongs to one gateway process: a
+deployment with several gateways needs a client to come back to the one it stored with.
 """
 
 from __future__ import annotations
