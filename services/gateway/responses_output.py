@@ -35,7 +35,7 @@ class Output:
         self._lp = logprobs
         self._pending: list[Logprob] = []  # logprobs not yet sent with a text delta
         self.params = params  # what ran (the model's defaults filled in)
-        self.id = f"resp_{rid.replace('-', '')[:32]}"
+        self.id = response_id()
         self.created = int(time.time())
         self.items: list[dict[str, Any]] = []  # output items so far (the open one included)
         self.reasoning = ""  # all of it, for the usage's reasoning tokens
@@ -274,6 +274,12 @@ def _reasoning(text: str, status: str) -> dict[str, Any]:
 def _call(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}  # fmt: skip
+
+
+def response_id() -> str:
+    """A new response's id: random, as OpenAI's are (never the client's X-Request-Id: a stored
+    response is read by its id, which must be neither guessable nor shared)."""
+    return _id("resp")
 
 
 def _id(prefix: str) -> str:

@@ -10,6 +10,7 @@ import json
 import pytest
 from pydantic import TypeAdapter
 
+from services.gateway import responses_output
 from services.gateway.response_store import ResponseStore, Stored
 from tests.unit.test_gateway_app import FakeClient as _Fake
 from tests.unit.test_gateway_app import make, post, run
@@ -182,17 +183,18 @@ def test_background_response_is_answered_at_once_then_polled_or_cancelled(tokeni
     assert refused.status_code == 400 and "only a background" in refused.json()["error"]["message"]
 
 
-def test_background_stream_runs_on_when_its_client_leaves_and_is_followed_again(tokenizer):
+def test_background_stream_runs_on_when_its_client_leaves_and_is_followed_again(
+    tokenizer, monkeypatch
+):
     fake = GatedClient(text="Later.")
     body = {"input": "x", "background": True, "stream": True}
-    rid = "resp_bg1"  # the request id X-Request-Id: bg-1 names it
+    rid = "resp_bg1"  # the client leaves before the event that names it: known beforehand
+    monkeypatch.setattr(responses_output, "response_id", lambda: rid)
 
     async def go():
         fake.gate = asyncio.Event()
         async with make(tokenizer, [fake]) as c:
-            left = asyncio.create_task(
-                post(c, "/v1/responses", body, headers={"X-Request-Id": "bg-1"})
-            )
+            left = asyncio.create_task(post(c, "/v1/responses", body))
             await asyncio.sleep(0.05)
             left.cancel()  # the client leaves before a token
             running = (await c.get(f"/v1/responses/{rid}")).json()
@@ -208,6 +210,7 @@ def test_background_stream_runs_on_when_its_client_leaves_and_is_followed_again(
             bad = await c.get(
                 f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "x"}
             )
+            monkeypatch.undo()
             whole = (await post(c, "/v1/responses", {"input": "y"})).json()
             unstreamed = await c.get(f"/v1/responses/{whole['id']}", params={"stream": "true"})
             return running, again, tail, bad, unstreamed
