@@ -95,7 +95,7 @@ async def respond(state: h.GatewayState, request: Request, req: ResponsesRequest
     )
     fmt = ChatFormatter(rid, state.model_name, state.token_bytes, False)
     fmt.ids_as_tokens = state.tokens_as_token_ids
-    out = Output(req, state.model_name, rid, specs[0].params, fmt if req.wants_logprobs else None)
+    out = Output(req, state.model_name, specs[0].params, fmt if req.wants_logprobs else None)
     entry = None
     if req.store and store.enabled:
         out.stored = True

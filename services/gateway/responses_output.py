@@ -27,7 +27,6 @@ class Output:
         self,
         req: ResponsesRequest,
         model: str,
-        rid: str,
         params: SamplingParams,
         logprobs: ChatFormatter | None = None,  # writes the tokens' logprobs, when asked
     ):
