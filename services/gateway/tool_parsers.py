@@ -218,9 +218,10 @@ def _typed(value: str, schema: dict[str, Any]) -> Any:
 class MistralParser(ToolCallParser):
     """Mistral (Mixtral-8x22B-Instruct, Mistral Small, ...): [TOOL_CALLS] then the calls,
     either a JSON list of {"name": ..., "arguments": {...}} or, from the v11 tokenizer on,
-    NAME[ARGS]{...} after each [TOOL_CALLS]. The calls run to the end of the output, so they
-    are read there. [TOOL_CALLS] is a special token; Mistral's templates want call ids of 9
-    letters and digits."""
+    NAME[ARGS]{...} after each [TOOL_CALLS]. The calls run to the end of the output: a JSON
+    list is read there; a NAME[ARGS]{...} call as soon as the next [TOOL_CALLS] shows that it
+    is whole (a stream gets each call as it completes). [TOOL_CALLS] is a special token;
+    Mistral's templates want call ids of 9 letters and digits."""
 
     keeps_special_tokens = True
     tag = "[TOOL_CALLS]"
@@ -233,7 +234,7 @@ class MistralParser(ToolCallParser):
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         if self._calls is not None:
             self._calls += text
-            return "", []
+            return "", self._whole_calls()
         self._buf += text
         at = self._buf.find(self.tag)
         if at >= 0:
@@ -244,6 +245,18 @@ class MistralParser(ToolCallParser):
         sure = self._buf[: len(self._buf) - keep].rstrip()  # blanks before a call are its own
         self._buf = self._buf[len(sure) :]
         return sure, []
+
+    def _whole_calls(self) -> list[ParsedCall]:
+        """The NAME[ARGS]{...} calls that a later [TOOL_CALLS] closed, taken out of the text
+        still to read (none while any of them does not read as a call: finish decides)."""
+        assert self._calls is not None
+        *whole, rest = self._calls.split(self.tag)
+        if not whole or self.args_tag not in whole[0]:
+            return []
+        calls = self._read(self.tag.join(whole))
+        if calls:
+            self._calls = rest
+        return calls
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         if self._calls is None:

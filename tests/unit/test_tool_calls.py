@@ -198,6 +198,19 @@ def test_guide_schemas():
     assert "maxItems" not in guide_schema(tools, "", True)
 
 
+def test_mistral_calls_come_one_by_one_as_each_is_closed_by_the_next():
+    p = MistralParser()
+    assert p.feed("Sure.[TOOL_CALLS]get_weather[ARGS]") == ("Sure.", [])
+    assert p.feed('{"city": "Oslo"}') == ("", [])  # not known whole yet: more may follow
+    content, calls = p.feed("[TOOL_CALLS]noo")
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    assert p.feed("p[ARGS]{}") == ("", [])
+    content, calls = p.finish()
+    assert content == "" and [c.name for c in calls] == ["noop"]
+
+
 def test_mistral_calls_get_the_nine_character_ids_its_templates_want():
     s = CallStream("auto", "mistral")
     _, deltas = s.feed('[TOOL_CALLS][{"name": "noop", "arguments": {}}]', final=True)
