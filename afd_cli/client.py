@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ def add_parser(sub, name: str) -> None:
 
 
 def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request: noise here
     key = args.api_key or os.environ.get("AFD_API_KEY") or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     url = args.url.rstrip("/")
