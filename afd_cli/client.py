@@ -1,8 +1,9 @@
 """`afd chat` and `afd complete`: clients of a running server (`afd serve`, or any OpenAI
 API), as `vllm chat` and `vllm complete` are. A chat keeps its conversation; each line typed
 is the next user message (or, for `complete`, a prompt), and the answer streams as it comes.
-`-q MESSAGE` asks once and exits. The API key comes from --api-key, AFD_API_KEY or
-OPENAI_API_KEY."""
+`-q MESSAGE` asks once and exits (a failure: one line, status 2); in a conversation a failed
+message is said and left out, and the status is 1 at the end. The API key comes from
+--api-key, AFD_API_KEY or OPENAI_API_KEY."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def add_parser(sub, name: str) -> None:
     p.set_defaults(func=run, chat=name == "chat")
 
 
-def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
+def run(args: argparse.Namespace) -> int:
+    stdin, out = sys.stdin, sys.stdout
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request: noise here
     key = args.api_key or os.environ.get("AFD_API_KEY") or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -52,8 +54,9 @@ def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = sys.s
         messages: list[dict[str, str]] = []
         if args.chat and args.system_prompt:
             messages.append({"role": "system", "content": args.system_prompt})
-        lines = [args.quick] if args.quick is not None else _lines(stdin, out)
-        for line in lines:
+        once = args.quick is not None
+        failed = False
+        for line in [args.quick] if once else _lines(stdin, out):
             body: dict[str, Any] = {"model": model, "stream": True}
             body |= {k: v for k in ("max_tokens", "temperature")
                      if (v := getattr(args, k)) is not None}  # fmt: skip
@@ -63,10 +66,19 @@ def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = sys.s
             else:
                 body["prompt"] = line
             path = "/chat/completions" if args.chat else "/completions"
-            answer = _stream(http, url, path, body, out)
+            try:
+                answer = _stream(http, url, path, body, out)
+            except AfdError as e:
+                if once:
+                    raise
+                # one message failed (too long, say): said, and the conversation goes on
+                print(f"error: {e}", file=sys.stderr)
+                failed = True
+                messages = messages[:-1]
+                continue
             if args.chat:
                 messages.append({"role": "assistant", "content": answer})
-    return 0
+    return 1 if failed else 0
 
 
 def _lines(stdin: TextIO, out: TextIO) -> Iterator[str]:

@@ -3,8 +3,8 @@
 and the output's room fit; `disabled` (the default) leaves it whole, and too long is a 400.
 
 The kept part never starts with a call's output, so the template never sees the answer to a
-call it lost.
-The kept tail is found by bisection over the starts, each tried by rendering the template."""
+call it lost. The kept tail is found by bisection over the starts, each tried by rendering the
+template."""
 
 from __future__ import annotations
 
