@@ -60,12 +60,12 @@ class GatewayConfig:
     # vLLM's request logging: each request's prompt and parameters, each choice's output,
     # at most this many characters of either (0: all)
     log_requests: bool = False
+    log_outputs: bool = False
+    max_log_len: int = 0
     # vLLM's: every stream ends with its usage, asked for or not
     force_include_usage: bool = False
     # vLLM's: logprobs name every token "token_id:N" (as the request field asks for one)
     tokens_as_token_ids: bool = False
-    log_outputs: bool = False
-    max_log_len: int = 0
 
     def __post_init__(self) -> None:
         check(bool(self.attention), "at least one attention server address is needed")
