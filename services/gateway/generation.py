@@ -176,7 +176,7 @@ class ChoiceStreams:
         self._tasks: list[asyncio.Task] = []
         self._open = len(runs)
         self.disconnected = False
-        self.texts: list[list[str]] = [[] for _ in runs]  # each choice's text so far
+        self.texts: list[list[str]] = [[] for _ in runs]  # each choice's text (when logged)
         self.log: Callable[[ChoiceStreams], None] | None = None  # told when all have finished
 
     def start(self, disconnect: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -223,7 +223,8 @@ class ChoiceStreams:
             if isinstance(item, APIError):
                 await self.close()
                 raise item
-            self.texts[item.index].append(item.text)
+            if self.log is not None:  # kept only for the output log
+                self.texts[item.index].append(item.text)
             return item
         return None
 
