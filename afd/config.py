@@ -22,6 +22,7 @@ __all__ = [
     "ModelConfig",
     "RopeScaling",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "check",
     "check_device",
 ]
@@ -127,6 +128,62 @@ class ExpertConfig:
         check(self.workspace_mb >= 0, f"workspace MiB must be >= 0, got {self.workspace_mb}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `--speculative-config` vocabulary. `ngram` (prompt lookup)
+    drafts the tokens that followed the latest earlier occurrence of the sequence's last n tokens
+    (n from prompt_lookup_max down to prompt_lookup_min); one step then computes the last token
+    and the drafts together and keeps the drafts the model itself would have chosen."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # drafts per request and step, at most
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # no drafts in a step that runs more requests than this (0: never off): a large batch is
+    # bound by compute, where a rejected draft costs what it cannot save
+    disable_by_batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        check(
+            self.method in SPECULATIVE_METHODS,
+            f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+        )
+        check(
+            self.num_speculative_tokens >= 1,
+            f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}",
+        )
+        check(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+            f"{self.prompt_lookup_min} and {self.prompt_lookup_max}",
+        )
+        check(
+            self.disable_by_batch_size >= 0,
+            f"disable_by_batch_size must be >= 0, got {self.disable_by_batch_size}",
+        )
+
+    @classmethod
+    def from_dict(cls, given: dict) -> SpeculativeConfig:
+        """From `--speculative-config`'s JSON object; an unknown key is an error that names it
+        (vLLM's draft-model keys among them: afd drafts by n-gram lookup only)."""
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(given) - known)
+        check(
+            not unknown,
+            f"unknown speculative-config key(s) {unknown}; afd takes {sorted(known)}",
+        )
+        for k, v in given.items():
+            want = str if k == "method" else int
+            check(
+                isinstance(v, want) and not isinstance(v, bool),
+                f"speculative-config {k} must be {want.__name__}, got {v!r}",
+            )
+        return cls(**given)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What an attention-side engine needs; built once from CLI flags or a test."""
@@ -162,6 +219,7 @@ class EngineConfig:
     ffn_pool_interval_s: float = 1.0
     # elastic pool: the heaviest experts of each layer are computed by two members
     hot_expert_replicas: int = 0
+    speculative: SpeculativeConfig | None = None  # None: one token per request and step
 
     def __post_init__(self) -> None:
         check(

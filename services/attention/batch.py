@@ -15,7 +15,8 @@ class MicroBatch:
     seqs: tuple[ScheduledSeq, ...]  # decodes first, then prefills (row order)
     token_ids: torch.Tensor  # [T] long
     meta: AttnMeta
-    sample_rows: torch.Tensor  # [B] long: row of the last token of each sampling sequence
+    # [B + drafts] long: the row of each sampling sequence's last token (and its drafts')
+    sample_rows: torch.Tensor
     sample_seqs: tuple[ScheduledSeq, ...]
     # prompt logprobs: rows whose next prompt token is scored, those tokens, and per request
     # (in row order) how many rows are its
@@ -89,8 +90,8 @@ def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
             p_targets += req.prompt_token_ids[score.start + 1 : score.stop + 1]
             owners.append((req.request_id, len(score)))
         row += s.num_new_tokens
-        if s.sample:
-            rows.append(row - 1)
+        if s.sample:  # a speculating seq's last token and each draft: 1 + k rows
+            rows += range(row - 1 - len(s.draft_ids), row)
             sample_seqs.append(s)
     return MicroBatch(
         seqs=tuple(ordered),

@@ -48,6 +48,7 @@ from services.attention.replicas import Peer, Replicas
 from services.attention.request import Request
 from services.attention.runner import ModelRunner
 from services.attention.scheduler import Scheduler
+from services.attention.speculative import NgramDrafter
 from services.attention.step_record import StepTiming
 
 log = logging.getLogger("afd.attention")
@@ -89,7 +90,11 @@ class Engine:
         )
         self.blocks = BlockManager(num_blocks, cfg.cache.block_size)
         self.scheduler = Scheduler(
-            cfg.scheduler, self.blocks, self.max_model_len, cfg.cache.enable_prefix_caching
+            cfg.scheduler,
+            self.blocks,
+            self.max_model_len,
+            cfg.cache.enable_prefix_caching,
+            NgramDrafter(cfg.speculative) if cfg.speculative else None,
         )
         shards = [] if cfg.ffn_pool else pool_shards(cfg.ffn_addresses)
         peers = [
@@ -251,7 +256,7 @@ class Engine:
         if not plan.scheduled:
             return StepResult()
         try:
-            sampled, logprobs, prompt_logprobs, ended, stuck = self.runner.execute(plan)
+            done = self.runner.execute(plan)
         except TransportError as e:
             if self._hold():  # the step is planned again once the shard is back
                 return StepResult(paused=True)
@@ -267,9 +272,11 @@ class Engine:
             )
             return StepResult(self._fail(plan, why), tokens, self.dispatcher.timing)
         failed = self._fail_requests(
-            [s.request for s in plan.scheduled if s.request.request_id in stuck], NO_TOKEN
+            [s.request for s in plan.scheduled if s.request.request_id in done.stuck], NO_TOKEN
         )
-        updated = self.scheduler.update(plan, sampled, logprobs, prompt_logprobs, ended)
+        updated = self.scheduler.update(
+            plan, done.sampled, done.logprobs, done.prompt_logprobs, done.ended, done.kept
+        )
         updated += failed
         self.dispatcher.count_routed(flush=not self.scheduler.has_unfinished())
         for req in updated:

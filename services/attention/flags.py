@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from afd import flags
-from afd.config import CacheConfig, EngineConfig, SchedulerConfig
+from afd.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from afd.errors import ConfigError
 from afd.flags import build, option
 from afd.sidecar import SidePortConfig
@@ -155,6 +155,18 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             help="elastic FFN pool: per layer, this many of the most loaded experts are computed "
             "by two members, their tokens split between them",
         ),
+        option(
+            g,
+            "--speculative-config",
+            e,
+            "speculative",
+            type=flags.json_object,
+            help='speculative decoding, as vLLM takes it: \'{"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+            "(optional keys: disable_by_batch_size, off above that many requests). Greedy "
+            "requests guess their next tokens from their own earlier text and verify the "
+            "guesses in one step; their tokens are those they would have had without it",
+        ),
         *flags.add_expert_flags(g),
     ]
 
@@ -167,6 +179,7 @@ def engine_config(args: argparse.Namespace, **given) -> EngineConfig:
         cache=build(CacheConfig, args),
         scheduler=build(SchedulerConfig, args),
         experts=flags.experts(args),
+        speculative=SpeculativeConfig.from_dict(args.speculative) if args.speculative else None,
         **given,
     )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from afd.control import Logprob
@@ -12,12 +14,28 @@ from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.pipeline import run_layers
 from services.attention.request import Request
-from services.attention.sampler import sample, score
-from services.attention.scheduler import SchedulerOutput
+from services.attention.sampler import sample, score, verify_drafts
+from services.attention.scheduler import ScheduledSeq, SchedulerOutput
 from services.attention.stack import DecodeStack
 
 # Prompt rows scored per LM-head call: [rows, V] float32 logits at a time, not the whole prompt.
 SCORE_ROWS = 256
+
+
+@dataclass
+class Executed:
+    """What a step's execution gives the scheduler, per request id: the sampled token (for a
+    speculating request, the token after its kept drafts), its logprob when asked, the prompt
+    logprobs this step scored and the drafts kept; the requests whose grammar (structured
+    outputs) has ended, and those left with no token they may choose (no sampled token: they
+    cannot go on)."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Logprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    kept: dict[str, list[int]] = field(default_factory=dict)
+    ended: set[str] = field(default_factory=set)
+    stuck: set[str] = field(default_factory=set)
 
 
 class ModelRunner:
@@ -41,29 +59,30 @@ class ModelRunner:
         self.stack = DecodeStack(model, cache, dispatcher) if decode_stack else None
 
     @torch.inference_mode()
-    def execute(
-        self, plan: SchedulerOutput
-    ) -> tuple[dict[str, int], dict[str, Logprob], dict[str, list[Logprob]], set[str], set[str]]:
-        """(sampled token, its logprob when asked, and the prompt logprobs this step scored)
-        per request id, the requests whose grammar (structured outputs) has ended, and those
-        left with no token they may choose (no sampled token: they cannot go on)."""
+    def execute(self, plan: SchedulerOutput) -> Executed:
+        """Run the plan's micro-batches through the layers and choose each sampling request's
+        tokens (Executed says what came back)."""
         groups = batch.split(plan.scheduled, self.micro_batches)
         dev = self.model.device
         mbs = [batch.to_device(batch.build(g, self.cache.block_size), dev) for g in groups]
-        prompt_lps: dict[str, list[Logprob]] = {}
+        out = Executed()
 
         def head(m: int, h: torch.Tensor) -> torch.Tensor:  # [T_m, H] -> [B_m, V] float32
             if mbs[m].prompt_rows is not None:
-                self._score_prompts(mbs[m], h, prompt_lps)
+                self._score_prompts(mbs[m], h, out.prompt_logprobs)
             rows = mbs[m].sample_rows
             return self.model.logits(h.index_select(0, rows)) if len(rows) else h.new_empty(0)
 
         per_mb = run_layers(self.model, self.cache, self.dispatcher, mbs, head, self.stack)
         seqs = [s for mb in mbs for s in mb.sample_seqs]
         if not seqs:
-            return {}, {}, prompt_lps, set(), set()
+            return out
         parts = [x for x in per_mb if x.numel()]
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B, V] float32
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B + drafts, V] float32
+        if any(s.draft_ids for s in seqs):
+            logits, seqs = self._verify(logits, seqs, out)
+            if not seqs:
+                return out
         params = [s.request.sampling for s in seqs]
         gens = [self._generator(s.request.request_id, s.request.sampling.seed) for s in seqs]
         reqs = [s.request for s in seqs]  # their tokens so far: for penalties
@@ -78,13 +97,35 @@ class ModelRunner:
         tokens, lps, empty = sample(
             logits, params, gens, prompts, outputs, banned, self.guides.active
         )
-        stuck = {ids[i] for i in empty}
-        sampled = {r: t for r, t in zip(ids, tokens, strict=True) if r not in stuck}
-        ended = {r for r, t in sampled.items() if self.guides.active and self.guides.accept(r, t)}
-        logprobs = {
+        out.stuck = {ids[i] for i in empty}
+        sampled = {r: t for r, t in zip(ids, tokens, strict=True) if r not in out.stuck}
+        out.ended = {
+            r for r, t in sampled.items() if self.guides.active and self.guides.accept(r, t)
+        }
+        out.sampled |= sampled
+        out.logprobs = {
             s.request.request_id: lp for s, lp in zip(seqs, lps, strict=True) if lp is not None
         }
-        return sampled, logprobs, prompt_lps, ended, stuck
+        return out
+
+    def _verify(
+        self, logits: torch.Tensor, seqs: list[ScheduledSeq], out: Executed
+    ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Settle the speculating seqs (their drafts kept, the token after them sampled);
+        returns the others' rows [B', V] and the others."""
+        rest, rows, row = [], [], 0
+        for s in seqs:
+            n = 1 + len(s.draft_ids)
+            if s.draft_ids:
+                rid = s.request.request_id
+                out.kept[rid], out.sampled[rid] = verify_drafts(logits[row : row + n], s.draft_ids)
+            else:
+                rest.append(s)
+                rows.append(row)
+            row += n
+        if not rest:
+            return logits[:0], rest
+        return logits.index_select(0, torch.tensor(rows, device=logits.device)), rest
 
     def _score_prompts(
         self, mb: batch.MicroBatch, h: torch.Tensor, out: dict[str, list[Logprob]]

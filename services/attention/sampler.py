@@ -41,11 +41,11 @@ def sample(
     empty = exclude_(logits, params, banned, masked)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == B and not want:  # the common decode case
-        return _argmax(logits).tolist(), [None] * B, empty
+        return argmax_rows(logits).tolist(), [None] * B, empty
     tokens = torch.empty(B, dtype=torch.long, device=dev)
     if greedy:
         idx = torch.tensor(greedy, device=dev)
-        tokens[idx] = _argmax(logits[idx])
+        tokens[idx] = argmax_rows(logits[idx])
     rest = [i for i, p in enumerate(params) if not p.greedy]
     if rest:
         # every sampled row filtered at once; one multinomial for the rows without a seed,
@@ -99,7 +99,7 @@ def exclude_(
     return empty
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
     """torch.argmax over the last dimension; the native one (argmax.c) where it runs."""
     return argmax.rows(logits) if argmax.usable(logits) else logits.argmax(dim=-1)
 
@@ -153,3 +153,16 @@ def score(
         Logprob(t, v, list(zip(i, a, strict=True)))
         for t, v, (i, a) in zip(ids, chosen, alts, strict=True)
     ]
+
+
+def verify_drafts(
+    logits: torch.Tensor,  # [1 + k, V] float32: the rows of a request's last token and drafts
+    drafts: tuple[int, ...],  # k
+) -> tuple[list[int], int]:
+    """(the drafts kept, the model's token after them): drafts are kept while each is the
+    argmax of the row before it."""
+    chosen = argmax_rows(logits).tolist()
+    kept = 0
+    while kept < len(drafts) and chosen[kept] == drafts[kept]:
+        kept += 1
+    return list(drafts[:kept]), chosen[kept]

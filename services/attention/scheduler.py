@@ -15,6 +15,9 @@ full blocks of its tokens (`num_computed_tokens` starts there) and every block i
 registered in `update()`; at least its last token is always computed, since sampling needs its
 hidden state. A request asking for prompt logprobs computes its whole prompt (each position's
 logits are needed) and still leaves its blocks in the cache.
+
+With speculative decoding (speculative.py) a decoding request's chunk is its last token and its
+drafts; `update()` counts the drafts the runner kept as computed and appends them as output.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from dataclasses import dataclass
 from afd import prefix
 from afd.config import SchedulerConfig
 from afd.control import Logprob
-from afd.errors import ConfigError, OverloadedError, RequestError
+from afd.errors import ConfigError, RequestError
+from services.attention.admission import check_backpressure, check_fits_pool
 from services.attention.block_manager import BlockManager
 from services.attention.request import Request, RequestStatus
+from services.attention.speculative import NgramDrafter, room
 from services.attention.waiting import WaitingQueue, victim
 
 
@@ -40,6 +45,8 @@ class ScheduledSeq:
     start_pos: int  # num_computed_tokens before this step
     block_ids: list[int]  # the request's full block table after allocation (a copy)
     sample: bool  # last chunk: the runner must sample a token for this request
+    # speculative decoding: the guessed tokens after the last one, the tail of token_ids
+    draft_ids: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -64,6 +71,7 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         prefix_caching: bool = False,
+        drafter: NgramDrafter | None = None,
     ) -> None:
         if max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -80,8 +88,9 @@ class Scheduler:
         self._waiting = WaitingQueue(config.scheduling_policy)
         self._running: list[Request] = []  # admission order
         self._requests: dict[str, Request] = {}  # unfinished requests by id
-        self._num_preemptions = 0
+        self.num_preemptions = 0  # since the start, all requests together
         self.prefix_caching = prefix_caching
+        self.drafter = drafter  # speculative decoding (speculative.py), or None
         # prompt tokens of admitted requests, and how many of them the prefix cache supplied
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -95,11 +104,6 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
-
-    @property
-    def num_preemptions(self) -> int:
-        """Preemptions since the scheduler was created (all requests together)."""
-        return self._num_preemptions
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -127,38 +131,10 @@ class Scheduler:
             raise RequestError(f"request id {req.request_id!r} is already in use")
         if req.status is not RequestStatus.WAITING or req.num_computed_tokens or req.block_ids:
             raise RequestError(f"request {req.request_id!r} is not fresh (status {req.status})")
-        self._check_fits_pool(req)
-        self._check_backpressure(n)
+        check_fits_pool(self.block_manager, req, self.max_model_len)
+        check_backpressure(self.config, self._waiting, n)
         self._waiting.add(req)
         self._requests[req.request_id] = req
-
-    def _check_backpressure(self, n: int) -> None:
-        cfg = self.config
-        if len(self._waiting) >= cfg.max_waiting_requests:
-            raise OverloadedError(
-                f"{len(self._waiting)} requests are already waiting (limit "
-                f"{cfg.max_waiting_requests}); retry later"
-            )
-        waiting_tokens = sum(r.num_tokens for r in self._waiting)
-        if waiting_tokens + n > cfg.max_waiting_tokens:
-            raise OverloadedError(
-                f"{waiting_tokens} prompt tokens are already waiting (limit "
-                f"{cfg.max_waiting_tokens}); retry later"
-            )
-
-    def _check_fits_pool(self, req: Request) -> None:
-        # The most K/V a request ever holds is one token short of its longest possible sequence
-        # (the last sampled token is never computed). If even an empty pool cannot hold that,
-        # preemption could never make room and the request would wait forever.
-        longest = min(req.num_prompt_tokens + req.sampling.max_tokens, self.max_model_len)
-        bm = self.block_manager
-        need = bm.blocks_needed(longest - 1)
-        if need > bm.num_blocks:
-            raise RequestError(
-                f"request may need {longest - 1} tokens of KV cache ({need} blocks) but the KV "
-                f"pool holds {bm.num_blocks} blocks ({bm.num_blocks * bm.block_size} tokens); "
-                "lower max_tokens or the context length, or give the KV cache more memory"
-            )
 
     def abort(self, request_id: str) -> bool:
         """Drop a waiting or running request and free its blocks now.
@@ -201,6 +177,7 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            drafts = self._drafts(req, n, budget)
             # Preempt the policy's victim until this request's blocks fit. Under fcfs that is
             # the tail, never a request already planned this step (those sit before index i);
             # under priority it may be one, whose plan is then taken back.
@@ -217,10 +194,22 @@ class Scheduler:
                     i -= 1
             if req.status is not RequestStatus.RUNNING:
                 continue  # it preempted itself: running[i] is the next request now, if any
-            scheduled.append(self._plan(req, n))
-            budget -= n
+            scheduled.append(self._plan(req, n, drafts))
+            budget -= n + len(drafts)
             i += 1
         return budget
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """A decoding request's drafts, their blocks allocated; none where that would need a
+        preemption, or when the step runs more requests than speculation is for."""
+        d = self.drafter
+        if d is None or n != 1:
+            return []
+        off = d.cfg.disable_by_batch_size
+        if off and len(self._running) > off:
+            return []
+        drafts = d.propose(req, min(budget - 1, room(req, self.max_model_len)))
+        return drafts if drafts and self._grow(req, 1 + len(drafts)) else []
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
@@ -259,6 +248,8 @@ class Scheduler:
 
     def _cache_blocks(self, req: Request) -> None:
         """Register the blocks this step filled (their K/V is computed now)."""
+        if not self.prefix_caching:
+            return
         bm = self.block_manager
         full = req.num_computed_tokens // bm.block_size
         if full <= req.num_cached_blocks:
@@ -301,17 +292,18 @@ class Scheduler:
         req.block_ids.extend(bm.allocate(missing))
         return True
 
-    def _plan(self, req: Request, n: int) -> ScheduledSeq:
+    def _plan(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledSeq:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         start = req.num_computed_tokens
         return ScheduledSeq(
             request=req,
-            token_ids=req.all_token_ids[start : start + n],
+            token_ids=req.all_token_ids[start : start + n] + list(drafts),
             start_pos=start,
             block_ids=list(req.block_ids),
             # max_tokens 0: the prompt is only scored (prompt logprobs), nothing is sampled
             sample=start + n == req.num_tokens and req.sampling.max_tokens > 0,
+            draft_ids=tuple(drafts),
         )
 
     def _preempt(self, req: Request) -> None:
@@ -321,7 +313,7 @@ class Scheduler:
         self._release(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
-        self._num_preemptions += 1
+        self.num_preemptions += 1
         self._waiting.readmit(req)
 
     # ---- update -------------------------------------------------------------------------------
@@ -333,14 +325,14 @@ class Scheduler:
         logprobs: dict[str, Logprob] | None = None,
         prompt_logprobs: dict[str, list[Logprob]] | None = None,
         ended: set[str] | None = None,
+        kept: dict[str, list[int]] | None = None,
     ) -> list[Request]:
-        """Apply one executed step; returns the requests that got a new token (to stream), and
-        those asking for no token (max_tokens 0) whose prompt is done. `ended`: requests that
-        finish ("stop") with this token whatever it is (their grammar is complete).
-
-        `sampled` must hold a token for every scheduled seq with `sample=True`. Requests
-        aborted between `schedule()` and `update()` are skipped.
-        """
+        """Apply one executed step; returns the requests that got new tokens (to stream), and
+        those asking for no token (max_tokens 0) whose prompt is done. `sampled` holds a token
+        for every seq with `sample=True`; `ended`: requests that finish ("stop") with it
+        whatever it is (their grammar is complete); `kept`: the drafts each speculating request
+        keeps, before its sampled token (each may end it). Requests aborted since `schedule()`
+        are skipped."""
         new_token: list[Request] = []
         for seq in output.scheduled:
             req = seq.request
@@ -351,12 +343,12 @@ class Scheduler:
                     f"request {req.request_id!r}: step planned at position {seq.start_pos} but "
                     f"{req.num_computed_tokens} tokens are computed (update applied twice?)"
                 )
-            req.num_computed_tokens += seq.num_new_tokens
-            if self.prefix_caching:
-                self._cache_blocks(req)
+            # drafts count once kept (below); the K/V of the others is overwritten later
+            req.num_computed_tokens += seq.num_new_tokens - len(seq.draft_ids)
             if prompt_logprobs and req.request_id in prompt_logprobs:
                 req.prompt_logprobs += prompt_logprobs[req.request_id]
             if not seq.sample:
+                self._cache_blocks(req)
                 if req.sampling.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
                     self._running.remove(req)
                     self._finish(req, "length")
@@ -364,15 +356,24 @@ class Scheduler:
                 continue
             if req.request_id not in sampled:
                 raise KeyError(f"no sampled token for request {req.request_id!r}")
-            req.output_token_ids.append(sampled[req.request_id])
-            if logprobs is not None and req.request_id in logprobs:
-                req.output_logprobs.append(logprobs[req.request_id])
+            drafts = kept.get(req.request_id, []) if kept else []
             new_token.append(req)
-            reason = "stop" if ended and req.request_id in ended else self._finish_reason(req)
-            req.stop_token = reason == "stop" and _ends_on(req, req.output_token_ids[-1])
-            if reason is not None:
-                self._running.remove(req)
-                self._finish(req, reason)
+            for i, token in enumerate([*drafts, sampled[req.request_id]]):
+                req.output_token_ids.append(token)
+                last = i == len(drafts)
+                if last and logprobs is not None and req.request_id in logprobs:
+                    req.output_logprobs.append(logprobs[req.request_id])
+                reason = "stop" if last and ended and req.request_id in ended else None
+                reason = reason or self._finish_reason(req)
+                req.stop_token = reason == "stop" and _ends_on(req, token)
+                if reason is not None:
+                    self._running.remove(req)
+                    self._finish(req, reason)
+                    break
+                if not last:
+                    req.num_computed_tokens += 1  # a kept draft: its K/V is this step's
+            if not req.finished:
+                self._cache_blocks(req)
         return new_token
 
     def _finish_reason(self, req: Request) -> str | None:
@@ -389,6 +390,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self._requests[req.request_id]
+        if self.drafter is not None:
+            self.drafter.release(req.request_id)
 
 
 def _ends_on(req: Request, token: int) -> bool:

@@ -1,0 +1,96 @@
+"""Speculative decoding by n-gram lookup (vLLM's `ngram` method, also called prompt lookup).
+
+A decoding request's next tokens are guessed from its own text: where its last n tokens occurred
+before, the tokens that followed then are the drafts. The scheduler plans the request's last
+token and its drafts as one chunk; the runner computes all of them in one step, which on a CPU
+costs little more than one token (the step is bound by reading the weights), and keeps the
+drafts the model itself would have chosen, plus the model's own token after the last one kept.
+A greedy request's tokens are therefore the tokens it would have had without drafts. K/V
+written for rejected drafts is past `num_computed_tokens`: the next step overwrites it.
+
+Only requests whose next token depends on nothing but the logits of its position draft: greedy,
+and none of what reads the output so far (penalties, bad words, a grammar, an unmet
+min_tokens) or reports per token (logprobs). The others decode one token a step beside them.
+"""
+
+from __future__ import annotations
+
+from afd.config import SpeculativeConfig
+from services.attention.request import Request
+
+
+def speculable(req: Request) -> bool:
+    """Whether `req`'s drafts can be verified by comparing them with the argmax of their rows."""
+    sp = req.sampling
+    return (
+        sp.greedy
+        and not sp.adjusts_logits
+        and sp.logprobs is None
+        and not sp.guide_kind
+        and not sp.bad_words
+        and not sp.allowed_token_ids
+        and len(req.output_token_ids) >= sp.min_tokens
+    )
+
+
+def room(req: Request, max_model_len: int) -> int:
+    """Drafts `req` may take now: accepting all of them and the token after them must leave it
+    within max_tokens and the context (so its K/V stays within what admission checked)."""
+    left = min(req.sampling.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens)
+    return left - 1
+
+
+class _Index:
+    """Where each n-gram of one sequence last ended (n in [lo, hi]): for the n-gram ending at
+    position e (tokens e-n .. e-1), e is where its continuation starts. Tokens only grow, so
+    the index is extended, never rebuilt."""
+
+    def __init__(self, lo: int, hi: int):
+        self.sizes = range(hi, lo - 1, -1)  # longest first
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.upto = 0  # continuations starting before this position are indexed
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        L = len(ids)
+        # every n-gram with at least one token after it; the suffix itself is not yet in
+        for e in range(self.upto, L):
+            for n in self.sizes:
+                if e >= n:
+                    self.ends[n][tuple(ids[e - n : e])] = e
+        self.upto = L
+        for n in self.sizes:
+            if L <= n:
+                continue
+            e = self.ends[n].get(tuple(ids[L - n :]))
+            if e is None:
+                continue
+            # the text from e on is taken to repeat; past the end it repeats the drafts
+            # themselves, so a loop shorter than k still gives k drafts
+            out: list[int] = []
+            for i in range(k):
+                out.append(ids[e + i] if e + i < L else out[e + i - L])
+            return out
+        return []
+
+
+class NgramDrafter:
+    """Drafts per request, each from an index of its own tokens kept while it runs."""
+
+    def __init__(self, cfg: SpeculativeConfig):
+        self.cfg = cfg
+        self._index: dict[str, _Index] = {}
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        """Up to min(num_speculative_tokens, limit) drafts for `req` (none when it may not
+        draft or no n-gram of its end occurred before)."""
+        k = min(self.cfg.num_speculative_tokens, limit)
+        if k <= 0 or not speculable(req):
+            return []
+        index = self._index.get(req.request_id)
+        if index is None:
+            lo, hi = self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
+            index = self._index[req.request_id] = _Index(lo, hi)
+        return index.propose(req.all_token_ids, k)
+
+    def release(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
