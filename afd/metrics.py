@@ -164,6 +164,19 @@ PREFIX_HITS = Counter(
     "Prompt tokens whose K/V the prefix cache supplied (tokens; hits / queries = hit rate)",
     registry=None,
 )
+SPEC_DRAFTS = Counter(
+    "afd_spec_decode_num_drafts",
+    "Speculative decoding: request steps that verified drafts (one per request and step)",
+    registry=None,
+)
+SPEC_DRAFT_TOKENS = Counter(
+    "afd_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified", registry=None
+)
+SPEC_ACCEPTED_TOKENS = Counter(
+    "afd_spec_decode_num_accepted_tokens",
+    "Speculative decoding: draft tokens kept (accepted / draft tokens = acceptance rate)",
+    registry=None,
+)
 STEP_SECONDS = Histogram(
     "afd_attention_step_seconds",
     "One engine step (schedule, execute, update) on an attention server",
@@ -305,6 +318,9 @@ ATTENTION = (
     PREEMPTIONS,
     PREFIX_QUERIES,
     PREFIX_HITS,
+    SPEC_DRAFTS,
+    SPEC_DRAFT_TOKENS,
+    SPEC_ACCEPTED_TOKENS,
     STEP_SECONDS,
     STEP_TOKENS,
     MICRO_BATCHES_IN_FLIGHT,

@@ -69,6 +69,8 @@ class StepResult:
     tokens: int = 0
     timing: StepTiming = field(default_factory=StepTiming)
     paused: bool = False  # held for an expert shard with no live replica (nothing was computed)
+    # speculative decoding: requests that drafted, their drafts, and the drafts kept
+    drafts: tuple[int, int, int] = (0, 0, 0)
 
 
 class Engine:
@@ -282,7 +284,10 @@ class Engine:
         for req in updated:
             if req.finished:
                 self.runner.release(req.request_id)
-        return StepResult(updated, tokens, self.dispatcher.timing)
+        drafted = [len(s.draft_ids) for s in plan.scheduled if s.draft_ids]
+        kept = sum(map(len, done.kept.values()))
+        drafts = (len(drafted), sum(drafted), kept)
+        return StepResult(updated, tokens, self.dispatcher.timing, drafts=drafts)
 
     @property
     def paused(self) -> bool:

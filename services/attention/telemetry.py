@@ -84,6 +84,11 @@ class EngineTelemetry:
         metrics.STEP_SECONDS.observe(seconds)
         metrics.STEP_TOKENS.observe(result.tokens)
         metrics.MICRO_BATCHES_IN_FLIGHT.set(timing.max_in_flight)
+        drafted, draft_tokens, kept = result.drafts
+        if drafted:
+            metrics.SPEC_DRAFTS.inc(drafted)
+            metrics.SPEC_DRAFT_TOKENS.inc(draft_tokens)
+            metrics.SPEC_ACCEPTED_TOKENS.inc(kept)
         for s in timing.attention_seconds:
             self._layer.observe(s)
         now = time.monotonic()

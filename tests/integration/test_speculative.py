@@ -1,0 +1,114 @@
+"""Speculative decoding (n-gram drafts) against transformers: a greedy request's tokens are the
+reference's whatever its drafts, for every family transformers runs, in float32 with an fp32
+wire, with micro-batches, chunked prefill, preemption and prefix caching in the way.
+
+Greedy tokens fix the drafts too: a request's drafts come from its prompt and the reference's
+tokens so far, and a draft is kept exactly when it is the reference's next token. So the drafts
+verified and kept over a run are known in advance (`expected_drafts`), and the engine must
+report exactly those: a test cannot pass by never drafting, or by keeping too few."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from afd.config import SpeculativeConfig
+from afd.control import SamplingParams
+from afd_cli.local import local_engine
+from services.attention.request import Request
+from services.attention.speculative import NgramDrafter, room
+from tests.helpers.checkpoints import (
+    REFERENCE_CHECKPOINTS,
+    TRANSFORMERS_REFERENCED,
+    hf_greedy,
+    hf_model,
+)
+from tests.integration.test_engine_reference import engine_cfg
+
+# text that repeats, as code edits and quoted documents do: drafts come from the prompt
+PROMPTS = [
+    [5, 9, 17, 3, 250, 41, 5, 9, 17, 3, 250, 41, 5, 9],
+    list(range(20, 40)) + list(range(20, 31)),
+    [7, 7, 7],
+    [100, 101, 102, 103] * 4,
+]
+NEW = 24
+SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    """model_type -> (checkpoint, transformers' float32 greedy tokens)."""
+    out = {}
+    for model_type in TRANSFORMERS_REFERENCED:
+        path = REFERENCE_CHECKPOINTS[model_type](tmp_path_factory.mktemp(model_type) / "ckpt")
+        out[model_type] = (path, hf_greedy(hf_model(path, torch.float32), PROMPTS, NEW))
+    return out
+
+
+def expected_drafts(prompts, ref, cfg: SpeculativeConfig) -> tuple[int, int]:
+    """(drafts verified, drafts kept) of a run whose steps never cut a request's drafts short
+    (a budget large enough for all), from the reference tokens alone."""
+    drafter, drafted, kept = NgramDrafter(cfg), 0, 0
+    for i, (prompt, want) in enumerate(zip(prompts, ref, strict=True)):
+        req = Request(f"r{i}", list(prompt), SamplingParams(max_tokens=NEW, temperature=0))
+        req.output_token_ids = want[:1]  # the prefill's token: no drafts before it
+        while len(req.output_token_ids) < NEW:
+            at = len(req.output_token_ids)
+            drafts = drafter.propose(req, room(req, 1 << 20))
+            n = 0
+            while n < len(drafts) and drafts[n] == want[at + n]:
+                n += 1
+            drafted, kept = drafted + len(drafts), kept + n
+            req.output_token_ids = want[: at + n + 1]
+    return drafted, kept
+
+
+def spec_greedy(cfg, prompts=PROMPTS, arrive_late: int = 0):
+    """Tokens per prompt, and the drafts verified and kept over the run; with arrive_late the
+    last prompts join after a few steps (to meet running requests that draft)."""
+    drafted = kept = 0
+    sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    with local_engine(cfg, 1, progress=False) as eng:
+        first = prompts[: len(prompts) - arrive_late]
+        reqs = [eng.add_request(p, sp) for p in first]
+        steps = 0
+        while eng.has_unfinished() or len(reqs) < len(prompts):
+            if steps == 3:
+                reqs += [eng.add_request(p, sp) for p in prompts[len(first) :]]
+            result = eng.step()
+            drafted += result.drafts[1]
+            kept += result.drafts[2]
+            steps += 1
+        assert eng.blocks.num_free_blocks == eng.blocks.num_blocks, "KV blocks leaked"
+        preempted = eng.scheduler.num_preemptions
+    return [r.output_token_ids for r in reqs], drafted, kept, preempted
+
+
+@pytest.mark.parametrize("family", TRANSFORMERS_REFERENCED)
+@pytest.mark.parametrize("S", [1, 2])
+def test_speculative_tokens_identical(refs, family, S):
+    path, ref = refs[family]
+    got, drafted, kept, _ = spec_greedy(engine_cfg(path, S=S, budget=64, speculative=SPEC))
+    assert got == ref
+    assert (drafted, kept) == expected_drafts(PROMPTS, ref, SPEC)
+    assert drafted > kept  # some rejected (and, for most families, some kept)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_speculative_under_preemption_chunking_and_prefix_cache(refs, family):
+    """16 blocks of 4 slots for four requests: drafts compete for blocks with preempted and
+    chunked prefills; two prompts arrive while the others draft, and with the prefix cache on
+    only blocks of kept tokens may be registered (a rejected draft's K/V in a registered
+    block would hand a later request wrong K/V)."""
+    path, ref = refs[family]
+    cfg = engine_cfg(path, S=2, blocks=16, budget=8, speculative=SPEC)
+    cfg = replace(cfg, cache=replace(cfg.cache, enable_prefix_caching=True))
+    got, drafted, kept, preempted = spec_greedy(cfg, arrive_late=2)
+    assert preempted > 0 and kept > 0
+    assert got == ref
+    # the same prompts again: found in the cache, from the blocks the first run registered
+    again, *_ = spec_greedy(cfg)
+    assert again == ref
