@@ -163,9 +163,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             type=flags.json_object,
             help='speculative decoding, as vLLM takes it: \'{"method": "ngram", '
             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-            "(optional keys: disable_by_batch_size, off above that many requests). Greedy "
-            "requests guess their next tokens from their own earlier text and verify the "
-            "guesses in one step; their tokens are those they would have had without it",
+            "(optional keys: disable_by_batch_size, off above that many requests). A request "
+            "guesses its next tokens from its own earlier text and one step checks them; greedy "
+            "tokens are those it would have had without guesses, sampled ones are distributed "
+            "as they would have been. Requests with penalties, bad words, a grammar or "
+            "logprobs decode a token a step",
         ),
         *flags.add_expert_flags(g),
     ]

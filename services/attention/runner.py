@@ -14,7 +14,7 @@ from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.pipeline import run_layers
 from services.attention.request import Request
-from services.attention.sampler import sample, score, verify_drafts
+from services.attention.sampler import sample, score, verify_drafts, verify_sampled_drafts
 from services.attention.scheduler import ScheduledSeq, SchedulerOutput
 from services.attention.stack import DecodeStack
 
@@ -117,8 +117,15 @@ class ModelRunner:
         for s in seqs:
             n = 1 + len(s.draft_ids)
             if s.draft_ids:
-                rid = s.request.request_id
-                out.kept[rid], out.sampled[rid] = verify_drafts(logits[row : row + n], s.draft_ids)
+                rid, sp = s.request.request_id, s.request.sampling
+                rows_n = logits[row : row + n]
+                if sp.greedy:
+                    out.kept[rid], out.sampled[rid] = verify_drafts(rows_n, s.draft_ids)
+                else:
+                    gen = self._generator(rid, sp.seed)
+                    out.kept[rid], out.sampled[rid] = verify_sampled_drafts(
+                        rows_n, s.draft_ids, sp, gen
+                    )
             else:
                 rest.append(s)
                 rows.append(row)

@@ -166,3 +166,27 @@ def verify_drafts(
     while kept < len(drafts) and chosen[kept] == drafts[kept]:
         kept += 1
     return list(drafts[:kept]), chosen[kept]
+
+
+def verify_sampled_drafts(
+    logits: torch.Tensor,  # [1 + k, V] float32: the rows of a request's last token and drafts
+    drafts: tuple[int, ...],  # k
+    params: SamplingParams,  # the request's (not greedy)
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Speculative sampling for drafts that are certain guesses (an n-gram's): each draft is
+    kept with the probability the request's own distribution (temperature, min-p, top-k,
+    top-p) gives it at its row; the first one rejected gives way to a draw from that row
+    without it, or when all are kept the last row is drawn from. Each token comes out
+    distributed exactly as one drawn a step at a time."""
+    dev = logits.device
+    probs = torch.softmax(_filtered(logits, [params] * logits.shape[0]), dim=-1)  # [1 + k, V]
+    kept = torch.tensor(drafts, device=dev).unsqueeze(1)
+    chance = probs[:-1].gather(1, kept).squeeze(1).tolist()  # [k]
+    draws = torch.rand(len(drafts), generator=generator, device=dev).tolist()
+    for i, (p, u) in enumerate(zip(chance, draws, strict=True)):
+        if u >= p:  # rejected: the rest of the row's mass, p < 1, is what is drawn from
+            row = probs[i].clone()
+            row[drafts[i]] = 0.0
+            return list(drafts[:i]), int(torch.multinomial(row, 1, generator=generator)[0])
+    return list(drafts), int(torch.multinomial(probs[-1], 1, generator=generator)[0])

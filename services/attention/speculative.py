@@ -2,15 +2,17 @@
 
 A decoding request's next tokens are guessed from its own text: where its last n tokens occurred
 before, the tokens that followed then are the drafts. The scheduler plans the request's last
-token and its drafts as one chunk; the runner computes all of them in one step, which on a CPU
-costs little more than one token (the step is bound by reading the weights), and keeps the
-drafts the model itself would have chosen, plus the model's own token after the last one kept.
-A greedy request's tokens are therefore the tokens it would have had without drafts. K/V
+token and its drafts as one chunk; the runner computes them in one step (on a CPU the step is
+bound by reading the weights, which a few more rows share) and keeps drafts as the request's
+own choice would have: a greedy request keeps each draft that is its row's argmax, so its
+tokens are those it would have had without drafts; a sampling one keeps a draft with the
+probability its row gives it (sampler.verify_sampled_drafts), so its tokens are distributed
+as they would have been. Then comes the request's own token after the last draft kept. K/V
 written for rejected drafts is past `num_computed_tokens`: the next step overwrites it.
 
-Only requests whose next token depends on nothing but the logits of its position draft: greedy,
-and none of what reads the output so far (penalties, bad words, a grammar, an unmet
-min_tokens) or reports per token (logprobs). The others decode one token a step beside them.
+Only requests whose next token depends on nothing but its row's logits draft: none of what
+reads the output so far (penalties, bad words, a grammar, an unmet min_tokens) or reports per
+token (logprobs). The others decode one token a step beside them.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from services.attention.request import Request
 
 
 def speculable(req: Request) -> bool:
-    """Whether `req`'s drafts can be verified by comparing them with the argmax of their rows."""
+    """Whether `req`'s drafts can be verified from their rows' logits alone (nothing that
+    depends on the tokens before a row, which a draft would change)."""
     sp = req.sampling
     return (
-        sp.greedy
-        and not sp.adjusts_logits
+        not sp.adjusts_logits
         and sp.logprobs is None
         and not sp.guide_kind
         and not sp.bad_words

@@ -112,3 +112,43 @@ def test_speculative_under_preemption_chunking_and_prefix_cache(refs, family):
     # the same prompts again: found in the cache, from the blocks the first run registered
     again, *_ = spec_greedy(cfg)
     assert again == ref
+
+
+def test_sampled_and_non_drafting_requests_beside_greedy_ones(refs):
+    """One batch: greedy requests (the reference's tokens), seeded sampling ones (drafting,
+    the same tokens when run again with the same seed) and ones that may not draft
+    (logprobs, a repetition penalty) decoding a token a step beside them."""
+    path, ref = refs["qwen3_moe"]
+    cfg = engine_cfg(path, S=2, budget=64, speculative=SPEC)
+    greedy = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    # a low temperature: a random model's text drawn hotter rarely repeats, leaving nothing to
+    # draft from (the distribution of what is kept: tests/unit/test_speculative.py)
+    seeded = [
+        SamplingParams(max_tokens=NEW, temperature=0.1, top_k=20, seed=s, ignore_eos=True)
+        for s in (1, 2)
+    ]
+    plain = [
+        SamplingParams(max_tokens=NEW, temperature=0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=NEW, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+    ]
+
+    def one_run():
+        most = [0] * 8  # the most tokens each request got in one step
+        with local_engine(cfg, 1, progress=False) as eng:
+            reqs = [eng.add_request(p, greedy) for p in PROMPTS]
+            reqs += [eng.add_request(PROMPTS[0], sp) for sp in seeded]
+            reqs += [eng.add_request(PROMPTS[3], sp) for sp in plain]
+            while eng.has_unfinished():
+                before = [len(r.output_token_ids) for r in reqs]
+                eng.step()
+                for i, r in enumerate(reqs):
+                    most[i] = max(most[i], len(r.output_token_ids) - before[i])
+        return [r.output_token_ids for r in reqs], reqs, most
+
+    first, reqs, most = one_run()
+    again, _, _ = one_run()
+    assert first[:4] == ref
+    assert first[4:6] == again[4:6]
+    assert max(most[4:6]) > 1 and most[6:] == [1, 1]  # sampled ones kept drafts; these none
+    assert len(reqs[6].output_logprobs) == NEW  # one logprob per token: it never drafted
+    assert all(len(out) == NEW for out in first)

@@ -58,10 +58,11 @@ def _start_ffn(procs: Procs, model, ffn: list[str], i: int, *extra: str, dtype="
 
 def _start_cluster(
     procs: Procs, model, transport, n_att, n_ffn, S, tmp, timeout="20", grace="20", ffn_args=(),
-    dtype="float32", env=None,
+    dtype="float32", env=None, att_args=(),
 ):  # fmt: skip
-    """ffn_args: extra flags for every FFN server, or a list of them, one per server; env:
-    added to every server's environment. float32 sends fp32 on the wire, bfloat16 bf16."""
+    """ffn_args: extra flags for every FFN server, or a list of them, one per server; att_args:
+    for every attention server; env: added to every server's environment. float32 sends fp32
+    on the wire, bfloat16 bf16."""
     ffn = [_ffn_addr(transport, tmp, i) for i in range(n_ffn)]
     per_server = ffn_args if ffn_args and isinstance(ffn_args[0], tuple) else [ffn_args] * n_ffn
     for i in range(n_ffn):
@@ -90,6 +91,7 @@ def _start_cluster(
             timeout,
             "--ffn-grace",
             grace,
+            *att_args,
             env=env,
         )
         att.append(addr)
@@ -384,5 +386,38 @@ def test_cached_prefixes_1a2f_over_tcp_match_transformers(tmp_path):
         cached = [last.cached_tokens for _, last in runs]
         # block size 16: the 23-token system prompt has one full block
         assert cached[0] == 0 and cached[1] == 16 and cached[4] == 16 and sum(cached) == 48
+    finally:
+        procs.stop_all()
+
+
+def test_speculative_decoding_1a2f_over_tcp_matches_transformers(tmp_path):
+    """--speculative-config on an attention server whose experts are on two FFN servers: a
+    step's drafts travel to the experts as tokens like any other; the greedy tokens are
+    transformers', and some events carry several tokens (drafts were kept)."""
+    from afd.control import pb_grpc
+    from tests.integration.test_speculative import PROMPTS as REPEATING
+
+    path = REFERENCE_CHECKPOINTS["qwen3_moe"](tmp_path / "ckpt")
+    ref = hf_greedy(hf_model(path, torch.float32), REPEATING, NEW)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    procs = Procs(tmp_path)
+    try:
+        _, att = _start_cluster(
+            procs, path, "tcp", 1, 2, 1, tmp_path, att_args=("--speculative-config", spec)
+        )
+        got, sizes = [], []
+        with grpc.insecure_channel(att[0]) as ch:
+            stub = pb_grpc.AttentionServiceStub(ch)
+            for i, prompt in enumerate(REPEATING):
+                req = pb.GenerateRequest(
+                    request_id=f"spec-{i}",
+                    prompt_token_ids=prompt,
+                    sampling=pb.SamplingParams(max_tokens=NEW, ignore_eos=True),
+                )
+                events = list(stub.Generate(req, timeout=60))
+                got.append([t for ev in events for t in ev.token_ids])
+                sizes += [len(ev.token_ids) for ev in events]
+        assert got == ref
+        assert max(sizes) > 1
     finally:
         procs.stop_all()

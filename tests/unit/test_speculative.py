@@ -18,7 +18,7 @@ from afd.errors import ConfigError
 from services.attention import flags as attention_flags
 from services.attention.block_manager import BlockManager
 from services.attention.request import Request
-from services.attention.sampler import verify_drafts
+from services.attention.sampler import verify_drafts, verify_sampled_drafts
 from services.attention.scheduler import Scheduler, SchedulerOutput
 from services.attention.speculative import NgramDrafter, room, speculable
 
@@ -26,7 +26,8 @@ SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_l
 
 
 def request(prompt, out=(), max_tokens=50, **sp) -> Request:
-    r = Request("r", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0, **sp))
+    sp = {"temperature": 0} | sp
+    r = Request("r", list(prompt), SamplingParams(max_tokens=max_tokens, **sp))
     r.output_token_ids = list(out)
     return r
 
@@ -68,7 +69,6 @@ def test_the_index_grows_with_the_output():
 @pytest.mark.parametrize(
     "sampling",
     [
-        {"temperature": 0.7},
         {"logprobs": 0},
         {"repetition_penalty": 1.2},
         {"presence_penalty": 0.5},
@@ -85,6 +85,7 @@ def test_only_requests_whose_token_is_the_rows_argmax_draft(sampling):
     assert not speculable(r)
     assert NgramDrafter(SPEC).propose(r, 3) == []
     assert speculable(request([1, 2, 1, 2]))
+    assert speculable(request([1, 2, 1, 2], temperature=0.7, top_k=5, top_p=0.9, seed=3))
 
 
 def test_room_keeps_the_drafts_and_the_next_token_within_max_tokens_and_the_context():
@@ -127,6 +128,39 @@ def test_verify_keeps_drafts_while_each_is_the_argmax_of_the_row_before():
     assert verify_drafts(logits, (3, 5, 7)) == ([3, 5], 2)
     assert verify_drafts(logits, (3, 5, 2)) == ([3, 5, 2], 8)  # all kept: the 4th row's token
     assert verify_drafts(logits, (4, 5, 2)) == ([], 3)
+
+
+def test_sampled_drafts_give_each_token_the_distribution_of_a_step_by_step_draw():
+    """Two drafts over a 5-token vocabulary, drawn 40000 times (seeded): the first token is
+    distributed as row 0 says, the second (where the first draft was kept) as row 1 says,
+    and the token after both drafts as row 2, with temperature and top-k applied."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5) * 1.5
+    sp = SamplingParams(temperature=0.8, top_k=4, max_tokens=10)
+    drafts = (int(logits[0].argmax()), int(logits[1].argsort()[-2]))  # likely, then middling
+    x = logits / 0.8
+    x[x < x.topk(4, dim=-1).values[:, -1:]] = float("-inf")
+    want = torch.softmax(x, dim=-1)  # [3, 5]
+    gen = torch.Generator().manual_seed(1)
+    N = 40_000
+    first, second, third = torch.zeros(5), torch.zeros(5), torch.zeros(5)
+    n_second = n_third = 0
+    for _ in range(N):
+        kept, token = verify_sampled_drafts(logits, drafts, sp, gen)
+        out = kept + [token]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+            n_second += 1
+        if len(out) > 2:
+            third[out[2]] += 1
+            n_third += 1
+    assert n_second > 1000 and n_third > 1000
+    for got, n, row in ((first, N, 0), (second, n_second, 1), (third, n_third, 2)):
+        p = want[row]
+        sigma = (p * (1 - p) / n).sqrt()
+        assert ((got / n - p).abs() <= 5 * sigma + 1e-9).all(), (row, got / n, p)
+    assert first[int(logits[0].argmin())] == 0  # outside the top-k: never, drafted or not
 
 
 # ---- the scheduler with a fake greedy model --------------------------------------------------
