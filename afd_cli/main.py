@@ -73,6 +73,7 @@ def bench_parser() -> argparse.ArgumentParser:
         prefix,
         quality,
         serve,
+        spec,
         weights,
         wire,
     )  # fmt: skip
@@ -80,6 +81,7 @@ def bench_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="afd bench", description="benchmarks that print JSON")
     bsub = parser.add_subparsers(dest="bench", required=True)
     benches = (engine, gpu, pipeline, http, serve, peer, context, weights, mxfp4, quality, prefix)
+    benches += (spec,)
     for bench in benches:
         bench.add_parser(bsub)
     w = bsub.add_parser(

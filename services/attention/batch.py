@@ -12,7 +12,7 @@ from services.attention.scheduler import ScheduledSeq
 
 @dataclass(frozen=True)
 class MicroBatch:
-    seqs: tuple[ScheduledSeq, ...]  # decodes first, then prefills (row order)
+    seqs: tuple[ScheduledSeq, ...]  # decodes (speculating ones too) first, then prefills
     token_ids: torch.Tensor  # [T] long
     meta: AttnMeta
     # [B + drafts] long: the row of each sampling sequence's last token (and its drafts')
@@ -42,25 +42,29 @@ def split(seqs: list[ScheduledSeq], n: int) -> list[list[ScheduledSeq]]:
 
 
 def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
-    decodes = [s for s in seqs if s.num_new_tokens == 1]
-    prefills = [s for s in seqs if s.num_new_tokens > 1]
+    # A speculating seq (its last token and its drafts) is decode rows too, one per token,
+    # each attending up to its own position: every row's K/V is written before any row
+    # attends, so that is causal attention over the chunk, on the decode path's kernels.
+    decodes = [s for s in seqs if s.num_new_tokens == 1 or s.draft_ids]
+    prefills = [s for s in seqs if s.num_new_tokens > 1 and not s.draft_ids]
     ordered = decodes + prefills
     tokens = [t for s in ordered for t in s.token_ids]
     positions: list[torch.Tensor] = []
     slots: list[torch.Tensor] = []
     table = lens = None
+    num_decode = 0
     if decodes:
         # all decode rows at once, as plain ints: tensors built per sequence cost a few torch
         # calls each, which add up with batch and context on every step's critical path
-        table, lens = _decode_blocks(decodes, block_size)
-        pos = [s.start_pos for s in decodes]
-        positions.append(torch.tensor(pos))
+        rows = [(s, s.start_pos + i) for s in decodes for i in range(s.num_new_tokens)]
+        num_decode = len(rows)
+        table, lens = _decode_blocks(rows, block_size)
+        positions.append(torch.tensor([p for _, p in rows]))
         slots.append(
             torch.tensor(
-                [s.block_ids[p // block_size] * block_size + p % block_size
-                 for s, p in zip(decodes, pos, strict=True)]
+                [s.block_ids[p // block_size] * block_size + p % block_size for s, p in rows]
             )
-        )  # fmt: skip
+        )
     for s in prefills:
         pos = torch.arange(s.start_pos, s.start_pos + s.num_new_tokens)
         positions.append(pos)
@@ -68,9 +72,9 @@ def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
     meta = AttnMeta(
         positions=torch.cat(positions) if len(positions) > 1 else positions[0],
         slots=torch.cat(slots) if len(slots) > 1 else slots[0],
-        num_decode=len(decodes),
+        num_decode=num_decode,
         decode_blocks=table,
-        prefills=_prefill_seqs(prefills, len(decodes), block_size) if prefills else (),
+        prefills=_prefill_seqs(prefills, num_decode, block_size) if prefills else (),
         decode_lens=lens,
         block_size=block_size,
     )
@@ -136,16 +140,19 @@ def _slots(blocks: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Te
     return blocks[pos // block_size] * block_size + pos % block_size
 
 
-def _decode_blocks(decodes: list[ScheduledSeq], bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = [s.start_pos + 1 for s in decodes]  # keys each row attends to
-    short = [s.request.request_id for s in decodes if len(s.block_ids) * bs < s.start_pos + 1]
+def _decode_blocks(
+    rows: list[tuple[ScheduledSeq, int]],
+    bs: int,  # each decode row's seq and position
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n = [p + 1 for _, p in rows]  # keys each row attends to
+    short = [s.request.request_id for s, p in rows if len(s.block_ids) * bs < p + 1]
     if short:  # the table's padding would otherwise hand the row someone else's block 0
         raise RuntimeError(f"requests {short} have no KV block for their position")
     lens = torch.tensor(n)
     nblk = (max(n) + bs - 1) // bs
     # one tensor from one list, padded with block 0 (masked)
-    rows = [s.block_ids[:nblk] + [0] * (nblk - min(nblk, len(s.block_ids))) for s in decodes]
-    return torch.tensor(rows, dtype=torch.long), lens
+    table = [s.block_ids[:nblk] + [0] * (nblk - min(nblk, len(s.block_ids))) for s, _ in rows]
+    return torch.tensor(table, dtype=torch.long), lens
 
 
 def _prefill_seqs(prefills: list[ScheduledSeq], first_row: int, bs: int) -> tuple[PrefillSeq, ...]:

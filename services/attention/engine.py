@@ -287,6 +287,12 @@ class Engine:
         drafted = [len(s.draft_ids) for s in plan.scheduled if s.draft_ids]
         kept = sum(map(len, done.kept.values()))
         drafts = (len(drafted), sum(drafted), kept)
+        if drafted and self.scheduler.drafter is not None:  # how far each guesses next
+            for s in plan.scheduled:
+                if s.draft_ids:
+                    rid = s.request.request_id
+                    n = len(done.kept.get(rid, ()))
+                    self.scheduler.drafter.verified(rid, len(s.draft_ids), n)
         return StepResult(updated, tokens, self.dispatcher.timing, drafts=drafts)
 
     @property

@@ -47,10 +47,11 @@ class _Index:
     position e (tokens e-n .. e-1), e is where its continuation starts. Tokens only grow, so
     the index is extended, never rebuilt."""
 
-    def __init__(self, lo: int, hi: int):
+    def __init__(self, lo: int, hi: int, k: int):
         self.sizes = range(hi, lo - 1, -1)  # longest first
         self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         self.upto = 0  # continuations starting before this position are indexed
+        self.k = k  # drafts to propose next (NgramDrafter.verified)
 
     def propose(self, ids: list[int], k: int) -> list[int]:
         L = len(ids)
@@ -83,16 +84,27 @@ class NgramDrafter:
         self._index: dict[str, _Index] = {}
 
     def propose(self, req: Request, limit: int) -> list[int]:
-        """Up to min(num_speculative_tokens, limit) drafts for `req` (none when it may not
-        draft or no n-gram of its end occurred before)."""
-        k = min(self.cfg.num_speculative_tokens, limit)
-        if k <= 0 or not speculable(req):
+        """Up to min(k, limit) drafts for `req`, k as `verified` last set it (at first
+        num_speculative_tokens); none when it may not draft or no n-gram of its end occurred
+        before."""
+        if limit <= 0 or not speculable(req):
             return []
         index = self._index.get(req.request_id)
         if index is None:
-            lo, hi = self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
-            index = self._index[req.request_id] = _Index(lo, hi)
-        return index.propose(req.all_token_ids, k)
+            c = self.cfg
+            index = _Index(c.prompt_lookup_min, c.prompt_lookup_max, c.num_speculative_tokens)
+            self._index[req.request_id] = index
+        return index.propose(req.all_token_ids, min(index.k, limit))
+
+    def verified(self, request_id: str, drafted: int, kept: int) -> None:
+        """After a step verified `drafted` drafts of the request and kept `kept`: next time
+        it proposes one more than it kept, or one more than now if it kept them all (up to
+        num_speculative_tokens). A rejected draft makes its step's chunk longer for nothing,
+        so where guesses fail the request guesses less; where they hold it guesses more."""
+        index = self._index.get(request_id)
+        if index is not None:
+            grown = index.k + 1 if kept == drafted else kept + 1
+            index.k = min(self.cfg.num_speculative_tokens, grown)
 
     def release(self, request_id: str) -> None:
         self._index.pop(request_id, None)

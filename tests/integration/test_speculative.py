@@ -62,6 +62,8 @@ def expected_drafts(prompts, ref, cfg: SpeculativeConfig) -> tuple[int, int]:
             while n < len(drafts) and drafts[n] == want[at + n]:
                 n += 1
             drafted, kept = drafted + len(drafts), kept + n
+            if drafts:
+                drafter.verified(req.request_id, len(drafts), n)
             req.output_token_ids = want[: at + n + 1]
     return drafted, kept
 
@@ -152,3 +154,16 @@ def test_sampled_and_non_drafting_requests_beside_greedy_ones(refs):
     assert max(most[4:6]) > 1 and most[6:] == [1, 1]  # sampled ones kept drafts; these none
     assert len(reqs[6].output_logprobs) == NEW  # one logprob per token: it never drafted
     assert all(len(out) == NEW for out in first)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_bf16_drafts_change_no_token_on_each_native_path(refs, family, native_path):
+    """bf16 on afd's own kernels (the decode stack where it applies): a verify step computes a
+    request's rows as decode rows of a larger batch, and each row's result must not depend on
+    the batch it is in, so the tokens with drafts are the tokens without, bit for bit."""
+    path, _ = refs[family]
+    cfg = replace(engine_cfg(path, dtype="bfloat16", budget=64), decode_stack=True)
+    plain, *_ = spec_greedy(cfg)
+    got, drafted, kept, _ = spec_greedy(replace(cfg, speculative=SPEC))
+    assert drafted > 0
+    assert got == plain
