@@ -41,7 +41,7 @@ class ScheduledSeq:
     """One request's share of a step: compute K/V for `token_ids` at positions start_pos.."""
 
     request: Request
-    token_ids: list[int]  # req.all_token_ids[start_pos : start_pos + num_new_tokens]
+    token_ids: list[int]  # req.all_token_ids[start_pos:], as many as computed (+ drafts)
     start_pos: int  # num_computed_tokens before this step
     block_ids: list[int]  # the request's full block table after allocation (a copy)
     sample: bool  # last chunk: the runner must sample a token for this request
@@ -292,7 +292,7 @@ class Scheduler:
         req.block_ids.extend(bm.allocate(missing))
         return True
 
-    def _plan(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledSeq:
+    def _plan(self, req: Request, n: int, drafts: list[int] | tuple[()] = ()) -> ScheduledSeq:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         start = req.num_computed_tokens

@@ -1,0 +1,78 @@
+"""`afd serve --speculative-config` through the HTTP API with the official openai client: the
+same answers as the same server without it (greedy), streamed in fewer chunks than tokens (a
+step's kept drafts reach the gateway as one event), stop strings and usage as without."""
+
+from __future__ import annotations
+
+import signal
+
+import openai
+import pytest
+
+from afd.demo import TINY_CONFIG, write_step3_checkpoint
+from tests.system.test_gateway import start_serve
+
+KEY = "sk-spec-test"
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+PROMPTS = ["hello hello hello", "one two three one two three one", "abcabcabc"]
+
+
+@pytest.fixture(scope="module")
+def clients(tmp_path_factory):
+    model = write_step3_checkpoint(
+        tmp_path_factory.mktemp("spec") / "tiny", TINY_CONFIG, seed=0, init_std=0.2
+    )
+    procs, out = [], {}
+    flags = ("--transport", "inproc", "--a2f-dtype", "bf16", "--api-key", KEY)
+    try:
+        for name, extra in (("plain", ()), ("spec", ("--speculative-config", SPEC))):
+            proc, url, _ = start_serve(model, *flags, *extra)
+            procs.append(proc)
+            out[name] = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+        yield out
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
+def test_greedy_answers_equal_and_arrive_in_fewer_chunks(clients):
+    chunks_seen = tokens_seen = 0
+    for prompt in PROMPTS:
+        args = dict(model="tiny", prompt=prompt, max_tokens=32, **GREEDY)
+        want = clients["plain"].completions.create(**args)
+        got = clients["spec"].completions.create(**args)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.completion_tokens == want.usage.completion_tokens == 32
+        stream = clients["spec"].completions.create(
+            **args, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == want.choices[0].text
+        chunks_seen += sum(1 for c in chunks if c.choices and c.choices[0].text)
+        tokens_seen += chunks[-1].usage.completion_tokens
+    assert chunks_seen < tokens_seen  # some events carried kept drafts
+
+
+def test_a_stop_string_inside_kept_drafts_cuts_the_text_there(clients):
+    args = dict(model="tiny", prompt=PROMPTS[1], max_tokens=32, **GREEDY)
+    text = clients["plain"].completions.create(**args).choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    for name in ("plain", "spec"):
+        cut = clients[name].completions.create(**args, stop=[stop])
+        assert cut.choices[0].text == text[: text.find(stop)], name
+        assert cut.choices[0].finish_reason == "stop"
+
+
+def test_chat_with_logprobs_and_penalties_decodes_as_without(clients):
+    """Requests that may not draft (logprobs, a penalty) on a drafting server: the same."""
+    msgs = [{"role": "user", "content": "say it again and again"}]
+    for extra in ({"logprobs": True, "top_logprobs": 2}, {"frequency_penalty": 0.5}):
+        args = dict(model="tiny", messages=msgs, max_tokens=16, **GREEDY, **extra)
+        want = clients["plain"].chat.completions.create(**args).choices[0]
+        got = clients["spec"].chat.completions.create(**args).choices[0]
+        assert got.message.content == want.message.content
+        if "logprobs" in extra:
+            assert len(got.logprobs.content) == 16
