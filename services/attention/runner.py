@@ -7,14 +7,20 @@ from dataclasses import dataclass, field
 import torch
 
 from afd.control import Logprob
-from services.attention import batch
+from services.attention import batch, penalties
 from services.attention.dispatch import FFNDispatcher
 from services.attention.guides import Guides
 from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.pipeline import run_layers
 from services.attention.request import Request
-from services.attention.sampler import sample, score, verify_drafts, verify_sampled_drafts
+from services.attention.sampler import (
+    logprobs_of,
+    sample,
+    score,
+    verify_drafts,
+    verify_sampled_drafts,
+)
 from services.attention.scheduler import ScheduledSeq, SchedulerOutput
 from services.attention.stack import DecodeStack
 
@@ -33,7 +39,7 @@ class Executed:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Logprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
-    kept: dict[str, list[int]] = field(default_factory=dict)
+    kept: dict[str, list[tuple[int, Logprob | None]]] = field(default_factory=dict)
     ended: set[str] = field(default_factory=set)
     stuck: set[str] = field(default_factory=set)
 
@@ -103,7 +109,7 @@ class ModelRunner:
             r for r, t in sampled.items() if self.guides.active and self.guides.accept(r, t)
         }
         out.sampled |= sampled
-        out.logprobs = {
+        out.logprobs |= {
             s.request.request_id: lp for s, lp in zip(seqs, lps, strict=True) if lp is not None
         }
         return out
@@ -117,15 +123,7 @@ class ModelRunner:
         for s in seqs:
             n = 1 + len(s.draft_ids)
             if s.draft_ids:
-                rid, sp = s.request.request_id, s.request.sampling
-                rows_n = logits[row : row + n]
-                if sp.greedy:
-                    out.kept[rid], out.sampled[rid] = verify_drafts(rows_n, s.draft_ids)
-                else:
-                    gen = self._generator(rid, sp.seed)
-                    out.kept[rid], out.sampled[rid] = verify_sampled_drafts(
-                        rows_n, s.draft_ids, sp, gen
-                    )
+                self._settle(s, logits[row : row + n], out)
             else:
                 rest.append(s)
                 rows.append(row)
@@ -133,6 +131,30 @@ class ModelRunner:
         if not rest:
             return logits[:0], rest
         return logits.index_select(0, torch.tensor(rows, device=logits.device)), rest
+
+    def _settle(self, s: ScheduledSeq, rows: torch.Tensor, out: Executed) -> None:
+        """One speculating seq: rows [1 + k, V] are its last token's and its drafts'. Row i
+        is penalized as if the first i drafts were output already (they are, where it counts:
+        a row's token matters only when every draft before it was kept)."""
+        req, sp = s.request, s.request.sampling
+        rid, drafts = req.request_id, s.draft_ids
+        raw = rows
+        if sp.adjusts_logits:
+            rows = rows.clone()
+            n = rows.shape[0]
+            prompt = self._prompt_ids(req) if sp.repetition_penalty != 1.0 else ()
+            seen = [req.output_token_ids + list(drafts[:i]) for i in range(n)]
+            penalties.adjust_(rows, [sp] * n, [prompt] * n, seen)
+        if sp.greedy:
+            kept, token = verify_drafts(rows, drafts)
+        else:
+            kept, token = verify_sampled_drafts(rows, drafts, sp, self._generator(rid, sp.seed))
+        out.sampled[rid] = token
+        lps: list[Logprob | None] = [None] * (len(kept) + 1)
+        if sp.logprobs is not None:  # of the model's own distribution, as `sample` gives them
+            lps = [*logprobs_of(raw[: len(kept) + 1], [*kept, token], sp.logprobs)]
+            out.logprobs[rid] = lps[-1]
+        out.kept[rid] = list(zip(kept, lps[:-1], strict=True))
 
     def _score_prompts(
         self, mb: batch.MicroBatch, h: torch.Tensor, out: dict[str, list[Logprob]]

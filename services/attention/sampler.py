@@ -155,6 +155,26 @@ def score(
     ]
 
 
+def logprobs_of(
+    logits: torch.Tensor,  # [m, V] float32, the model's own (before biases and penalties)
+    tokens: list[int],  # m: the token chosen at each row
+    top: int,  # alternatives per row
+) -> list[Logprob]:
+    """Each chosen token's log-probability under its row, with the row's `top` best, as
+    `sample` reports them (-9999 for -inf: JSON cannot carry it)."""
+    logp = torch.log_softmax(logits, dim=-1).clamp_(-9999.0)
+    at = torch.tensor(tokens, device=logits.device).unsqueeze(1)
+    chosen = logp.gather(1, at).squeeze(1).tolist()
+    if not top:
+        return [Logprob(t, v, []) for t, v in zip(tokens, chosen, strict=True)]
+    best = torch.topk(logp, top, dim=-1)
+    alts = zip(best.indices.tolist(), best.values.tolist(), strict=True)
+    return [
+        Logprob(t, v, list(zip(i, a, strict=True)))
+        for t, v, (i, a) in zip(tokens, chosen, alts, strict=True)
+    ]
+
+
 def verify_drafts(
     logits: torch.Tensor,  # [1 + k, V] float32: the rows of a request's last token and drafts
     drafts: tuple[int, ...],  # k

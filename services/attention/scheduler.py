@@ -325,7 +325,7 @@ class Scheduler:
         logprobs: dict[str, Logprob] | None = None,
         prompt_logprobs: dict[str, list[Logprob]] | None = None,
         ended: set[str] | None = None,
-        kept: dict[str, list[int]] | None = None,
+        kept: dict[str, list[tuple[int, Logprob | None]]] | None = None,
     ) -> list[Request]:
         """Apply one executed step; returns the requests that got new tokens (to stream), and
         those asking for no token (max_tokens 0) whose prompt is done. `sampled` holds a token
@@ -357,12 +357,12 @@ class Scheduler:
             if req.request_id not in sampled:
                 raise KeyError(f"no sampled token for request {req.request_id!r}")
             drafts = kept.get(req.request_id, []) if kept else []
+            own = logprobs.get(req.request_id) if logprobs else None
             new_token.append(req)
-            for i, token in enumerate([*drafts, sampled[req.request_id]]):
+            for i, (token, lp) in enumerate([*drafts, (sampled[req.request_id], own)]):
                 req.output_token_ids.append(token)
+                req.output_logprobs += [lp] if lp is not None else []
                 last = i == len(drafts)
-                if last and logprobs is not None and req.request_id in logprobs:
-                    req.output_logprobs.append(logprobs[req.request_id])
                 reason = "stop" if last and ended and req.request_id in ended else None
                 reason = reason or self._finish_reason(req)
                 req.stop_token = reason == "stop" and _ends_on(req, token)

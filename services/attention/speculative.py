@@ -10,9 +10,11 @@ probability its row gives it (sampler.verify_sampled_drafts), so its tokens are 
 as they would have been. Then comes the request's own token after the last draft kept. K/V
 written for rejected drafts is past `num_computed_tokens`: the next step overwrites it.
 
-Only requests whose next token depends on nothing but its row's logits draft: none of what
-reads the output so far (penalties, bad words, a grammar, an unmet min_tokens) or reports per
-token (logprobs). The others decode one token a step beside them.
+A row's logit biases and penalties are applied as if the drafts before it were output already
+(a row's token counts only when they all were kept), and logprobs are reported for each token
+kept. Requests with what the verification cannot see row by row (a grammar, bad words,
+`allowed_token_ids`, an unmet min_tokens) do not draft: they decode one token a step beside
+the others.
 """
 
 from __future__ import annotations
@@ -22,13 +24,11 @@ from services.attention.request import Request
 
 
 def speculable(req: Request) -> bool:
-    """Whether `req`'s drafts can be verified from their rows' logits alone (nothing that
-    depends on the tokens before a row, which a draft would change)."""
+    """Whether `req`'s drafts can be verified row by row (runner._settle: its biases and
+    penalties are; a grammar's state, bad words and min_tokens are not followed there)."""
     sp = req.sampling
     return (
-        not sp.adjusts_logits
-        and sp.logprobs is None
-        and not sp.guide_kind
+        not sp.guide_kind
         and not sp.bad_words
         and not sp.allowed_token_ids
         and len(req.output_token_ids) >= sp.min_tokens

@@ -116,30 +116,36 @@ def test_speculative_under_preemption_chunking_and_prefix_cache(refs, family):
     assert again == ref
 
 
-def test_sampled_and_non_drafting_requests_beside_greedy_ones(refs):
+def test_sampled_penalized_and_logprob_requests_beside_greedy_ones(refs):
     """One batch: greedy requests (the reference's tokens), seeded sampling ones (drafting,
-    the same tokens when run again with the same seed) and ones that may not draft
-    (logprobs, a repetition penalty) decoding a token a step beside them."""
+    the same tokens when run again with the same seed), one asking for logprobs and ones with
+    a repetition or frequency penalty and a logit bias: those draft too, each row penalized
+    as if the drafts before it were output, and give the tokens (and logprobs) of the same
+    engine without drafts; one with bad words may not draft and decodes a token a step."""
     path, ref = refs["qwen3_moe"]
-    cfg = engine_cfg(path, S=2, budget=64, speculative=SPEC)
+    cfg = engine_cfg(path, S=2, budget=64)
     greedy = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     # a low temperature: a random model's text drawn hotter rarely repeats, leaving nothing to
-    # draft from (the distribution of what is kept: tests/unit/test_speculative.py)
+    # draft from (the distribution of what is kept: tests/unit/test_spec_decode.py)
     seeded = [
         SamplingParams(max_tokens=NEW, temperature=0.1, top_k=20, seed=s, ignore_eos=True)
         for s in (1, 2)
     ]
-    plain = [
-        SamplingParams(max_tokens=NEW, temperature=0, logprobs=2, ignore_eos=True),
-        SamplingParams(max_tokens=NEW, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+    others = [
+        replace(greedy, logprobs=2),
+        # mild: a strong penalty breaks the loops drafts come from
+        replace(greedy, repetition_penalty=1.05),
+        replace(greedy, frequency_penalty=0.05, presence_penalty=0.05, logit_bias=((7, 0.5),)),
+        replace(greedy, bad_words=((300, 301),)),
     ]
 
-    def one_run():
-        most = [0] * 8  # the most tokens each request got in one step
-        with local_engine(cfg, 1, progress=False) as eng:
+    def one_run(spec):
+        most = [0] * 10  # the most tokens each request got in one step
+        with local_engine(replace(cfg, speculative=spec), 1, progress=False) as eng:
             reqs = [eng.add_request(p, greedy) for p in PROMPTS]
             reqs += [eng.add_request(PROMPTS[0], sp) for sp in seeded]
-            reqs += [eng.add_request(PROMPTS[3], sp) for sp in plain]
+            at = (3, 3, 0, 1)
+            reqs += [eng.add_request(PROMPTS[i], sp) for i, sp in zip(at, others, strict=True)]
             while eng.has_unfinished():
                 before = [len(r.output_token_ids) for r in reqs]
                 eng.step()
@@ -147,13 +153,18 @@ def test_sampled_and_non_drafting_requests_beside_greedy_ones(refs):
                     most[i] = max(most[i], len(r.output_token_ids) - before[i])
         return [r.output_token_ids for r in reqs], reqs, most
 
-    first, reqs, most = one_run()
-    again, _, _ = one_run()
+    first, reqs, most = one_run(SPEC)
+    again, *_ = one_run(SPEC)
+    plain, plain_reqs, _ = one_run(None)
     assert first[:4] == ref
-    assert first[4:6] == again[4:6]
-    assert max(most[4:6]) > 1 and most[6:] == [1, 1]  # sampled ones kept drafts; these none
-    assert len(reqs[6].output_logprobs) == NEW  # one logprob per token: it never drafted
-    assert all(len(out) == NEW for out in first)
+    assert first[4:6] == again[4:6] and max(most[4:6]) > 1  # sampled ones kept drafts
+    assert first[6:] == plain[6:]
+    assert min(most[6:9]) > 1 and most[9] == 1  # logprobs and penalties drafted; bad words not
+    got, want = reqs[6].output_logprobs, plain_reqs[6].output_logprobs
+    assert len(got) == len(want) == NEW
+    for g, w in zip(got, want, strict=True):
+        assert g.token_id == w.token_id and abs(g.logprob - w.logprob) < 1e-4
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])

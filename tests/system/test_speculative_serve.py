@@ -67,7 +67,7 @@ def test_a_stop_string_inside_kept_drafts_cuts_the_text_there(clients):
 
 
 def test_chat_with_logprobs_and_penalties_decodes_as_without(clients):
-    """Requests that may not draft (logprobs, a penalty) on a drafting server: the same."""
+    """Requests with logprobs or a penalty (they draft too): the same answers as without."""
     msgs = [{"role": "user", "content": "say it again and again"}]
     for extra in ({"logprobs": True, "top_logprobs": 2}, {"frequency_penalty": 0.5}):
         args = dict(model="tiny", messages=msgs, max_tokens=16, **GREEDY, **extra)

@@ -69,23 +69,20 @@ def test_the_index_grows_with_the_output():
 @pytest.mark.parametrize(
     "sampling",
     [
-        {"logprobs": 0},
-        {"repetition_penalty": 1.2},
-        {"presence_penalty": 0.5},
-        {"logit_bias": ((3, 1.0),)},
         {"guide_kind": "regex", "guide": "a+"},
         {"bad_words": ((3,),)},
         {"allowed_token_ids": (1, 2)},
         {"min_tokens": 5},
     ],
 )
-def test_only_requests_whose_token_is_the_rows_argmax_draft(sampling):
+def test_requests_whose_rows_cannot_be_verified_alone_do_not_draft(sampling):
     sp = {"temperature": 0} | sampling
     r = Request("r", [1, 2, 1, 2], SamplingParams(max_tokens=50, **sp))
     assert not speculable(r)
     assert NgramDrafter(SPEC).propose(r, 3) == []
     assert speculable(request([1, 2, 1, 2]))
     assert speculable(request([1, 2, 1, 2], temperature=0.7, top_k=5, top_p=0.9, seed=3))
+    assert speculable(request([1, 2], logprobs=2, repetition_penalty=1.2, logit_bias=((3, 1.0),)))
 
 
 def test_room_keeps_the_drafts_and_the_next_token_within_max_tokens_and_the_context():
@@ -194,7 +191,7 @@ class FakeGreedy:
             while n < len(s.draft_ids) and best[n] == s.draft_ids[n]:
                 n += 1
             if s.draft_ids:
-                kept[s.request.request_id] = list(s.draft_ids[:n])
+                kept[s.request.request_id] = [(t, None) for t in s.draft_ids[:n]]
             sampled[s.request.request_id] = best[n]
         return sampled, kept
 
@@ -269,3 +266,43 @@ def test_no_drafts_above_the_batch_size_that_turns_them_off():
         out = s.schedule()
         assert not any(x.draft_ids for x in out.scheduled)
         s.update(out, *model.step(out)[:1])
+
+
+# ---- a speculating seq's rows settled (runner._settle) ---------------------------------------
+
+
+def _settle(sp: SamplingParams, rows: torch.Tensor, drafts: tuple[int, ...], out_ids=()):
+    """ModelRunner._settle on one seq, without a model (it needs only these two helpers)."""
+    from types import SimpleNamespace
+
+    from services.attention.runner import Executed, ModelRunner
+    from services.attention.scheduler import ScheduledSeq
+
+    req = Request("r", [1, 2], sp)
+    req.output_token_ids = list(out_ids)
+    seq = ScheduledSeq(req, [req.all_token_ids[-1], *drafts], 2, [0], True, drafts)
+    me = SimpleNamespace(
+        _prompt_ids=lambda r: torch.tensor(r.prompt_token_ids),
+        _generator=lambda rid, seed: None,
+    )
+    out = Executed()
+    ModelRunner._settle(me, seq, rows, out)
+    return out
+
+
+def test_each_row_is_penalized_as_if_the_drafts_before_it_were_output():
+    """Row 1 follows draft 3: a frequency penalty of 0.5 counts that 3 (and the output's), so
+    3's lead of 0.6 there turns into 5's; without the draft in its history 3 would stay."""
+    rows = torch.zeros(3, 8)
+    rows[0, 3] = 2.0
+    rows[1, 3], rows[1, 5] = 1.6, 1.0
+    rows[2, 4] = 1.0
+    sp = SamplingParams(max_tokens=9, temperature=0, frequency_penalty=0.5, logprobs=1)
+    out = _settle(sp, rows.clone(), (3, 3), out_ids=[3])
+    assert [t for t, _ in out.kept["r"]] == [3] and out.sampled["r"] == 5
+    # logprobs: of the model's own rows, before the penalty
+    (lp3,) = [lp for _, lp in out.kept["r"]]
+    own = torch.log_softmax(rows, dim=-1)
+    assert lp3.token_id == 3 and abs(lp3.logprob - float(own[0, 3])) < 1e-6
+    assert abs(out.logprobs["r"].logprob - float(own[1, 5])) < 1e-6
+    assert out.logprobs["r"].top[0][0] == 3  # the model's own best at row 1, penalty or not
