@@ -220,6 +220,7 @@ class EngineConfig:
     # elastic pool: the heaviest experts of each layer are computed by two members
     hot_expert_replicas: int = 0
     speculative: SpeculativeConfig | None = None  # None: one token per request and step
+    sampling_seed: int = -1  # the global generator's seed at start (unseeded requests); -1: none
 
     def __post_init__(self) -> None:
         check(

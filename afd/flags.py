@@ -106,6 +106,27 @@ def forward(args: argparse.Namespace, actions: list[argparse.Action]) -> list[st
     return argv
 
 
+# vLLM's --dtype values and what afd computes in for each (afd computes in bf16 or fp32)
+DTYPES = {
+    "auto": "bfloat16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "float": "float32",
+}
+
+
+def compute_dtype(text: str) -> str:
+    """A --dtype value, vLLM's names included (`auto` is bfloat16)."""
+    if text in ("float16", "half", "fp16"):
+        raise argparse.ArgumentTypeError(
+            f"{text}: afd computes in bfloat16 or float32 (auto is bfloat16)"
+        )
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(DTYPES)}")
+    return DTYPES[text]
+
+
 def json_object(text: str) -> dict[str, Any]:
     """A flag's JSON object (vLLM's form: --default-chat-template-kwargs '{"a": 1}')."""
     try:

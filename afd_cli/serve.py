@@ -14,6 +14,7 @@ import threading
 from afd import flags
 from afd.errors import ConfigError
 from afd.flags import build, forward, option
+from afd_cli import vllm_flags
 from afd_cli.cluster import TRANSPORTS, Cluster, ClusterConfig
 from afd_cli.supervisor import Supervisor
 from services.attention.flags import add_engine_flags, engine_config
@@ -38,8 +39,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--dtype",
         c,
         "dtype",
-        choices=["bfloat16", "float32"],
-        help="compute dtype of the attention and FFN servers",
+        type=flags.compute_dtype,
+        help="compute dtype of the attention and FFN servers: bfloat16 or float32 (vLLM's "
+        "auto, bf16 and float are taken too)",
     )
     option(
         p,
@@ -110,6 +112,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_api_key_flag(p)
     p.set_defaults(engine_actions=add_engine_flags(p), api_actions=add_api_flags(p))
+    vllm_flags.add_vllm_flags(p)
     return p
 
 
@@ -118,6 +121,7 @@ def config(args: argparse.Namespace) -> ClusterConfig:
         if args.model and args.model != args.model_path:
             raise ConfigError(f"two models given: {args.model_path} and --model {args.model}")
         args.model = args.model_path
+    vllm_flags.apply(args)
     # What the children would refuse is refused here, before anything starts.
     engine_config(args, ffn_addresses=("inproc://check",))
     build(

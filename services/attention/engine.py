@@ -78,6 +78,8 @@ class Engine:
         tune_allocator()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        if cfg.sampling_seed >= 0:  # requests without a seed draw from the global generator
+            torch.manual_seed(cfg.sampling_seed)
         self.cfg = cfg
         mc = cfg.model
         dtype = compute_dtype(cfg.dtype)

@@ -17,7 +17,14 @@ from services.attention.stragglers import StragglerConfig
 
 def add_compute_flags(p: argparse.ArgumentParser) -> None:
     e = EngineConfig
-    option(p, "--dtype", e, "dtype", choices=["bfloat16", "float32"], help="compute dtype")
+    option(
+        p,
+        "--dtype",
+        e,
+        "dtype",
+        type=flags.compute_dtype,
+        help="compute dtype: bfloat16 or float32 (vLLM's auto, bf16 and float are taken too)",
+    )
     option(p, "--threads", e, "threads", help="torch threads (0: torch's default)")
     option(
         p,
@@ -95,6 +102,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "(lower first, then arrival), which also picks whom a full KV cache preempts",
         ),
         option(g, "--max-model-len", s, "max_model_len", help="0: the model's context length"),
+        option(
+            g,
+            "--no-chunked-prefill",
+            s,
+            "enable_chunked_prefill",
+            help="compute a prompt in one step, never in chunks within the step's token budget "
+            "(then --max-num-batched-tokens must hold the longest context)",
+        ),
+        option(
+            g,
+            "--sampling-seed",
+            e,
+            "sampling_seed",
+            help="seed of the sampler's generator for requests without a seed of their own "
+            "(-1: not seeded; vLLM's --seed on afd serve)",
+        ),
         option(g, "--block-size", c, "block_size", help="tokens per KV block"),
         option(g, "--kv-cache-gb", c, "kv_cache_memory_gb", help="memory for the KV pool (CPU)"),
         option(

@@ -42,6 +42,9 @@ def test_every_flag_default_is_its_config_default(command):
     checked = 0
     for action in _flags(parser):
         name = action.option_strings[0]
+        if getattr(action, "vllm", False):  # vLLM's names, translated (afd_cli/vllm_flags.py)
+            assert command == "serve"
+            continue
         if not hasattr(action, "field"):
             assert name in NOT_A_FIELD, f"afd {command} {name} is not declared against a field"
             continue
@@ -130,6 +133,63 @@ def test_serve_takes_the_model_first_as_vllm_serve_does(tmp_path):
     assert config(parser.parse_args(["serve", "--model", str(model)])).model == str(model)
     with pytest.raises(ConfigError, match="two models"):
         config(parser.parse_args(["serve", str(model), "--model", str(tmp_path)]))
+
+
+def test_serve_takes_a_vllm_serve_command_line(tmp_path):
+    """The flags of a typical `vllm serve` command line: each becomes afd's setting of the same
+    meaning or is accepted where afd behaves so already; what afd cannot do is an error."""
+    from afd.demo import TINY_CONFIG, write_step3_checkpoint
+    from afd_cli.serve import config
+
+    model = str(write_step3_checkpoint(tmp_path / "m", TINY_CONFIG, seed=0, init_std=0.2))
+    parser = build_parser()
+    vllm = [
+        "serve", model, "--trust-remote-code", "--dtype", "auto", "--tensor-parallel-size",
+        "1", "-dp", "2", "--max-model-len", "512", "--gpu-memory-utilization", "0.9",
+        "--seed", "7", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens", "4096", "--enforce-eager", "--swap-space", "4",
+        "--disable-log-requests", "--disable-log-stats", "--enable-expert-parallel",
+        "--load-format", "safetensors", "--served-model-name", "m",
+    ]  # fmt: skip
+    cfg = config(parser.parse_args(vllm))
+    assert cfg.attention == 2 and cfg.dtype == "bfloat16"
+    args = cfg.engine_args
+    for flag in ("--no-prefix-caching", "--no-chunked-prefill"):
+        assert flag in args
+    assert args[args.index("--sampling-seed") + 1] == "7"
+    assert args[args.index("--max-model-len") + 1] == "512"
+    # what afd does by default is not passed on
+    on = config(parser.parse_args(["serve", model, "--enable-prefix-caching"])).engine_args
+    assert "--no-prefix-caching" not in on
+    for argv, problem in (
+        (["--tensor-parallel-size", "2"], "does not split a model's tensors"),
+        (["-pp", "2"], "does not split"),
+        (["-dp", "2", "--attention", "3"], "differ"),
+    ):
+        with pytest.raises(ConfigError, match=problem):
+            config(parser.parse_args(["serve", model, *argv]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", model, "--dtype", "half"])
+
+
+def test_a_seeded_engine_draws_unseeded_requests_alike(tmp_path):
+    """--sampling-seed (vLLM's --seed): two engines with it give an unseeded sampling request
+    the same tokens."""
+    from dataclasses import replace
+
+    from afd.config import ModelConfig
+    from afd.control import SamplingParams
+    from afd.demo import TINY_CONFIG, write_step3_checkpoint
+    from afd_cli.local import local_engine
+
+    model = write_step3_checkpoint(tmp_path / "m", TINY_CONFIG, seed=0, init_std=0.2)
+    cfg = EngineConfig(model=ModelConfig.from_hf(model), sampling_seed=3)
+    sp = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    runs = []
+    for c in (cfg, cfg, replace(cfg, sampling_seed=4)):
+        with local_engine(c, 1, progress=False) as eng:
+            runs.append(eng.generate([[5, 6, 7]], sp)[0].output_token_ids)
+    assert runs[0] == runs[1] != runs[2]
 
 
 def _gateway_args(*argv: str) -> argparse.Namespace:
