@@ -189,8 +189,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "(optional keys: disable_by_batch_size, off above that many requests). A request "
             "guesses its next tokens from its own earlier text and one step checks them; greedy "
             "tokens are those it would have had without guesses, sampled ones are distributed "
-            "as they would have been. Requests with a grammar, bad words, allowed_token_ids or "
-            "an unmet min_tokens decode a token a step",
+            "as they would have been. Requests with bad words, allowed_token_ids or an unmet "
+            "min_tokens decode a token a step",
         ),
         *flags.add_expert_flags(g),
     ]

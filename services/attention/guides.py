@@ -95,6 +95,36 @@ class Guides:
         else:  # another device, or no native library
             xgr.apply_token_bitmask_inplace(logits, mask, indices=indices)
 
+    def mask_drafted_(self, rows: torch.Tensor, request_id: str, drafts: tuple[int, ...]) -> None:
+        """A speculating request's rows [1 + k, V] (its last token's and its k drafts'): row i
+        masked for the grammar's state after the first i drafts, as step-by-step decoding
+        would have it. The matcher walks the drafts and steps back; where the grammar refuses
+        a draft, or ends with it, the rows after it (never kept) repeat its row's mask."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or request_id in self._waiting:
+            return
+        xgr = _xgrammar()
+        n, V = rows.shape
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = xgr.allocate_token_bitmask(max(n, 8), V)
+        mask = self._bitmask[:n]
+        walked = 0
+        for i in range(n):
+            matcher.fill_next_token_bitmask(mask, i)
+            if i == n - 1:
+                break
+            taken = matcher.accept_token(drafts[i])
+            walked += taken
+            if not taken or matcher.is_terminated():
+                mask[i + 1 :] = mask[i]
+                break
+        if walked:
+            matcher.rollback(walked)
+        if bitmask.usable(rows, mask):
+            bitmask.apply_(rows, mask, list(range(n)))
+        else:
+            xgr.apply_token_bitmask_inplace(rows, mask, indices=list(range(n)))
+
     def accept(self, request_id: str, token: int) -> bool:
         """The matcher takes the request's token; True when the grammar has ended it."""
         matcher = self._matchers.get(request_id)

@@ -105,7 +105,7 @@ class ModelRunner:
         )
         out.stuck = {ids[i] for i in empty}
         sampled = {r: t for r, t in zip(ids, tokens, strict=True) if r not in out.stuck}
-        out.ended = {
+        out.ended |= {
             r for r, t in sampled.items() if self.guides.active and self.guides.accept(r, t)
         }
         out.sampled |= sampled
@@ -134,10 +134,14 @@ class ModelRunner:
 
     def _settle(self, s: ScheduledSeq, rows: torch.Tensor, out: Executed) -> None:
         """One speculating seq: rows [1 + k, V] are its last token's and its drafts'. Row i
-        is penalized as if the first i drafts were output already (they are, where it counts:
-        a row's token matters only when every draft before it was kept)."""
+        is masked by its grammar and penalized as if the first i drafts were output already
+        (they are, where it counts: a row's token matters only when every draft before it was
+        kept); the grammar then takes the tokens kept, and ends the request at one that
+        completes it."""
         req, sp = s.request, s.request.sampling
         rid, drafts = req.request_id, s.draft_ids
+        if sp.guide_kind:  # in place: these rows are this seq's alone
+            self.guides.mask_drafted_(rows, rid, drafts)
         raw = rows
         if sp.adjusts_logits:
             rows = rows.clone()
@@ -149,6 +153,12 @@ class ModelRunner:
             kept, token = verify_drafts(rows, drafts)
         else:
             kept, token = verify_sampled_drafts(rows, drafts, sp, self._generator(rid, sp.seed))
+        if sp.guide_kind:
+            for i, t in enumerate([*kept, token]):
+                if self.guides.accept(rid, t):  # the grammar is complete: the output ends here
+                    kept, token = kept[:i], t
+                    out.ended.add(rid)
+                    break
         out.sampled[rid] = token
         lps: list[Logprob | None] = [None] * (len(kept) + 1)
         if sp.logprobs is not None:  # of the model's own distribution, as `sample` gives them

@@ -10,11 +10,11 @@ probability its row gives it (sampler.verify_sampled_drafts), so its tokens are 
 as they would have been. Then comes the request's own token after the last draft kept. K/V
 written for rejected drafts is past `num_computed_tokens`: the next step overwrites it.
 
-A row's logit biases and penalties are applied as if the drafts before it were output already
-(a row's token counts only when they all were kept), and logprobs are reported for each token
-kept. Requests with what the verification cannot see row by row (a grammar, bad words,
-`allowed_token_ids`, an unmet min_tokens) do not draft: they decode one token a step beside
-the others.
+A row's grammar mask (structured outputs), logit biases and penalties are applied as if the
+drafts before it were output already (a row's token counts only when they all were kept), and
+logprobs are reported for each token kept. Requests with what is not followed row by row (bad
+words, `allowed_token_ids`, an unmet min_tokens, a grammar that waits for the end of the
+reasoning) do not draft: they decode one token a step beside the others.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from services.attention.request import Request
 
 
 def speculable(req: Request) -> bool:
-    """Whether `req`'s drafts can be verified row by row (runner._settle: its biases and
-    penalties are; a grammar's state, bad words and min_tokens are not followed there)."""
+    """Whether `req`'s drafts can be verified row by row (runner._settle: its grammar,
+    biases and penalties are; bad words, allowed_token_ids and min_tokens are not)."""
     sp = req.sampling
     return (
-        not sp.guide_kind
+        not sp.guide_after  # a guide that waits for the end of the reasoning
         and not sp.bad_words
         and not sp.allowed_token_ids
         and len(req.output_token_ids) >= sp.min_tokens

@@ -227,3 +227,38 @@ def test_a_guide_that_waits_holds_from_the_token_after_its_marker(ckpt, hf):
 
 def _pairs(ids: list[int]) -> list[list[int]]:
     return [ids[i : i + 2] for i in range(len(ids) - 1)]
+
+
+@pytest.mark.parametrize("kind", list(GUIDES))
+def test_guided_drafts_keep_transformers_tokens(ckpt, hf, kind):
+    """Speculative decoding under a guide: each draft row is masked for the grammar's state
+    after the drafts before it, so greedy tokens are still transformers' with xgrammar, and a
+    grammar completed by a kept draft ends the output there."""
+    from dataclasses import replace
+
+    from afd.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    sp = SamplingParams(
+        max_tokens=NEW, temperature=0, guide_kind=kind, guide=GUIDES[kind], logit_bias=NO_SPACE
+    )
+    kept = drafted = 0
+    with local_engine(replace(engine_cfg(ckpt), speculative=spec), 1, progress=False) as eng:
+        reqs = [eng.add_request(p, sp) for p in PROMPTS]
+        while eng.has_unfinished():
+            result = eng.step()
+            drafted, kept = drafted + result.drafts[1], kept + result.drafts[2]
+        assert not eng.runner.guides.active, "matchers leaked"
+    assert [r.output_token_ids for r in reqs] == _reference(hf, kind)
+    assert drafted > 0
+    SPEC_KEPT[kind] = kept
+
+
+SPEC_KEPT: dict[str, int] = {}
+
+
+def test_some_guided_drafts_were_kept():
+    """(after the test above, over every kind): drafts were kept, not only verified."""
+    if len(SPEC_KEPT) < len(GUIDES):
+        pytest.skip("runs after test_guided_drafts_keep_transformers_tokens for every kind")
+    assert sum(SPEC_KEPT.values()) > 0, SPEC_KEPT

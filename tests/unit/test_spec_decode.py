@@ -69,7 +69,7 @@ def test_the_index_grows_with_the_output():
 @pytest.mark.parametrize(
     "sampling",
     [
-        {"guide_kind": "regex", "guide": "a+"},
+        {"guide_kind": "regex", "guide": "a+", "guide_after": (9,)},
         {"bad_words": ((3,),)},
         {"allowed_token_ids": (1, 2)},
         {"min_tokens": 5},
@@ -271,8 +271,8 @@ def test_no_drafts_above_the_batch_size_that_turns_them_off():
 # ---- a speculating seq's rows settled (runner._settle) ---------------------------------------
 
 
-def _settle(sp: SamplingParams, rows: torch.Tensor, drafts: tuple[int, ...], out_ids=()):
-    """ModelRunner._settle on one seq, without a model (it needs only these two helpers)."""
+def _settle(sp, rows, drafts, out_ids=(), guides=None):
+    """ModelRunner._settle on one seq, without a model (it needs only these helpers)."""
     from types import SimpleNamespace
 
     from services.attention.runner import Executed, ModelRunner
@@ -284,6 +284,7 @@ def _settle(sp: SamplingParams, rows: torch.Tensor, drafts: tuple[int, ...], out
     me = SimpleNamespace(
         _prompt_ids=lambda r: torch.tensor(r.prompt_token_ids),
         _generator=lambda rid, seed: None,
+        guides=guides,
     )
     out = Executed()
     ModelRunner._settle(me, seq, rows, out)
@@ -306,3 +307,22 @@ def test_each_row_is_penalized_as_if_the_drafts_before_it_were_output():
     assert lp3.token_id == 3 and abs(lp3.logprob - float(own[0, 3])) < 1e-6
     assert abs(out.logprobs["r"].logprob - float(own[1, 5])) < 1e-6
     assert out.logprobs["r"].top[0][0] == 3  # the model's own best at row 1, penalty or not
+
+
+def test_a_grammar_completed_by_a_kept_draft_ends_the_output_there():
+    """Three drafts all kept, but the grammar is complete after the second: the output ends
+    with it (the rest of the drafts and the token after them are dropped) and is "ended"."""
+    from types import SimpleNamespace
+
+    taken: list[int] = []
+    guides = SimpleNamespace(
+        mask_drafted_=lambda rows, rid, drafts: None,
+        accept=lambda rid, t: taken.append(t) or len(taken) == 2,
+    )
+    rows = torch.zeros(4, 8)
+    for i, best in enumerate([3, 4, 5, 6]):
+        rows[i, best] = 1.0
+    sp = SamplingParams(max_tokens=9, temperature=0, guide_kind="regex", guide="x")
+    out = _settle(sp, rows, (3, 4, 5), guides=guides)
+    assert [t for t, _ in out.kept["r"]] == [3] and out.sampled["r"] == 4
+    assert out.ended == {"r"} and taken == [3, 4]
