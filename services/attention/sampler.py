@@ -142,17 +142,7 @@ def score(
 ) -> list[Logprob]:
     """Each target's log-probability under its row's distribution, with the row's top `top`
     alternatives (prompt logprobs: how likely the model found each prompt token)."""
-    logp = torch.log_softmax(logits, dim=-1)
-    chosen = logp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-    ids = targets.tolist()
-    if not top:
-        return [Logprob(t, v, []) for t, v in zip(ids, chosen, strict=True)]
-    best = torch.topk(logp, top, dim=-1)
-    alts = zip(best.indices.tolist(), best.values.tolist(), strict=True)
-    return [
-        Logprob(t, v, list(zip(i, a, strict=True)))
-        for t, v, (i, a) in zip(ids, chosen, alts, strict=True)
-    ]
+    return logprobs_of(logits, targets.tolist(), top)
 
 
 def logprobs_of(
@@ -161,7 +151,8 @@ def logprobs_of(
     top: int,  # alternatives per row
 ) -> list[Logprob]:
     """Each chosen token's log-probability under its row, with the row's `top` best, as
-    `sample` reports them (-9999 for -inf: JSON cannot carry it)."""
+    `sample` reports them (-9999 for -inf, which JSON cannot carry: a token a grammar
+    masked out)."""
     logp = torch.log_softmax(logits, dim=-1).clamp_(-9999.0)
     at = torch.tensor(tokens, device=logits.device).unsqueeze(1)
     chosen = logp.gather(1, at).squeeze(1).tolist()
