@@ -42,25 +42,46 @@ def room(req: Request, max_model_len: int) -> int:
     return left - 1
 
 
+# Positions of the text before the index's start indexed per proposal, at most: a long prompt
+# is indexed over several steps, newest first, instead of stalling one step for all of it.
+BACKLOG_PER_STEP = 1024
+
+
 class _Index:
     """Where each n-gram of one sequence last ended (n in [lo, hi]): for the n-gram ending at
     position e (tokens e-n .. e-1), e is where its continuation starts. Tokens only grow, so
-    the index is extended, never rebuilt."""
+    the index is extended, never rebuilt: positions from its start on as they come (a later
+    one replaces an earlier), and the text before its start a slice at a time going back (an
+    earlier one never replaces a later)."""
 
     def __init__(self, lo: int, hi: int, k: int):
         self.sizes = range(hi, lo - 1, -1)  # longest first
         self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
-        self.upto = 0  # continuations starting before this position are indexed
+        self.upto: int | None = None  # continuations starting before this are indexed ...
+        self.back = 0  # ... and from this on
         self.k = k  # drafts to propose next (NgramDrafter.verified)
+
+    def _add(self, ids: list[int], e: int, latest: bool) -> None:
+        for n in self.sizes:
+            if e >= n:
+                key = tuple(ids[e - n : e])
+                if latest:
+                    self.ends[n][key] = e
+                else:
+                    self.ends[n].setdefault(key, e)
 
     def propose(self, ids: list[int], k: int) -> list[int]:
         L = len(ids)
+        if self.upto is None:  # the first proposal: the text so far is the backlog
+            self.upto = self.back = L - 1
         # every n-gram with at least one token after it; the suffix itself is not yet in
         for e in range(self.upto, L):
-            for n in self.sizes:
-                if e >= n:
-                    self.ends[n][tuple(ids[e - n : e])] = e
+            self._add(ids, e, latest=True)
         self.upto = L
+        stop = max(0, self.back - BACKLOG_PER_STEP)
+        for e in range(self.back - 1, stop - 1, -1):
+            self._add(ids, e, latest=False)
+        self.back = stop
         for n in self.sizes:
             if L <= n:
                 continue

@@ -66,6 +66,25 @@ def test_the_index_grows_with_the_output():
     assert d._index == {}
 
 
+def test_a_long_text_is_indexed_a_slice_a_step_newest_first():
+    """A prompt longer than a step's backlog: the newest part is searched at once, the older
+    a slice per proposal, and a later occurrence is never replaced by an earlier one."""
+    from services.attention.speculative import BACKLOG_PER_STEP
+
+    filler = [1000 + i for i in range(3 * BACKLOG_PER_STEP)]  # no n-gram repeats in it
+    early = [7, 8, 9, 70, 71, 72]  # "7 8 9" first followed by 70 ..
+    late = [7, 8, 9, 80, 81, 82]  # .. then, within the newest slice, by 80
+    r = request(early + filler + late + filler[:10] + [7, 8, 9])
+    d = NgramDrafter(SPEC)
+    assert d.propose(r, 3) == [80, 81, 82]
+    r2 = request(early + filler + [7, 8, 9])  # only the early one, three slices back
+    d2 = NgramDrafter(SPEC)
+    got = [d2.propose(r2, 3) for _ in range(4)]
+    assert got[0] == [] and got[-1] == [70, 71, 72]
+    for _ in range(4):  # the backlog reaches the early one: the late one stays the answer
+        assert d.propose(r, 3) == [80, 81, 82]
+
+
 @pytest.mark.parametrize(
     "sampling",
     [
