@@ -12,7 +12,13 @@ from dataclasses import replace
 
 import pytest
 
-from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from afd.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from afd.control import SamplingParams
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
 from afd.errors import ErrorCode
@@ -60,8 +66,14 @@ def _state(reqs):
     return [(r.num_computed_tokens, list(r.output_token_ids)) for r in reqs]
 
 
-def test_a_shard_lost_mid_step_pauses_and_resumes_with_the_same_tokens(cfg):
-    with local_engine(cfg, 2, progress=False) as eng:
+@pytest.mark.parametrize(
+    "spec",
+    [None, SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)],
+    ids=["plain", "drafting"],
+)
+def test_a_shard_lost_mid_step_pauses_and_resumes_with_the_same_tokens(cfg, spec):
+    """(drafting: the lost step may be a verify step; its drafts are planned again too)"""
+    with local_engine(replace(cfg, speculative=spec), 2, progress=False) as eng:
         want = [r.output_token_ids for r in eng.generate(PROMPTS, GREEDY)]
         reqs = [eng.add_request(p, GREEDY) for p in PROMPTS]
         for _ in range(3):  # prefill chunks and a first decode
@@ -79,9 +91,11 @@ def test_a_shard_lost_mid_step_pauses_and_resumes_with_the_same_tokens(cfg):
             assert all(r.block_ids[: len(b)] == b for r, b in zip(reqs, blocks, strict=True))
             eng.abort(reqs[2].request_id)  # a client leaving during the pause frees its blocks
             assert not reqs[2].block_ids
+        drafted = 0
         while eng.has_unfinished():  # probed back, then the lost step is planned again
-            eng.step()
+            drafted += eng.step().drafts[1]
         assert not eng.paused
+        assert (drafted > 0) == (spec is not None)
         assert [r.output_token_ids for r in reqs[:2]] == want[:2]
         assert all(r.finish_reason == "length" for r in reqs[:2])
         assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
