@@ -1,5 +1,5 @@
 """`afd bench spec`: what n-gram speculative decoding buys the engine, against the same engine
-without it, in one run.
+without it, in one run (`--serve`: through the API, afd_cli/bench/spec_serve.py).
 
 Both engines (in process, the benchmark checkpoint, `--threads`) decode the same requests,
 alternating `--repeat` times; each side's decode tok/s is its median. Per batch size and
@@ -157,6 +157,21 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default='{"method": "ngram", "num_speculative_tokens": 4}',
         help="as afd serve takes it",
     )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="through the API instead: afd serve with and without it, fresh each round "
+        "(--repeat rounds), driven by afd bench serve at each --concurrency",
+    )
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="with --serve")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
-    p.set_defaults(func=lambda a: print(json.dumps(run(a), indent=2)) or 0)
+    p.set_defaults(func=lambda a: print(json.dumps(_run(a), indent=2)) or 0)
     return p
+
+
+def _run(args: argparse.Namespace) -> dict:
+    if args.serve:
+        from afd_cli.bench import spec_serve
+
+        return spec_serve.run(args)
+    return run(args)
