@@ -141,8 +141,8 @@ def _slots(blocks: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Te
 
 
 def _decode_blocks(
-    rows: list[tuple[ScheduledSeq, int]],
-    bs: int,  # each decode row's seq and position
+    rows: list[tuple[ScheduledSeq, int]],  # each decode row's seq and position
+    bs: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n = [p + 1 for _, p in rows]  # keys each row attends to
     short = [s.request.request_id for s, p in rows if len(s.block_ids) * bs < p + 1]
