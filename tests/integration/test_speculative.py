@@ -178,3 +178,50 @@ def test_bf16_drafts_change_no_token_on_each_native_path(refs, family, native_pa
     got, drafted, kept, _ = spec_greedy(replace(cfg, speculative=SPEC))
     assert drafted > 0
     assert got == plain
+
+
+def test_random_greedy_requests_draft_to_the_same_tokens(refs):
+    """A differential check over many mixed parameter sets (fixed seeds): a batch of greedy
+    requests with random max_tokens, min_tokens, stop tokens, penalties, logit biases, bad
+    words, allowed tokens and logprobs, on a drafting engine and on the same engine without
+    drafts: the same tokens, finish reasons and logprobs, request by request."""
+    import random
+
+    path, _ = refs["mixtral"]
+    rng = random.Random(7)
+    prompts, params = [], []
+    for _ in range(12):
+        base = [rng.randrange(10, 300) for _ in range(rng.randrange(2, 6))]
+        prompts.append(base * rng.randrange(1, 4))
+        sp = SamplingParams(
+            max_tokens=rng.randrange(1, 30),
+            temperature=0,
+            ignore_eos=rng.random() < 0.5,
+            min_tokens=rng.choice([0, 0, 3]),
+            stop_token_ids=tuple(rng.sample(range(10, 300), rng.choice([0, 0, 8]))),
+            repetition_penalty=rng.choice([1.0, 1.0, 1.1]),
+            frequency_penalty=rng.choice([0.0, 0.0, 0.2]),
+            logit_bias=tuple((rng.randrange(300), 1.0) for _ in range(rng.choice([0, 2]))),
+            bad_words=((rng.randrange(10, 300),),) if rng.random() < 0.2 else (),
+            allowed_token_ids=tuple(range(10, 200)) if rng.random() < 0.15 else (),
+            logprobs=rng.choice([None, None, 1]),
+        )
+        params.append(sp)
+
+    def run(spec):
+        drafted = 0
+        cfg = replace(engine_cfg(path, S=2, budget=48), speculative=spec)
+        with local_engine(cfg, 1, progress=False) as eng:
+            reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+            while eng.has_unfinished():
+                drafted += eng.step().drafts[1]
+            assert eng.blocks.num_free_blocks == eng.blocks.num_blocks, "KV blocks leaked"
+        return reqs, drafted
+
+    got, drafted = run(SPEC)
+    want, _ = run(None)
+    assert drafted > 0
+    for g, w in zip(got, want, strict=True):
+        assert (g.output_token_ids, g.finish_reason) == (w.output_token_ids, w.finish_reason)
+        for a, b in zip(g.output_logprobs, w.output_logprobs, strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4

@@ -345,3 +345,32 @@ def test_a_grammar_completed_by_a_kept_draft_ends_the_output_there():
     out = _settle(sp, rows, (3, 4, 5), guides=guides)
     assert [t for t, _ in out.kept["r"]] == [3] and out.sampled["r"] == 4
     assert out.ended == {"r"} and taken == [3, 4]
+
+
+def test_a_kept_draft_that_is_a_stop_token_ends_the_request_at_it():
+    """A prompt holding a whole period of the fake model's own loop: every draft is kept, and
+    the stop token comes as the second draft of a step, not as the token after the drafts."""
+
+    def chain(a, b, n):
+        out = [a, b]
+        while len(out) < n:
+            out.append(10 + (out[-2] * 3 + out[-1]) % 5)
+        return out
+
+    text = chain(11, 12, 60)
+    prompt, rest = text[:40], text[40:]
+    stop = next(t for i, t in enumerate(rest) if i >= 2 and t not in rest[:i])
+    at = rest.index(stop)
+    s = sched(True)
+    sp = SamplingParams(max_tokens=30, temperature=0, stop_token_ids=(stop,))
+    r = Request("r", prompt, sp)
+    s.add_request(r)
+    model = FakeGreedy(4)
+    kept_stop = False
+    while s.has_unfinished():
+        out = s.schedule()
+        sampled, kept = model.step(out)
+        kept_stop |= any(t == stop for k in kept.values() for t, _ in k)
+        s.update(out, sampled, kept=kept)
+    assert kept_stop  # the case this test is for
+    assert r.output_token_ids == rest[: at + 1] and r.finish_reason == "stop"
