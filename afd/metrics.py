@@ -177,6 +177,13 @@ SPEC_ACCEPTED_TOKENS = Counter(
     "Speculative decoding: draft tokens kept (accepted / draft tokens = acceptance rate)",
     registry=None,
 )
+SPEC_ACCEPTED_PER_POS = Counter(
+    "afd_spec_decode_num_accepted_tokens_per_pos",
+    "Speculative decoding: drafts kept at each position of a request's drafts (0: the first; "
+    "kept at i / verified steps = how often i + 1 drafts hold)",
+    ["position"],
+    registry=None,
+)
 STEP_SECONDS = Histogram(
     "afd_attention_step_seconds",
     "One engine step (schedule, execute, update) on an attention server",
@@ -321,6 +328,7 @@ ATTENTION = (
     SPEC_DRAFTS,
     SPEC_DRAFT_TOKENS,
     SPEC_ACCEPTED_TOKENS,
+    SPEC_ACCEPTED_PER_POS,
     STEP_SECONDS,
     STEP_TOKENS,
     MICRO_BATCHES_IN_FLIGHT,

@@ -69,8 +69,10 @@ class StepResult:
     tokens: int = 0
     timing: StepTiming = field(default_factory=StepTiming)
     paused: bool = False  # held for an expert shard with no live replica (nothing was computed)
-    # speculative decoding: requests that drafted, their drafts, and the drafts kept
+    # speculative decoding: requests that drafted, their drafts, and the drafts kept; and of
+    # those, how many were kept at each position (0: a request's first draft)
     drafts: tuple[int, int, int] = (0, 0, 0)
+    kept_at: tuple[int, ...] = ()
 
 
 class Engine:
@@ -289,13 +291,15 @@ class Engine:
         drafted = [len(s.draft_ids) for s in plan.scheduled if s.draft_ids]
         kept = sum(map(len, done.kept.values()))
         drafts = (len(drafted), sum(drafted), kept)
+        lengths = [len(k) for k in done.kept.values()]
+        kept_at = tuple(sum(n > i for n in lengths) for i in range(max(lengths, default=0)))
         if drafted and self.scheduler.drafter is not None:  # how far each guesses next
             for s in plan.scheduled:
                 if s.draft_ids:
                     rid = s.request.request_id
                     n = len(done.kept.get(rid, ()))
                     self.scheduler.drafter.verified(rid, len(s.draft_ids), n)
-        return StepResult(updated, tokens, self.dispatcher.timing, drafts=drafts)
+        return StepResult(updated, tokens, self.dispatcher.timing, drafts=drafts, kept_at=kept_at)
 
     @property
     def paused(self) -> bool:

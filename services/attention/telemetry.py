@@ -89,6 +89,8 @@ class EngineTelemetry:
             metrics.SPEC_DRAFTS.inc(drafted)
             metrics.SPEC_DRAFT_TOKENS.inc(draft_tokens)
             metrics.SPEC_ACCEPTED_TOKENS.inc(kept)
+            for i, n in enumerate(result.kept_at):
+                metrics.SPEC_ACCEPTED_PER_POS.labels(str(i)).inc(n)
         for s in timing.attention_seconds:
             self._layer.observe(s)
         now = time.monotonic()

@@ -4,13 +4,11 @@ step's kept drafts reach the gateway as one event), stop strings and usage as wi
 
 from __future__ import annotations
 
-import signal
-
 import openai
 import pytest
 
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
-from tests.system.test_gateway import start_serve
+from tests.system.metrics_helpers import scrape, serve, value
 
 KEY = "sk-spec-test"
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
@@ -19,22 +17,27 @@ PROMPTS = ["hello hello hello", "one two three one two three one", "abcabcabc"]
 
 
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory):
+def servers(tmp_path_factory):
     model = write_step3_checkpoint(
         tmp_path_factory.mktemp("spec") / "tiny", TINY_CONFIG, seed=0, init_std=0.2
     )
-    procs, out = [], {}
+    out = {}
     flags = ("--transport", "inproc", "--a2f-dtype", "bf16", "--api-key", KEY)
     try:
         for name, extra in (("plain", ()), ("spec", ("--speculative-config", SPEC))):
-            proc, url, _ = start_serve(model, *flags, *extra)
-            procs.append(proc)
-            out[name] = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+            out[name] = serve(model, *flags, *extra)
         yield out
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
+        for served in out.values():
+            served.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(servers):
+    return {
+        name: openai.OpenAI(base_url=s.url, api_key=KEY, max_retries=0, timeout=60)
+        for name, s in servers.items()
+    }
 
 
 def test_greedy_answers_equal_and_arrive_in_fewer_chunks(clients):
@@ -76,3 +79,17 @@ def test_chat_with_logprobs_and_penalties_decodes_as_without(clients):
         assert got.message.content == want.message.content
         if "logprobs" in extra:
             assert len(got.logprobs.content) == 16
+
+
+def test_the_attention_servers_metrics_count_the_drafts(clients, servers):
+    """(after the tests above): drafts verified and kept, and kept by position, add up."""
+    clients["spec"].completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, **GREEDY)
+    (url,) = [u for name, u in servers["spec"].metrics.items() if name.startswith("attention")]
+    att = scrape(url)
+    steps = value(att, "afd_spec_decode_num_drafts_total")
+    drafted = value(att, "afd_spec_decode_num_draft_tokens_total")
+    kept = value(att, "afd_spec_decode_num_accepted_tokens_total")
+    assert 0 < kept <= drafted and steps <= drafted <= 4 * steps
+    at = [value(att, "afd_spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+          for i in range(4)]  # fmt: skip
+    assert sum(at) == kept and at == sorted(at, reverse=True) and at[0] <= steps
