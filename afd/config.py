@@ -136,7 +136,8 @@ class SpeculativeConfig:
     """Speculative decoding, in vLLM's `--speculative-config` vocabulary. `ngram` (prompt lookup)
     drafts the tokens that followed the latest earlier occurrence of the sequence's last n tokens
     (n from prompt_lookup_max down to prompt_lookup_min); one step then computes the last token
-    and the drafts together and keeps the drafts the model itself would have chosen."""
+    and the drafts together and keeps the drafts as the request's own sampling would have
+    chosen them (services/attention/speculative.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # drafts per request and step, at most
@@ -181,6 +182,10 @@ class SpeculativeConfig:
                 isinstance(v, want) and not isinstance(v, bool),
                 f"speculative-config {k} must be {want.__name__}, got {v!r}",
             )
+        given = dict(given)
+        if "prompt_lookup_min" not in given and "prompt_lookup_max" in given:
+            # a maximum below the default minimum lowers the minimum with it (not an error)
+            given["prompt_lookup_min"] = min(cls.prompt_lookup_min, given["prompt_lookup_max"])
         return cls(**given)
 
 

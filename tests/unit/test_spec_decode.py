@@ -112,6 +112,8 @@ def test_room_keeps_the_drafts_and_the_next_token_within_max_tokens_and_the_cont
 
 def test_config_validates_and_names_unknown_keys():
     assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
+    only_max = SpeculativeConfig.from_dict({"prompt_lookup_max": 1})
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (1, 1)
     for bad, words in [
         ({"method": "eagle"}, "method"),
         ({"model": "some/draft"}, "unknown speculative-config key(s) ['model']"),
