@@ -177,6 +177,19 @@ def start_afd_serve(model: Path, extra: list[str], timeout: float) -> tuple[subp
     return proc, url
 
 
+def bench_serve(url: str, *flags: str) -> dict:
+    """One `afd bench serve --json` run against the API at `url` with `flags`: its JSON
+    summary; a failed run or a failed request stops the benchmark with the cause."""
+    cmd = [sys.executable, "-m", "afd_cli", "bench", "serve", "--json", "--no-progress"]
+    done = subprocess.run([*cmd, "--base-url", f"{url}/v1", *flags], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"afd bench serve failed: {done.stderr[-2000:]}")
+    out = json.loads(done.stdout)
+    if out["failed"]:
+        raise SystemExit(f"{out['failed']} requests failed: {out['errors']}")
+    return out
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -21,13 +21,12 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from afd_cli.bench.peer import _stop, start_afd_serve
+from afd_cli.bench.peer import _stop, bench_serve, start_afd_serve
 
 
 def _serve(model: Path, args: argparse.Namespace, extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -36,18 +35,12 @@ def _serve(model: Path, args: argparse.Namespace, extra: list[str]) -> tuple[sub
 
 def _load(url: str, args: argparse.Namespace, prefixes: int) -> dict:
     """One `afd bench serve` run with shared system prompts; its JSON summary."""
-    cmd = [sys.executable, "-m", "afd_cli", "bench", "serve", "--json", "--ignore-eos"]
-    cmd += ["--base-url", f"{url}/v1", "--concurrency", str(args.concurrency), "--no-progress"]
-    cmd += ["--num-requests", str(args.questions), "--input-len", str(args.question_len)]
-    cmd += ["--output-len", str(args.output_len), "--seed", str(args.seed)]
-    cmd += ["--shared-prefix-len", str(args.system_len), "--shared-prefixes", str(prefixes)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"afd bench serve failed: {done.stderr[-2000:]}")
-    out = json.loads(done.stdout)
-    if out["failed"]:
-        raise SystemExit(f"{out['failed']} requests failed: {out['errors']}")
-    return out
+    return bench_serve(
+        url, "--ignore-eos", "--concurrency", str(args.concurrency),
+        "--num-requests", str(args.questions), "--input-len", str(args.question_len),
+        "--output-len", str(args.output_len), "--seed", str(args.seed),
+        "--shared-prefix-len", str(args.system_len), "--shared-prefixes", str(prefixes),
+    )  # fmt: skip
 
 
 def _server_hit_rates(url: str) -> dict[str, float]:

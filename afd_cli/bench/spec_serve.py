@@ -9,23 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 
 def _drive(url: str, concurrency: int, args: argparse.Namespace, seed: int) -> dict:
-    cmd = [sys.executable, "-m", "afd_cli", "bench", "serve", "--json", "--no-progress"]
-    cmd += ["--base-url", f"{url}/v1", "--concurrency", str(concurrency), "--ignore-eos"]
-    cmd += ["--num-requests", str(max(6, 2 * concurrency)), "--temperature", "0"]
-    cmd += ["--input-len", str(args.prompt_len), "--output-len", str(args.new_tokens)]
-    cmd += ["--seed", str(seed)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"afd bench serve failed: {done.stderr[-2000:]}")
-    out = json.loads(done.stdout)
-    if out["failed"]:
-        raise SystemExit(f"{out['failed']} requests failed: {out['errors']}")
+    from afd_cli.bench.peer import bench_serve
+
+    out = bench_serve(
+        url, "--concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
+        "--num-requests", str(max(6, 2 * concurrency)), "--input-len", str(args.prompt_len),
+        "--output-len", str(args.new_tokens), "--seed", str(seed),
+    )  # fmt: skip
     return {"tpot_ms": out["tpot_s"]["mean"] * 1e3, "output_tok_s": out["output_throughput"]}
 
 
