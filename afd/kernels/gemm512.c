@@ -154,10 +154,11 @@ static inline __attribute__((always_inline)) AVX512BF16 void stream_rows(
   const int S = K / 32, tail = K % 32;
   for (int s = 0; s < S; s++) {
     __m512bh v = ld32(w + 32 * s);
-    /* From 3 rows of x the products slow the reads enough that the hardware prefetcher, which
+    /* From 2 rows of x the products slow the reads enough that the hardware prefetcher, which
      * stops at each 4 KiB page, leaves DRAM idle: fetch STREAM_AHEAD weights ahead into L2
-     * (Zen 4, experts at 4 rows of x: 0.75x the time; at 1-2 rows it cost a little). */
-    if (R >= 3) _mm_prefetch((const char *)(w + 32 * s + STREAM_AHEAD), _MM_HINT_T1);
+     * (Zen 4, experts at 4 rows of x: 0.75x the time; at 2 rows 0.92x; at 1 row it cost a
+     * little). */
+    if (R >= 2) _mm_prefetch((const char *)(w + 32 * s + STREAM_AHEAD), _MM_HINT_T1);
     for (int i = 0; i < R; i++)
       a[i] = _mm512_dpbf16_ps(a[i], ld32(x + (size_t)(m + i) * K + 32 * s), v);
   }
@@ -197,13 +198,6 @@ static AVX512BF16 void stream_chunks(const uint16_t *x, const uint16_t *w, uint1
   }
 }
 
-/* Up to this many rows of x (measured crossover on Zen 4: 4 rows 0.88x, 8 rows 1.04x of the
- * side-by-side time), the weights are read one row at a time (stream_chunks), above it
- * four rows side by side (group_chunks: a quarter of the loads of x per product, for the batches
- * where the multiplies, not the reads, take the time). On AMD Zen 4 four streams at once read
- * DRAM at about 0.6x the rate of one (measured: docs/benchmarks.md). */
-#define STREAM_MAX_M 6
-
 /* How many rows of x one pass over a thread's weight rows takes: a block of x (~128 KiB at
  * K = 1024) stays in L2 while the weights stream past it once per block. */
 #define M_BLOCK 64
@@ -230,6 +224,14 @@ int afd_bf16_gemm512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, i
   /* Below ~256 KiB of weight a second thread costs more to wake than it saves. */
   int t = (size_t)N * K < (1u << 17) ? 1 : threads;
   int units = (N + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
+  if (M <= STREAM_MAX_M) { /* reads: each thread one run of units (bf16.h) */
+#pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
+    for (int u = 0; u < units; u++) {
+      int n0 = u * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < N ? n0 + ROWS_PER_UNIT : N;
+      afd_rows512(x, w, y, M, N, K, n0, n1);
+    }
+    return 0;
+  }
 #pragma omp parallel for num_threads(t) schedule(dynamic, 1) if (t > 1)
   for (int u = 0; u < units; u++) {
     int n0 = u * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < N ? n0 + ROWS_PER_UNIT : N;

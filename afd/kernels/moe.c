@@ -96,10 +96,21 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     afd_pairs_free(&pairs);
     return -1;
   }
+  /* Where every matmul of the call streams its weights on AVX-512 (no expert has more than
+   * STREAM_MAX_M pairs), the reads bound it: each thread takes one run of consecutive units
+   * (bf16.h: ROWS_PER_UNIT), the two matmul loops' schedule(runtime) below. */
+  int most = 0;
+  for (int i = 0; i < held; i++) {
+    int n = starts[units[i] + 1] - starts[units[i]];
+    most = n > most ? n : most;
+  }
+  const int runs = isa == ISA_AVX512 && most <= STREAM_MAX_M;
   /* Everything but the sort runs on every thread: at a batch of 32 the serial copies and
    * packs left the other core idle for a tenth of a decode step. */
 #pragma omp parallel num_threads(t) if (t > 1)
   {
+    /* each thread's own copy of the schedule the runtime loops take (the caller's is untouched) */
+    omp_set_schedule(runs ? omp_sched_static : omp_sched_dynamic, runs ? 0 : 1);
     float *mine = wt + (size_t)(t > 1 ? omp_get_thread_num() : 0) * 4 * K;
 #pragma omp for schedule(static)
     for (int p = 0; p < P; p++) { /* each held pair's row of x */
@@ -118,7 +129,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
                      xsp + at[e] * 16 * H);
       }
     }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(runtime)
     for (int u = 0; u < held * n13; u++) { /* gate|up = x[tokens] @ w13[e]^T */
       int e = units[u / n13], p0 = starts[e], n = starts[e + 1] - p0;
       int n0 = u % n13 * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < 2 * I ? n0 + ROWS_PER_UNIT : 2 * I;
@@ -145,7 +156,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
                      actp + at[e] * 16 * I);
       }
     }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(runtime)
     for (int u = 0; u < held * n2; u++) { /* y = a @ w2[e]^T */
       int e = units[u / n2], p0 = starts[e], n = starts[e + 1] - p0;
       int n0 = u % n2 * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < H ? n0 + ROWS_PER_UNIT : H;
