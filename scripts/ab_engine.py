@@ -12,7 +12,9 @@ copy, with the expert path of `--expert-compute`). With `--prefill LEN`: prefill
 decode, prompt tok/s of `--batch` new prompts of LEN tokens each (one output token; the median
 of three calls, each with prompts the engine has not seen). With `--serve STREAMS`: each side's `afd
 serve` instead, started fresh for every run and driven through the API by `afd bench serve`
-(both revisions need afd_cli.bench.peer).
+(both revisions need afd_cli.bench.peer). With `--matmul ROWS`: afd's matmul alone on the default
+path (`AFD_KERNELS`), ROWS rows of x against a decode step's weights from DRAM (a layer's
+expert-sized matrices and the LM head's, cycled), GB/s of weights read.
 Prints JSON: the runs, the medians and AFTER / BEFORE. Not part of CI.
 """
 
@@ -68,6 +70,33 @@ with local_engine(cfg, 1, progress=False) as eng:
 """
 
 
+# Run inside each worktree: that tree's matmul, `rows` rows of x, over weights far larger than
+# the caches (the shapes of an expert's two matrices and the LM head), the median of 5 passes.
+_MATMUL = r"""
+import json, statistics, sys, time
+import torch
+from afd.kernels import gemm, paths
+
+rows, threads = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(threads)
+isa = paths.active().name
+if isa not in gemm.ISAS:
+    raise SystemExit(f"--matmul measures afd's own matmul; the default path here is {isa}")
+g = torch.Generator().manual_seed(0)
+shapes = [(1024, 1024)] * 48 + [(1024, 512)] * 48 + [(32000, 1024)] * 2
+ws = [gemm.lay_out(torch.randn(s, generator=g).to(torch.bfloat16), isa) for s in shapes]
+xs = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in (512, 1024)}
+nbytes = sum(w.numel() * 2 for w in ws)
+def one_pass():
+    t0 = time.perf_counter()
+    for w in ws:
+        gemm.bf16_linear(xs[w.shape[1]], w, isa)
+    return nbytes / (time.perf_counter() - t0) / 1e9
+one_pass()
+print(json.dumps({"gb_s": statistics.median(one_pass() for _ in range(5))}))
+"""
+
+
 # Run inside each worktree: `afd serve` of that tree on the reference checkpoint, driven by
 # `afd bench serve` (its output tok/s), then stopped.
 _SERVING = r"""
@@ -112,6 +141,8 @@ def _run(tree: Path, args: argparse.Namespace) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     if args.serve:
         code, argv = _SERVING, [str(args.serve), str(args.new_tokens), args.cache_dir]
+    elif args.matmul:
+        code, argv = _MATMUL, [str(args.matmul), str(args.threads)]
     else:
         code = _TIMING
         argv = [str(args.batch), str(args.new_tokens), str(args.threads), args.cache_dir]
@@ -122,7 +153,8 @@ def _run(tree: Path, args: argparse.Namespace) -> float:
     )  # fmt: skip
     if out.returncode:
         raise SystemExit(f"the engine run in {tree.name} failed:\n{out.stderr[-2000:]}")
-    return round(json.loads(out.stdout.strip().splitlines()[-1])["tok_s"], 1)
+    (value,) = json.loads(out.stdout.strip().splitlines()[-1]).values()  # tok/s or GB/s
+    return round(value, 1)
 
 
 def main() -> int:
@@ -146,6 +178,12 @@ def main() -> int:
         metavar="LEN",
         help="measure the engine's prefill of --batch prompts of LEN tokens instead of decode",
     )
+    p.add_argument(
+        "--matmul",
+        type=int,
+        metavar="ROWS",
+        help="instead of the engine: afd's matmul alone at ROWS rows of x, GB/s of weights read",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", help="the engine's checkpoint (default: the reference model)")
     p.add_argument("--expert-compute", default="auto", choices=("auto", "direct", "workspace"))
@@ -154,6 +192,7 @@ def main() -> int:
     revs = {"before": args.before, "after": args.after}
     shas = {k: _git("rev-parse", "--short", v).strip() for k, v in revs.items()}
     runs: dict[str, list[float]] = {"before": [], "after": []}
+    unit = "GB/s" if args.matmul else "tok/s"
     with tempfile.TemporaryDirectory(prefix="afd-ab-") as root:
         trees: dict[str, Path] = {}
         try:
@@ -162,23 +201,29 @@ def main() -> int:
             for _ in range(args.rounds):
                 for side in ("before", "after"):
                     runs[side].append(_run(trees[side], args))
-                    print(f"{side} {shas[side]}: {runs[side][-1]} tok/s", file=sys.stderr)
+                    print(f"{side} {shas[side]}: {runs[side][-1]} {unit}", file=sys.stderr)
         finally:
             for tree in trees.values():
                 _git("worktree", "remove", "--force", str(tree))
     med = {k: statistics.median(v) for k, v in runs.items()}
+    measured = (
+        "afd serve" if args.serve else "matmul" if args.matmul
+        else "engine prefill" if args.prefill else "engine"
+    )  # fmt: skip
+    key = "gb_s" if args.matmul else "tok_s"
     print(json.dumps({
         "benchmark": "ab_engine",
         "cpu": _cpu(),
         "revisions": shas,
-        "measured": "afd serve" if args.serve else "engine prefill" if args.prefill else "engine",
-        **({"prompt_len": args.prefill} if args.prefill and not args.serve else {}),
-        **({"streams": args.serve} if args.serve else {"batch": args.batch}),
+        "measured": measured,
+        **({"prompt_len": args.prefill} if measured == "engine prefill" else {}),
+        **({"streams": args.serve} if args.serve else {"rows": args.matmul} if args.matmul
+           else {"batch": args.batch}),
         **({"model": args.model, "expert_compute": args.expert_compute} if args.model else {}),
-        "new_tokens": args.new_tokens,
+        **({} if args.matmul else {"new_tokens": args.new_tokens}),
         "threads": args.threads,
-        "runs_tok_s": runs,
-        "median_tok_s": med,
+        f"runs_{key}": runs,
+        f"median_{key}": med,
         "after_over_before": round(med["after"] / med["before"], 3),
     }, indent=2))  # fmt: skip
     return 0

@@ -179,11 +179,13 @@ def run(args: argparse.Namespace) -> dict:
             }
             if args.repeat > 1:
                 row["runs"] = {name: [round(v, 1) for v in r] for name, r in runs.items()}
+            # where the step goes: one more decode with the native calls timed (ms a step)
+            fn, p = _afd_fn(engines[kernels[0]], kernels[0]), prompts
+            row["step_ms"] = step_breakdown(lambda n, fn=fn, p=p: fn(p, n), args.new_tokens)
+            if batch == 1:  # beside the bound
+                breakdown = row["step_ms"]
             results.append(row)
             print(json.dumps(row), flush=True)
-            if batch == 1 and args.new_tokens > 1:  # where the step goes, beside the bound
-                fn, p = _afd_fn(engines[kernels[0]], kernels[0]), prompts
-                breakdown = step_breakdown(lambda n, fn=fn, p=p: fn(p, n), args.new_tokens)
     step_bytes, bandwidth = _step_bytes(), _read_bandwidth(args.threads)
     bound_ms = step_bytes / bandwidth / 1e6
     if 1 in args.batch:
