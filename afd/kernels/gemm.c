@@ -235,11 +235,16 @@ int afd_bf16_gemm(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int 
     free(xf);
     return -1;
   }
-#pragma omp parallel for num_threads(t) schedule(dynamic, 1) if (t > 1)
-  for (int u = 0; u < units; u++) {
-    int n0 = u * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < N ? n0 + ROWS_PER_UNIT : N;
+#pragma omp parallel num_threads(t) if (t > 1)
+  {
+    /* 1-2 rows of x stream the weights: each thread one run of units there (bf16.h) */
+    omp_set_schedule(M < PAIR_M ? omp_sched_static : omp_sched_dynamic, M < PAIR_M ? 0 : 1);
     float *mine = wt + (tile + 63) / 64 * 16 * (t > 1 ? omp_get_thread_num() : 0);
-    afd_rows(xf, w, y, M, N, K, n0, n1, mine);
+#pragma omp for schedule(runtime)
+    for (int u = 0; u < units; u++) {
+      int n0 = u * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < N ? n0 + ROWS_PER_UNIT : N;
+      afd_rows(xf, w, y, M, N, K, n0, n1, mine);
+    }
   }
   free(wt);
   free(xf);

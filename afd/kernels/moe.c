@@ -101,7 +101,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
    * ROWS_PER_UNIT), the two matmul loops' schedule(runtime) below. Not at larger batches: there
    * the experts' pairs, and so their units' products, differ in number (at a batch of 32 the
    * static split measured 0.98x). */
-  const int runs = isa == ISA_AVX512 && T <= STREAM_MAX_M;
+  const int runs = (isa == ISA_AVX512 && T <= STREAM_MAX_M) || (isa == ISA_AVX2 && T < PAIR_M);
   /* Everything but the sort runs on every thread: at a batch of 32 the serial copies and
    * packs left the other core idle for a tenth of a decode step. */
 #pragma omp parallel num_threads(t) if (t > 1)
