@@ -96,11 +96,11 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     afd_pairs_free(&pairs);
     return -1;
   }
-  /* A decode of at most STREAM_MAX_M tokens on AVX-512: every matmul streams its weights and
-   * the reads bound it, so each thread takes one run of consecutive units (bf16.h:
-   * ROWS_PER_UNIT), the two matmul loops' schedule(runtime) below. Not at larger batches: there
-   * the experts' pairs, and so their units' products, differ in number (at a batch of 32 the
-   * static split measured 0.98x). */
+  /* A decode of at most STREAM_MAX_M tokens on AVX-512, or of 1-2 on AVX2: every matmul
+   * streams its weights and the reads bound it, so each thread takes one run of consecutive
+   * units (bf16.h: ROWS_PER_UNIT), the two matmul loops' schedule(runtime) below. Not at larger
+   * batches: there the experts' pairs, and so their units' products, differ in number (at a
+   * batch of 32 the static split measured 0.98x on AVX-512). */
   const int runs = (isa == ISA_AVX512 && T <= STREAM_MAX_M) || (isa == ISA_AVX2 && T < PAIR_M);
   /* Everything but the sort runs on every thread: at a batch of 32 the serial copies and
    * packs left the other core idle for a tenth of a decode step. */
