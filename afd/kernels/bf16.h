@@ -107,11 +107,9 @@ void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int
 /* Rows of W per unit of work in the multi-threaded matmuls (gemm.c, gemm512.c, moe.c): threads
  * take units as they come free (a dynamic schedule), so a thread the OS preempts for another
  * process (the gateway, a client, on a small box) holds up one unit, not the share a static
- * split gave it. Except where the matmul streams the weights (at most STREAM_MAX_M rows of x
- * on AVX-512, fewer than PAIR_M on AVX2), which the reads bound: there each thread takes one
- * run of consecutive units (a static schedule), since on AMD Zen 4 two threads taking 128 KiB
- * units in turn read DRAM at ~0.85x the rate of two long runs (measured: docs/benchmarks.md).
- * A multiple of 4. */
+ * split gave it. Where the matmul streams the weights (at most STREAM_MAX_M rows of x on
+ * AVX-512, fewer than PAIR_M on AVX2) each thread first takes its run of consecutive units
+ * (runs.h). A multiple of 4. */
 #define ROWS_PER_UNIT 64
 
 /* Up to this many rows of x (measured crossover on Zen 4: 4 rows 0.88x, 8 rows 1.04x of the

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "runs.h"
 
 /* R rows of x from row m (R <= 3, a constant where inlined) against 4 weight rows already in
  * fp32 (wt [4, K]): 4 R accumulators, the R rows' x and one weight vector at a time (each used
@@ -235,17 +236,25 @@ int afd_bf16_gemm(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int 
     free(xf);
     return -1;
   }
+  /* 1-2 rows of x stream the weights: each thread its run of units there, else the units in
+   * turn (runs.h) */
+  const int nr = M < PAIR_M ? t : 1;
+  uint64_t *runs = (uint64_t *)aligned_alloc(64, AFD_RUNS_WORDS(nr) * sizeof(uint64_t));
+  if (!runs) {
+    free(wt), free(xf);
+    return -1;
+  }
+  afd_runs_init(runs, nr, units);
 #pragma omp parallel num_threads(t) if (t > 1)
   {
-    /* 1-2 rows of x stream the weights: each thread one run of units there (bf16.h) */
-    omp_set_schedule(M < PAIR_M ? omp_sched_static : omp_sched_dynamic, M < PAIR_M ? 0 : 1);
-    float *mine = wt + (tile + 63) / 64 * 16 * (t > 1 ? omp_get_thread_num() : 0);
-#pragma omp for schedule(runtime)
-    for (int u = 0; u < units; u++) {
+    const int me = t > 1 ? omp_get_thread_num() : 0;
+    float *mine = wt + (tile + 63) / 64 * 16 * me;
+    for (int u; (u = afd_runs_next(runs, nr, nr > 1 ? me : 0)) >= 0;) {
       int n0 = u * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < N ? n0 + ROWS_PER_UNIT : N;
       afd_rows(xf, w, y, M, N, K, n0, n1, mine);
     }
   }
+  free(runs);
   free(wt);
   free(xf);
   return 0;

@@ -25,6 +25,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "runs.h"
 
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
@@ -224,18 +225,20 @@ int afd_bf16_gemm512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, i
   /* Below ~256 KiB of weight a second thread costs more to wake than it saves. */
   int t = (size_t)N * K < (1u << 17) ? 1 : threads;
   int units = (N + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
-  if (M <= STREAM_MAX_M) { /* reads: each thread one run of units (bf16.h) */
-#pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
-    for (int u = 0; u < units; u++) {
+  /* streaming the weights (M <= STREAM_MAX_M): each thread its run of units, else the units
+   * in turn (runs.h) */
+  const int nr = M <= STREAM_MAX_M ? t : 1;
+  uint64_t *runs = (uint64_t *)aligned_alloc(64, AFD_RUNS_WORDS(nr) * sizeof(uint64_t));
+  if (!runs) return -1;
+  afd_runs_init(runs, nr, units);
+#pragma omp parallel num_threads(t) if (t > 1)
+  {
+    const int me = nr > 1 ? omp_get_thread_num() : 0;
+    for (int u; (u = afd_runs_next(runs, nr, me)) >= 0;) {
       int n0 = u * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < N ? n0 + ROWS_PER_UNIT : N;
       afd_rows512(x, w, y, M, N, K, n0, n1);
     }
-    return 0;
   }
-#pragma omp parallel for num_threads(t) schedule(dynamic, 1) if (t > 1)
-  for (int u = 0; u < units; u++) {
-    int n0 = u * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < N ? n0 + ROWS_PER_UNIT : N;
-    afd_rows512(x, w, y, M, N, K, n0, n1);
-  }
+  free(runs);
   return 0;
 }

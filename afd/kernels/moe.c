@@ -20,6 +20,7 @@
 
 #include "bf16.h"
 #include "experts.h"
+#include "runs.h"
 
 /* x [T, H]; ids [T, topk] (int32, global expert ids) and gate weights [T, topk] (fp32) as routed;
  * this shard holds experts first .. first + E - 1: w13 [E] -> [2I, H], w2 [E] -> [H, I];
@@ -97,17 +98,27 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     return -1;
   }
   /* A decode of at most STREAM_MAX_M tokens on AVX-512, or of 1-2 on AVX2: every matmul
-   * streams its weights and the reads bound it, so each thread takes one run of consecutive
-   * units (bf16.h: ROWS_PER_UNIT), the two matmul loops' schedule(runtime) below. Not at larger
-   * batches: there the experts' pairs, and so their units' products, differ in number (at a
-   * batch of 32 the static split measured 0.98x on AVX-512). */
-  const int runs = (isa == ISA_AVX512 && T <= STREAM_MAX_M) || (isa == ISA_AVX2 && T < PAIR_M);
+   * streams its weights and the reads bound it, so each thread takes its run of consecutive
+   * units in the two matmul loops (runs.h). Not at larger batches: there the experts' pairs, and
+   * so their units' products, differ in number (at a batch of 32 a static split measured 0.98x
+   * on AVX-512), and the units go out in turn. */
+  const int streams = (isa == ISA_AVX512 && T <= STREAM_MAX_M) || (isa == ISA_AVX2 && T < PAIR_M);
+  const int nr = streams ? t : 1;
+  uint64_t *runs13 = (uint64_t *)aligned_alloc(64, 2 * AFD_RUNS_WORDS(nr) * sizeof(uint64_t));
+  if (!runs13) {
+    free(ys), free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
+    free(acc);
+    afd_pairs_free(&pairs);
+    return -1;
+  }
+  uint64_t *runs2 = runs13 + AFD_RUNS_WORDS(nr);
+  afd_runs_init(runs13, nr, held * n13);
+  afd_runs_init(runs2, nr, held * n2);
   /* Everything but the sort runs on every thread: at a batch of 32 the serial copies and
    * packs left the other core idle for a tenth of a decode step. */
 #pragma omp parallel num_threads(t) if (t > 1)
   {
-    /* each thread's own copy of the schedule the runtime loops take (the caller's is untouched) */
-    omp_set_schedule(runs ? omp_sched_static : omp_sched_dynamic, runs ? 0 : 1);
+    const int me = nr > 1 ? omp_get_thread_num() : 0; /* the runs' thread (runs.h) */
     float *mine = wt + (size_t)(t > 1 ? omp_get_thread_num() : 0) * 4 * K;
 #pragma omp for schedule(static)
     for (int p = 0; p < P; p++) { /* each held pair's row of x */
@@ -126,8 +137,8 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
                      xsp + at[e] * 16 * H);
       }
     }
-#pragma omp for schedule(runtime)
-    for (int u = 0; u < held * n13; u++) { /* gate|up = x[tokens] @ w13[e]^T */
+    /* gate|up = x[tokens] @ w13[e]^T */
+    for (int u; (u = afd_runs_next(runs13, nr, me)) >= 0;) {
       int e = units[u / n13], p0 = starts[e], n = starts[e + 1] - p0;
       int n0 = u % n13 * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < 2 * I ? n0 + ROWS_PER_UNIT : 2 * I;
       if (amx13)
@@ -140,6 +151,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
         afd_rows((const float *)xs + (size_t)p0 * H, w13[e], gu + (size_t)p0 * 2 * I, n, 2 * I,
                  H, n0, n1, mine);
     }
+#pragma omp barrier
 #pragma omp for schedule(static)
     for (int p = 0; p < P; p++) /* a = act(gate [+ bias], up [+ bias]) */
       afd_act_row(gu + (size_t)p * 2 * I, NULL, b13 ? b13[expert[p]] : NULL, I, act_kind, limit,
@@ -153,8 +165,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
                      actp + at[e] * 16 * I);
       }
     }
-#pragma omp for schedule(runtime)
-    for (int u = 0; u < held * n2; u++) { /* y = a @ w2[e]^T */
+    for (int u; (u = afd_runs_next(runs2, nr, me)) >= 0;) { /* y = a @ w2[e]^T */
       int e = units[u / n2], p0 = starts[e], n = starts[e + 1] - p0;
       int n0 = u % n2 * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < H ? n0 + ROWS_PER_UNIT : H;
       if (amx2)
@@ -167,13 +178,14 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
         afd_rows((const float *)act + (size_t)p0 * I, w2[e], ys + (size_t)p0 * H, n, H, I, n0,
                  n1, mine);
     }
+#pragma omp barrier
     /* out += bf16((y [+ bias]) * weight) pair by pair (index_add_), threads by tokens */
     float *row = acc + (size_t)(t > 1 ? omp_get_thread_num() : 0) * H;
 #pragma omp for schedule(static)
     for (int r = 0; r < T; r++) afd_pairs_sum(&pairs, b2, ys, NULL, H, row, out, r, r + 1);
   }
   free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
-  free(acc), free(ys);
+  free(acc), free(ys), free(runs13);
   afd_pairs_free(&pairs);
   return 0;
 }
