@@ -102,7 +102,8 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
    * units in the two matmul loops (runs.h). Not at larger batches: there the experts' pairs, and
    * so their units' products, differ in number (at a batch of 32 a static split measured 0.98x
    * on AVX-512), and the units go out in turn. */
-  const int streams = (isa == ISA_AVX512 && T <= STREAM_MAX_M) || (isa == ISA_AVX2 && T < PAIR_M);
+  const int streams =
+      (isa == ISA_AVX512 && T <= STREAM_MAX_M) || (isa == ISA_AVX2 && T < PAIR_M);
   const int nr = streams ? t : 1;
   uint64_t *runs13 = (uint64_t *)aligned_alloc(64, 2 * AFD_RUNS_WORDS(nr) * sizeof(uint64_t));
   if (!runs13) {
