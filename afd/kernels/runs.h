@@ -8,14 +8,15 @@
  * client, on a small box) holds up the call by one unit, not by the rest of its run: with a
  * plain static split the other thread waited at the barrier instead.
  *
- * With one run for every thread (afd_runs_next's me = 0 for all), the units go out in order as
- * threads come free: OpenMP's schedule(dynamic, 1), which the compute-bound calls keep.
+ * With a single run that every thread claims from (t = 1, me = 0 for all), the units go out in
+ * order as threads come free: OpenMP's schedule(dynamic, 1), which the compute-bound calls keep.
  *
  * A run is one 64-bit word (next unit from the front << 32 | end), changed only by
  * compare-and-swap, each on its own cache line. */
 #ifndef AFD_RUNS_H
 #define AFD_RUNS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* uint64_t words a table of t runs takes (one 64-byte line per run) */
