@@ -91,12 +91,6 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     int e = reverse ? E - 1 - i : i;
     if (starts[e + 1] > starts[e]) units[held++] = e;
   }
-  float *acc = (float *)malloc((size_t)t * H * sizeof(float)); /* the sum's: a row a thread */
-  if (!acc) {
-    free(ys), free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
-    afd_pairs_free(&pairs);
-    return -1;
-  }
   /* A decode of at most STREAM_MAX_M tokens on AVX-512, or of 1-2 on AVX2: every matmul
    * streams its weights and the reads bound it, so each thread takes its run of consecutive
    * units in the two matmul loops (runs.h). Not at larger batches: there the experts' pairs, and
@@ -105,10 +99,11 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
   const int streams =
       (isa == ISA_AVX512 && T <= STREAM_MAX_M) || (isa == ISA_AVX2 && T < PAIR_M);
   const int nr = streams ? t : 1;
+  float *acc = (float *)malloc((size_t)t * H * sizeof(float)); /* the sum's: a row a thread */
   uint64_t *runs13 = (uint64_t *)aligned_alloc(64, 2 * AFD_RUNS_WORDS(nr) * sizeof(uint64_t));
-  if (!runs13) {
+  if (!acc || !runs13) {
     free(ys), free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
-    free(acc);
+    free(acc), free(runs13);
     afd_pairs_free(&pairs);
     return -1;
   }
