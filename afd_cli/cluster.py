@@ -165,6 +165,7 @@ class Cluster:
         )  # fmt: skip
         self.lock = threading.Lock()  # children: the supervisor and the admin endpoint
         self.pool_file: Path | None = None  # the elastic pool's member list
+        self.env: dict[str, str] = {}  # every child's, measured once here (start)
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -275,13 +276,19 @@ class Cluster:
             from afd.demo import demo_model_dir
 
             demo_model_dir()  # build it once here, not raced by every child
+        from afd_cli import measured  # torch: not for --help
+
+        c = self.cfg
+        devices = [c.attention_device or c.device, c.ffn_device or c.device]
+        self.env = measured.children_env(devices, self._threads())
         for child in self.plan():
             self.launch(child)
             self.children.append(child)
 
     def launch(self, child: Child) -> None:
         """Start (or start again) one child, with the same command line: the same ports."""
-        env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **child.env}
+        env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **self.env}
+        env.update(child.env)
         parent = os.getpid()
         child.proc = subprocess.Popen(
             child.argv,

@@ -80,11 +80,10 @@ def test_killed_children_are_restarted_and_the_cluster_serves_again(model, monke
     """An FFN child killed under 16 streams (default flags): the streams pause until the
     supervisor's restart is back and end with the text of an undisturbed run; an attention
     child killed: the cluster answers again once it is restarted."""
-    # afd's matmul at every batch size: on avx512bf16 each process measures from how many rows
-    # oneDNN's (other sums) takes over, and a restarted FFN server measuring another number
-    # than its predecessor (32 and 64 both seen on a Zen 4 box) would change the bits of the
-    # batches in between, not the supervision this test is about
-    monkeypatch.setenv("AFD_ONEDNN_FROM_ROWS", "0")
+    # no AFD_ONEDNN_FROM_ROWS here: on avx512bf16 `afd serve` measures from how many rows
+    # oneDNN's matmul (other sums) takes over once and hands the restarted FFN server the
+    # number its predecessor had (afd_cli/measured.py); measured by each, 32 and 64 were seen
+    monkeypatch.delenv("AFD_ONEDNN_FROM_ROWS", raising=False)
     served = serve(model, "--transport", "tcp", "--ffn", "2")
     try:
         reference = httpx.post(
