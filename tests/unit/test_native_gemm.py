@@ -37,6 +37,29 @@ def test_matches_fp32_matmul_to_bf16_rounding(native_path, m, n, k, threads):
     assert (y == ref.to(torch.bfloat16)).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("m", [1, 4, 8, 13])
+def test_results_halfway_between_two_bf16_values_round_to_the_even_one(native_path, m):
+    """Each output is exactly halfway between two bf16 values (1 + j/128 + 1/256 and its
+    negative, sums exact in fp32): every path rounds it to the even one, as torch does, in its
+    one-row and batched stores alike; an infinite sum stays infinite, inf - inf is a NaN."""
+    n, k = 16, 64
+    j = torch.arange(n, dtype=torch.float32) % 8
+    w = torch.zeros(n, k)
+    w[:, 0] = (1 + j / 128) * torch.where(torch.arange(n) < 8, 1.0, -1.0)
+    w[:, 1] = 2.0**-8 * torch.where(torch.arange(n) < 8, 1.0, -1.0)
+    x = torch.zeros(m, k)
+    x[:, :2] = 1.0
+    w, x = w.to(torch.bfloat16), x.to(torch.bfloat16)
+    y = gemm.bf16_linear(x, gemm.lay_out(w, native_path.matmul), native_path.matmul)
+    ref = F.linear(x.float(), w.float()).to(torch.bfloat16)
+    assert torch.equal(y, ref)
+    assert not torch.equal(ref[0, :8].float(), 1 + j[:8] / 128 + 1 / 128)  # not all rounded up
+    w[0, 2], w[1, 2], w[1, 3] = float("inf"), float("inf"), float("-inf")
+    x[:, 2:4] = 1.0
+    y = gemm.bf16_linear(x, gemm.lay_out(w, native_path.matmul), native_path.matmul)
+    assert torch.isinf(y[:, 0]).all() and torch.isnan(y[:, 1]).all()
+
+
 @pytest.mark.parametrize("n", [4, 13, 1030])
 def test_pack_lays_each_group_of_4_rows_out_as_one_run(n):
     w = torch.arange(n * 16, dtype=torch.float32).reshape(n, 16).to(torch.bfloat16)
