@@ -25,6 +25,29 @@ static inline uint16_t to_bf16(float f) {
   return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* [hsum(v0), hsum(v1), hsum(v2), hsum(v3)]: each the same bits as hsum's tree, four at once. */
+static inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+  __m128 a0 = _mm_add_ps(_mm256_castps256_ps128(v0), _mm256_extractf128_ps(v0, 1));
+  __m128 a1 = _mm_add_ps(_mm256_castps256_ps128(v1), _mm256_extractf128_ps(v1, 1));
+  __m128 a2 = _mm_add_ps(_mm256_castps256_ps128(v2), _mm256_extractf128_ps(v2, 1));
+  __m128 a3 = _mm_add_ps(_mm256_castps256_ps128(v3), _mm256_extractf128_ps(v3, 1));
+  _MM_TRANSPOSE4_PS(a0, a1, a2, a3); /* a_j: lane j of each */
+  return _mm_add_ps(_mm_add_ps(a0, a2), _mm_add_ps(a1, a3));
+}
+
+/* Four fp32 values rounded to bf16 (to_bf16 on 4 lanes: nearest even, a NaN kept quiet), in the
+ * low 64 bits. */
+static inline __m128i round4_bf16(__m128 v) {
+  __m128i u = _mm_castps_si128(v);
+  __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+  __m128i r = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)), lsb), 16);
+  __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7fffffff)),
+                                _mm_set1_epi32(0x7f800000));
+  __m128i q = _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40));
+  r = _mm_blendv_epi8(r, q, nan);
+  return _mm_packus_epi32(r, r);
+}
+
 /* An fp32 rounded to bf16 (and back to fp32), and a bf16 value as fp32. */
 static inline float bf16_round(float f) {
   union { uint32_t u; float f; } v = {(uint32_t)to_bf16(f) << 16};

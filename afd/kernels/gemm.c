@@ -41,8 +41,9 @@ static inline __attribute__((always_inline)) void tile_rows(const float *xf, con
       for (int i = 0; i < R; i++) a[i][r] = _mm256_fmadd_ps(c[i], b, a[i][r]);
     }
   }
-  for (int i = 0; i < R; i++)
-    for (int r = 0; r < 4; r++) y[(size_t)(m + i) * N + n + r] = to_bf16(hsum(a[i][r]));
+  for (int i = 0; i < R; i++) /* the row's four outputs rounded and stored at once */
+    _mm_storel_epi64((__m128i *)(y + (size_t)(m + i) * N + n),
+                     round4_bf16(hsum4(a[i][0], a[i][1], a[i][2], a[i][3])));
 }
 
 /* Every row of x against the 4 fp32 weight rows: 3 rows a pass, then the 2 or 1 left; each
@@ -75,7 +76,13 @@ static inline __attribute__((always_inline)) void pair_rows(const float *xf, con
       b[i] = _mm256_fmadd_ps(c, vb, b[i]);
     }
   }
-  for (int i = 0; i < R; i++) {
+  int i = 0;
+  for (; i + 2 <= R; i += 2) { /* two rows' two outputs rounded at once */
+    __m128i v = round4_bf16(hsum4(a[i], b[i], a[i + 1], b[i + 1]));
+    _mm_storeu_si32(y + (size_t)(m + i) * N + n, v);
+    _mm_storeu_si32(y + (size_t)(m + i + 1) * N + n, _mm_srli_si128(v, 4));
+  }
+  if (i < R) {
     uint16_t *yi = y + (size_t)(m + i) * N + n;
     yi[0] = to_bf16(hsum(a[i])), yi[1] = to_bf16(hsum(b[i]));
   }

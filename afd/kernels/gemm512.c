@@ -59,19 +59,6 @@ static inline AVX512BF16 __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
   return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
 
-/* Four fp32 values rounded to bf16 and stored (at y, any alignment): to_bf16 on 4 lanes (round
- * to nearest even, a NaN kept quiet), the same bits. */
-static inline AVX512BF16 void store4_bf16(uint16_t *y, __m128 v) {
-  __m128i u = _mm_castps_si128(v);
-  __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
-  __m128i r = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)), lsb), 16);
-  __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7fffffff)),
-                                _mm_set1_epi32(0x7f800000));
-  __m128i q = _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40));
-  r = _mm_blendv_epi8(r, q, nan);
-  _mm_storel_epi64((__m128i *)y, _mm_packus_epi32(r, r));
-}
-
 /* R rows of x from row m (R <= 6, a constant where inlined, so the 4 R accumulators stay in
  * registers: 24 + 4 weights + 1 x of the 32 zmm) against weight rows n..n+3 (at w). */
 static inline __attribute__((always_inline)) AVX512BF16 void group_rows(
@@ -113,8 +100,9 @@ static inline __attribute__((always_inline)) AVX512BF16 void group_rows(
       a[i][3] = _mm512_dpbf16_ps(a[i][3], c, w3);
     }
   }
-  for (int i = 0; i < R; i++)
-    store4_bf16(y + (size_t)(m + i) * N + n, sum4(a[i][0], a[i][1], a[i][2], a[i][3]));
+  for (int i = 0; i < R; i++) /* the row's four outputs rounded and stored at once */
+    _mm_storel_epi64((__m128i *)(y + (size_t)(m + i) * N + n),
+                     round4_bf16(sum4(a[i][0], a[i][1], a[i][2], a[i][3])));
 }
 
 /* Rows m0..m1 of x against the group at g, in chunks of at most 6 rows of about equal size. */

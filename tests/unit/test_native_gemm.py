@@ -89,20 +89,35 @@ def test_pack_tiles_lays_each_tile_out_as_one_run(n, k):
             assert torch.equal(runs[g * (k // 32) + s], tile), (g, s)
 
 
+@pytest.mark.parametrize("cancelling", [False, True], ids=["randn", "cancelling"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_rows_result_does_not_depend_on_the_batch_it_is_in(native_path, threads):
+def test_a_rows_result_does_not_depend_on_the_batch_it_is_in(native_path, threads, cancelling):
     """Every path (1, 2, pairs or chunks, fp32 tile, tail rows) sums a row's products in the
     same order, so a token gets the same bits at batch 1 as inside a batch of 70."""
     isa = native_path.matmul
     g = torch.Generator().manual_seed(7)
-    w = gemm.lay_out(torch.randn(1030, 256, generator=g).to(torch.bfloat16), isa)
-    x = torch.randn(70, 256, generator=g).to(torch.bfloat16)
+    w = torch.randn(1030, 256, generator=g)
+    x = torch.randn(70, 256, generator=g)
+    if cancelling:
+        # per weight row 2^24 forty times, -2^24 forty times and +-1 elsewhere, at random places,
+        # against a row of ones: the exact sum is small, and how many of the ones a partial sum
+        # of 2^24 swallows (2^24 + 1 is not an fp32) depends on the order of every add, so a
+        # change of order anywhere shows in the (small, exactly representable) result
+        sign = torch.randint(0, 2, (1030, 256), generator=g) * 2.0 - 1
+        big = torch.rand(1030, 256, generator=g).argsort(dim=1)[:, :80]
+        w = sign.scatter(1, big, torch.full((1030, 80), 2.0**24))
+        w.scatter_(1, big[:, 40:], -(2.0**24))
+        x = torch.ones(70, 256)
+    w, x = gemm.lay_out(w.to(torch.bfloat16), isa), x.to(torch.bfloat16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         alone = gemm.bf16_linear(x[:1], w, isa)
         for m in (2, 3, 7, 12, 13, 33, 70):
-            assert torch.equal(gemm.bf16_linear(x[:m], w, isa)[:1], alone), m
+            y = gemm.bf16_linear(x[:m], w, isa)
+            assert torch.equal(y[:1], alone), m
+            if cancelling:
+                assert torch.equal(y, alone.expand(m, -1)), m
     finally:
         torch.set_num_threads(before)
 
