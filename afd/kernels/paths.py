@@ -146,8 +146,9 @@ def onednn_from_rows(threads: int) -> int:
 
 def _weights_past_cache() -> list[torch.Tensor]:
     """[1024, 1024] bf16 weights, twice the last-level cache in all (64-256 MiB): cycled, each is
-    read from DRAM, as a decode step reads its model's. In cache the two matmuls are both bound
-    by their arithmetic and oneDNN's wins at half the rows it takes from DRAM (Zen 4)."""
+    read from DRAM, as a decode step reads its model's. On one weight in cache both matmuls are
+    bound by their arithmetic, and oneDNN's wins from fewer rows than it does from DRAM
+    (docs/benchmarks.md, Zen 4)."""
     llc = 32 << 20
     try:
         base = "/sys/devices/system/cpu/cpu0/cache"
