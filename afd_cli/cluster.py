@@ -287,8 +287,7 @@ class Cluster:
 
     def launch(self, child: Child) -> None:
         """Start (or start again) one child, with the same command line: the same ports."""
-        env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **self.env}
-        env.update(child.env)
+        env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **self.env, **child.env}
         parent = os.getpid()
         child.proc = subprocess.Popen(
             child.argv,

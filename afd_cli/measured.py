@@ -37,5 +37,6 @@ def children_env(devices: list[str], threads: int) -> dict[str, str]:
         rows = paths.onednn_from_rows(threads)
     finally:
         torch.set_num_threads(before)
-    log.info("every process: %s=%d", paths.ROWS_ENV, 0 if rows == paths.NEVER else rows)
-    return {paths.ROWS_ENV: str(0 if rows == paths.NEVER else rows)}
+    value = str(0 if rows == paths.NEVER else rows)  # 0: never, as the variable reads it
+    log.info("every process: %s=%s", paths.ROWS_ENV, value)
+    return {paths.ROWS_ENV: value}

@@ -35,19 +35,6 @@ static inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
   return _mm_add_ps(_mm_add_ps(a0, a2), _mm_add_ps(a1, a3));
 }
 
-/* Four fp32 values rounded to bf16 (to_bf16 on 4 lanes: nearest even, a NaN kept quiet), in the
- * low 64 bits. */
-static inline __m128i round4_bf16(__m128 v) {
-  __m128i u = _mm_castps_si128(v);
-  __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
-  __m128i r = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)), lsb), 16);
-  __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7fffffff)),
-                                _mm_set1_epi32(0x7f800000));
-  __m128i q = _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40));
-  r = _mm_blendv_epi8(r, q, nan);
-  return _mm_packus_epi32(r, r);
-}
-
 /* An fp32 rounded to bf16 (and back to fp32), and a bf16 value as fp32. */
 static inline float bf16_round(float f) {
   union { uint32_t u; float f; } v = {(uint32_t)to_bf16(f) << 16};
@@ -70,6 +57,13 @@ static inline __m256 round8(__m256 v) {
   __m256i q = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)),
                                _mm256_set1_epi32((int)0xffff0000u));
   return _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan));
+}
+
+/* Four fp32 values as bf16 bits (round8's rounding: to_bf16's), in the low 64 bits. */
+static inline __m128i round4_bf16(__m128 v) {
+  __m128 r = _mm256_castps256_ps128(round8(_mm256_castps128_ps256(v)));
+  __m128i b = _mm_srli_epi32(_mm_castps_si128(r), 16);
+  return _mm_packus_epi32(b, b);
 }
 
 /* 8 fp32 lanes that already hold bf16 values -> 8 bf16 at p. */

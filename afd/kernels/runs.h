@@ -1,5 +1,6 @@
 /* How the streaming matmuls (gemm512.c at up to STREAM_MAX_M rows of x, gemm.c below PAIR_M,
- * moe.c's decode of a few tokens) share their units of weight rows among threads.
+ * moe.c's experts at every batch on AVX-512 and at 1-2 tokens on AVX2) share their units of
+ * weight rows among threads.
  *
  * Each thread takes one run of consecutive units, front to back: the reads bound these calls, and
  * on AMD Zen 4 two threads taking 128 KiB units in turn read DRAM at ~0.85x the rate of two long

@@ -71,11 +71,10 @@ def test_start_measures_once_for_every_child(avx512, launched):
 
 
 def test_every_launch_gets_the_clusters_env_and_a_childs_own_wins(launched):
-    seen = launched
     c = Cluster(ClusterConfig(device="cpu"))
     c.env = {paths.ROWS_ENV: "48"}
     c.launch(Child("ffn-0", ["x"]))
     c.launch(Child("ffn-0", ["x"]))  # the supervisor's restart: the same launch
     c.launch(Child("gateway", ["x"], {paths.ROWS_ENV: "7", "AFD_API_KEY": "k"}))
-    assert [e[paths.ROWS_ENV] for e in seen] == ["48", "48", "7"]
-    assert seen[2]["AFD_API_KEY"] == "k"
+    assert [e[paths.ROWS_ENV] for e in launched] == ["48", "48", "7"]
+    assert launched[2]["AFD_API_KEY"] == "k"
