@@ -25,6 +25,7 @@ import torch
 from afd import metrics
 from afd.kernels.moe import InlineExperts
 from afd.messages import FFNReply, FFNRequest, Trace
+from afd.metric_batches import observe_many
 from afd.wire import Buffer, WireError, WireLimits, check_request, decode_request, encode_reply
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class FFNServing:
         """The caller computed layers with this shard's kernels itself (inline_experts), one
         layer of `tokens` tokens in each of `seconds`: recorded as serve_local's calls are."""
         if tokens:
-            self._local += [(tokens, s) for s in seconds]
+            self._local += zip([tokens] * len(seconds), seconds, strict=True)
             if len(self._local) >= _LOCAL_BATCH:
                 self.flush_local()
 
@@ -162,14 +163,14 @@ class FFNServing:
         done, self._local = self._local, []
         if not done:
             return
+        tokens = [t for t, _ in done]
         metrics.FFN_MESSAGES.inc(len(done))
-        metrics.FFN_TOKENS.inc(sum(t for t, _ in done))
-        for tokens, seconds in done:
-            metrics.FFN_BATCH_TOKENS.observe(tokens)
-            metrics.FFN_BATCH_MESSAGES.observe(1)
-            metrics.FFN_BATCH_PEERS.observe(1)
-            metrics.FFN_COMPUTE.observe(seconds)
-            metrics.FFN_QUEUE.observe(0.0)
+        metrics.FFN_TOKENS.inc(sum(tokens))
+        observe_many(metrics.FFN_BATCH_TOKENS, tokens)
+        observe_many(metrics.FFN_BATCH_MESSAGES, [1] * len(done))
+        observe_many(metrics.FFN_BATCH_PEERS, [1] * len(done))
+        observe_many(metrics.FFN_COMPUTE, [s for _, s in done])
+        observe_many(metrics.FFN_QUEUE, [0.0] * len(done))
 
     def _serve(
         self, received: Sequence[tuple[P, FFNRequest | FFNReply, float]]

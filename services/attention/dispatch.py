@@ -151,7 +151,7 @@ class FFNDispatcher:
         self.routed.add(first, ids)
         self.timing.inline.append((address, stamps))
         self.timing.max_in_flight = max(self.timing.max_in_flight, 1)
-        serving.served_inline(ids.shape[1], (stamps[:, 2] - stamps[:, 1]).tolist())
+        serving.served_inline(ids.shape[1], [e - a for _, a, e in stamps.tolist()])
         self._idle_since = time.perf_counter()
 
     def _direct_servings(self) -> list[FFNServing] | None:
