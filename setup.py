@@ -55,6 +55,7 @@ def _kernels() -> list[Extension]:
                     "amx",
                     "moe",
                     "attention",
+                    "attention512",
                     "norm_rope",
                     "decode_layer",
                     "decode_stack",
@@ -70,7 +71,7 @@ def _kernels() -> list[Extension]:
                     "runs",
                 )
             ],
-            depends=[f"afd/kernels/{h}.h" for h in ("amx", "bf16", "experts", "mxfp4", "runs")],
+            depends=[f"afd/kernels/{h}.h" for h in ("amx", "attention512", "bf16", "experts", "mxfp4", "runs")],
             # -mavx2/-mfma: gemm.py loads the library only where ATen dispatches AVX2 or above.
             # fp-contract=off: a*b + c in scalar code stays two roundings, as torch computes it.
             extra_compile_args=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],

@@ -1,11 +1,12 @@
 """Paged decode attention in one native call (afd_bf16_decode_attention in attention.c): reads
-K/V blocks in place where the torch path gathers them into a copy and converts it to fp32."""
+K/V blocks in place where the torch path gathers them into a copy and converts it to fp32. On
+the AVX-512 BF16 and AMX kernel paths its products take AVX-512 BF16 (attention512.c)."""
 
 from __future__ import annotations
 
 import torch
 
-from afd.kernels import gemm
+from afd.kernels import gemm, paths
 
 
 def decode_attention(
@@ -43,6 +44,7 @@ def decode_attention(
         None if sinks is None else sinks.data_ptr(),
         window,
         torch.get_num_threads(),
+        gemm.ISAS.get(paths.active().matmul, 0),  # oneDNN's and torch's paths: the AVX2 code
     )
     if rc:
         raise RuntimeError(f"afd_bf16_decode_attention failed (lengths {lens.tolist()})")

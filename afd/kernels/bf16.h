@@ -191,7 +191,7 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
                                   const uint16_t *v_cache, const int64_t *blocks,
                                   const int64_t *lens, uint16_t *out, int B, int kvh, int g, int D,
                                   int NB, int bs, int nb, float scale, const float *sinks,
-                                  int window, int threads);
+                                  int window, int threads, int isa);
 
 /* The sums of 8 vectors, one lane each: [sum(a0), ..., sum(a7)]. */
 static inline __m256 sum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,

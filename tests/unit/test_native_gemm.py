@@ -245,17 +245,22 @@ needs_library = pytest.mark.skipif(
         (2, 1, 128, [1, 17, 96, 50, 33], 40),
         # long rows: the softmax's max in lanes past 32 positions, V fetched ahead past 16
         (4, 4, 64, [1000, 257, 32, 65], 260),
+        # 6 query heads a K/V head (two passes of the AVX-512 values, 4 heads then 2); a head
+        # dimension that is no multiple of 32 (the AVX2 products on every path)
+        (2, 6, 96, [1, 18, 47], 12),
+        (2, 3, 40, [1, 18, 47], 12),
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window,sinks", [(0, False), (24, True)], ids=["plain", "sinks-window"])
 def test_decode_attention_matches_the_torch_path(
-    kvh, g, d, lens, num_blocks, threads, window, sinks
+    kvh, g, d, lens, num_blocks, threads, window, sinks, native_path
 ):
     """The native paged decode attention against services/attention's torch path (gathered
     blocks, bmm with bf16 rounding, fp32 softmax) on a shuffled block table: the same to
     bf16 rounding, and the same bits almost everywhere; also with gpt-oss's sink logits and a
-    sliding window shorter than most rows."""
+    sliding window shorter than most rows. On each native path: AVX-512 BF16's products where
+    the path has them (attention512.c), AVX2's otherwise."""
     from afd.kernels.attention import decode_attention
     from services.attention.paged_attention import _attend, _windowed
 
