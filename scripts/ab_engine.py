@@ -2,6 +2,7 @@
 effect is smaller than this box's spread between commands (a kernel, a step's Python).
 
     python scripts/ab_engine.py BEFORE AFTER [--batch 32] [--new-tokens 64] [--rounds 3]
+        [--prompt-len 16]
         [--model CHECKPOINT [--expert-compute direct]]
 
 Each revision is checked out into a git worktree and its native library built there; every
@@ -45,16 +46,18 @@ from afd_cli.local import local_engine
 
 batch, new, threads, cache = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 model, compute, prefill = sys.argv[5], sys.argv[6], int(sys.argv[7])
+prompt_len = int(sys.argv[8]) if len(sys.argv) > 8 else 16
 torch.set_num_threads(threads)
 path = Path(model) if model else build_checkpoint(Path(cache) / "bench-qwen3moe-ref")
 cfg = EngineConfig(model=ModelConfig.from_hf(path), dtype="bfloat16", a2f_dtype="bf16",
                    micro_batches=1, decode_stack=True, threads=threads,
                    cache=CacheConfig(block_size=16, kv_cache_memory_gb=1.0),
                    scheduler=SchedulerConfig(max_num_seqs=64,
-                                             max_num_batched_tokens=max(4096, batch * prefill)),
+                                             max_num_batched_tokens=max(4096, batch * prefill,
+                                                                        batch * prompt_len)),
                    experts=ExpertConfig(compute=compute))
 with local_engine(cfg, 1, progress=False) as eng:
-    prompts = _prompts(batch, 16, cfg.model.vocab_size, batch)
+    prompts = _prompts(batch, prompt_len, cfg.model.vocab_size, batch)
     def timed(p, n):
         t0 = time.perf_counter()
         eng.generate(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
@@ -146,7 +149,7 @@ def _run(tree: Path, args: argparse.Namespace) -> float:
     else:
         code = _TIMING
         argv = [str(args.batch), str(args.new_tokens), str(args.threads), args.cache_dir]
-        argv += [args.model or "", args.expert_compute, str(args.prefill)]
+        argv += [args.model or "", args.expert_compute, str(args.prefill), str(args.prompt_len)]
     out = subprocess.run(
         [sys.executable, "-c", code, *argv],
         cwd=tree, env=env, capture_output=True, text=True,
@@ -185,6 +188,9 @@ def main() -> int:
         help="instead of the engine: afd's matmul alone at ROWS rows of x, GB/s of weights read",
     )
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--prompt-len", type=int, default=16, help="decode: each sequence's prompt (its context)"
+    )
     p.add_argument("--model", help="the engine's checkpoint (default: the reference model)")
     p.add_argument("--expert-compute", default="auto", choices=("auto", "direct", "workspace"))
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
