@@ -222,7 +222,7 @@ def main() -> int:
         "cpu": _cpu(),
         "revisions": shas,
         "measured": measured,
-        **({"prompt_len": args.prefill} if measured == "engine prefill" else {}),
+        "prompt_len": args.prefill if measured == "engine prefill" else args.prompt_len,
         **({"streams": args.serve} if args.serve else {"rows": args.matmul} if args.matmul
            else {"batch": args.batch}),
         **({"model": args.model, "expert_compute": args.expert_compute} if args.model else {}),
