@@ -23,6 +23,8 @@ class MicroBatch:
     prompt_rows: torch.Tensor | None = None  # [P] long
     prompt_targets: torch.Tensor | None = None  # [P] long
     prompt_owners: tuple[tuple[str, int], ...] = ()
+    # sample_rows is every row in order (a decode step): the head takes the hidden as it is
+    samples_all: bool = False
 
 
 def split(seqs: list[ScheduledSeq], n: int) -> list[list[ScheduledSeq]]:
@@ -106,6 +108,7 @@ def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
         prompt_rows=torch.tensor(p_rows, dtype=torch.long) if p_rows else None,
         prompt_targets=torch.tensor(p_targets, dtype=torch.long) if p_rows else None,
         prompt_owners=tuple(owners),
+        samples_all=len(rows) == row,  # increasing and distinct, so 0 .. row - 1
     )
 
 
