@@ -71,7 +71,10 @@ def _kernels() -> list[Extension]:
                     "runs",
                 )
             ],
-            depends=[f"afd/kernels/{h}.h" for h in ("amx", "attention512", "bf16", "experts", "mxfp4", "runs")],
+            depends=[
+                f"afd/kernels/{h}.h"
+                for h in ("amx", "attention512", "bf16", "experts", "mxfp4", "runs")
+            ],
             # -mavx2/-mfma: gemm.py loads the library only where ATen dispatches AVX2 or above.
             # fp-contract=off: a*b + c in scalar code stays two roundings, as torch computes it.
             extra_compile_args=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
