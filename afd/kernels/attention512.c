@@ -11,7 +11,8 @@
  *           probabilities broadcast as one 32-bit pair), for up to 4 query heads at once.
  *
  * The results are the AVX2 code's steps with the same roundings (scores and probabilities
- * rounded to bf16, the output rounded once); only fp32 summation order differs. */
+ * rounded to bf16, the output rounded once); only fp32 summation order differs, and, as in
+ * gemm512.c, vdpbf16ps reads bf16 denormals as zero and flushes denormal sums. */
 #include <stdint.h>
 
 #include "attention512.h"
