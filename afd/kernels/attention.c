@@ -27,8 +27,9 @@
  * only short runs: ask for K rows two 8-position groups ahead. V is asked for later, in
  * weighted_sum: fetched here, beside K, a long sequence's V (256 KB at 2048 positions) had left
  * L2 again by the time the softmax was done. Both into L2: fetched into L1 they stalled on its
- * few outstanding misses (Zen 4, AVX2 forced, 32 sequences of 400 positions: 0.87x the time
- * into L2, 0.82x at 2000; measured). */
+ * few outstanding misses where the block table is shuffled (Zen 4, AVX2 forced, 32 sequences of
+ * 400 positions: 0.87x the time into L2, 0.82x at 2000; in the engine, whose fresh sequences'
+ * blocks mostly follow each other, within the noise; measured). */
 static inline void prefetch_k(const uint16_t *k_cache, const int64_t *row, int l0, int len,
                               int D) {
   for (int i = 0; i < 8; i++)

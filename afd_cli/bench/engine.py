@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
     results = []
     breakdown: dict[str, float] = {}
     runs1: dict[str, list[float]] = {}
-    # The box's memory rate swings by 2x within an hour here (other tenants), so the batch-1
+    # A shared VM's memory rate can swing by 2x within an hour, so the batch-1
     # bound is measured in every round beside the decodes it bounds, not once at the end.
     read_buf, read_runs = torch.ones(512 * 2**20 // 4), []
     with ExitStack() as stack:
