@@ -153,7 +153,7 @@ class FFNServing:
         """The caller computed layers with this shard's kernels itself (inline_experts), one
         layer of `tokens` tokens in each of `seconds`: recorded as serve_local's calls are."""
         if tokens:
-            self._local += zip([tokens] * len(seconds), seconds, strict=True)
+            self._local += [(tokens, s) for s in seconds]
             if len(self._local) >= _LOCAL_BATCH:
                 self.flush_local()
 

@@ -204,8 +204,7 @@ def run(args: argparse.Namespace) -> dict:
         bound |= {"afd_batch1_ms": round(batch1_ms, 2)}
         bound["over_bound"] = round(batch1_ms / bound_ms, 2)
         # each round's decode against the same round's read rate, then their median
-        afd_runs = runs1.get(f"afd_{kernels[0]}", [row1["afd_tok_s"]])
-        pairs = zip(afd_runs, read_runs, strict=True)
+        pairs = zip(runs1[f"afd_{kernels[0]}"], read_runs, strict=True)
         per_round = [1e9 * bw / (tps * step_bytes) for tps, bw in pairs]
         bound["over_bound_by_round"] = [round(v, 2) for v in per_round]
         bound["over_bound_median_of_rounds"] = round(statistics.median(per_round), 2)

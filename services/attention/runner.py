@@ -77,9 +77,10 @@ class ModelRunner:
             if mbs[m].prompt_rows is not None:
                 self._score_prompts(mbs[m], h, out.prompt_logprobs)
             rows = mbs[m].sample_rows
-            if mbs[m].samples_all:  # a decode step samples every row: no copy of h to make
-                return self.model.logits(h) if len(rows) else h.new_empty(0)
-            return self.model.logits(h.index_select(0, rows)) if len(rows) else h.new_empty(0)
+            if not len(rows):
+                return h.new_empty(0)
+            # a decode step samples every row in order: h as it is, no copy
+            return self.model.logits(h if mbs[m].samples_all else h.index_select(0, rows))
 
         per_mb = run_layers(self.model, self.cache, self.dispatcher, mbs, head, self.stack)
         seqs = [s for mb in mbs for s in mb.sample_seqs]
