@@ -44,7 +44,7 @@ def decode_attention(
         None if sinks is None else sinks.data_ptr(),
         window,
         torch.get_num_threads(),
-        gemm.ISAS.get(paths.active().matmul, 0),  # oneDNN's and torch's paths: the AVX2 code
+        paths.isa(),
     )
     if rc:
         raise RuntimeError(f"afd_bf16_decode_attention failed (lengths {lens.tolist()})")

@@ -180,9 +180,9 @@ int afd_bf16_gemm512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, i
 int afd_bf16_gemm_amx(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
                       int threads);
 int afd_bf16_rms_norm(const uint16_t *x, long sa, long sb, const uint16_t *w, uint16_t *y, int A,
-                      int B, int D, float eps, int threads);
+                      int B, int D, float eps, int threads, int isa);
 int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, const uint16_t *cos,
-                  const uint16_t *sin, const int64_t *pos, int threads);
+                  const uint16_t *sin, const int64_t *pos, int threads, int isa);
 int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                               const int64_t *blocks, const int64_t *lens, uint16_t *out, int B,
                               int kvh, int g, int D, int NB, int bs, int nb, float scale,

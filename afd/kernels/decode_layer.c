@@ -159,15 +159,15 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
   uint16_t *att = (uint16_t *)malloc((size_t)T * Q * 2);
   int rc = -1;
   if (!xn || !qkv || !tmp || !q || !att) goto done;
-  if (afd_bf16_rms_norm(h, H, 0, attn_norm, xn, T, 1, H, eps, threads)) goto done;
+  if (afd_bf16_rms_norm(h, H, 0, attn_norm, xn, T, 1, H, eps, threads, isa)) goto done;
   if (GEMM(xn, w_qkv, qkv, T, W, H)) goto done;
   if (b_qkv) add_bias(qkv, b_qkv, T, W);
   /* k first (rope'd into q's buffer, then scattered to the cache), then q */
   const uint16_t *k_src = qkv + qin;
   if (k_norm) {
-    if (afd_bf16_rms_norm(k_src, W, D, k_norm, tmp, T, kvh, D, eps, threads)) goto done;
-    if (afd_bf16_rope(tmp, KV, q, T, kvh, D, cos, sin, pos, threads)) goto done;
-  } else if (afd_bf16_rope(k_src, W, q, T, kvh, D, cos, sin, pos, threads)) {
+    if (afd_bf16_rms_norm(k_src, W, D, k_norm, tmp, T, kvh, D, eps, threads, isa)) goto done;
+    if (afd_bf16_rope(tmp, KV, q, T, kvh, D, cos, sin, pos, threads, isa)) goto done;
+  } else if (afd_bf16_rope(k_src, W, q, T, kvh, D, cos, sin, pos, threads, isa)) {
     goto done;
   }
   const size_t slots_per_head = (size_t)NB * bs;
@@ -178,13 +178,13 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
       memcpy(v_cache + dst, qkv + (size_t)t * W + qin + KV + (size_t)j * D, (size_t)D * 2);
     }
   if (w_q) { /* MFA: the low-rank query, normed, up-projected (into att, free until attention) */
-    if (afd_bf16_rms_norm(qkv, W, 0, inter_norm, tmp, T, 1, qin, eps, threads)) goto done;
+    if (afd_bf16_rms_norm(qkv, W, 0, inter_norm, tmp, T, 1, qin, eps, threads, isa)) goto done;
     if (GEMM(tmp, w_q, att, T, Q, qin)) goto done;
-    if (afd_bf16_rope(att, Q, q, T, nh, D, cos, sin, pos, threads)) goto done;
+    if (afd_bf16_rope(att, Q, q, T, nh, D, cos, sin, pos, threads, isa)) goto done;
   } else if (q_norm) {
-    if (afd_bf16_rms_norm(qkv, W, D, q_norm, tmp, T, nh, D, eps, threads)) goto done;
-    if (afd_bf16_rope(tmp, Q, q, T, nh, D, cos, sin, pos, threads)) goto done;
-  } else if (afd_bf16_rope(qkv, W, q, T, nh, D, cos, sin, pos, threads)) {
+    if (afd_bf16_rms_norm(qkv, W, D, q_norm, tmp, T, nh, D, eps, threads, isa)) goto done;
+    if (afd_bf16_rope(tmp, Q, q, T, nh, D, cos, sin, pos, threads, isa)) goto done;
+  } else if (afd_bf16_rope(qkv, W, q, T, nh, D, cos, sin, pos, threads, isa)) {
     goto done;
   }
   if (afd_bf16_decode_attention_ext(q, k_cache, v_cache, blocks, lens, att, T, kvh, nh / kvh, D,
@@ -194,7 +194,7 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
   if (b_o) add_bias(xn, b_o, T, H);
   for (size_t i = 0; i < (size_t)T * H; i += 8) /* bf16 + bf16, rounded once, as torch adds */
     store8(h_out + i, round8(_mm256_add_ps(load_bf16(h + i), load_bf16(xn + i))));
-  rc = afd_bf16_rms_norm(h_out, H, 0, ffn_norm, x_out, T, 1, H, eps, threads);
+  rc = afd_bf16_rms_norm(h_out, H, 0, ffn_norm, x_out, T, 1, H, eps, threads, isa);
   if (!rc && w_router) rc = GEMM(x_out, w_router, logits, T, E, H);
   if (!rc && w_router && topk > 0)
     rc = route_rows(logits, router_bias, T, E, topk, route, norm, ids, weights);

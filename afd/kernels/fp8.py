@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from afd.kernels import gemm
+from afd.kernels import gemm, paths
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -26,7 +26,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((T, H), dtype=torch.float8_e4m3fn)
     scales = torch.empty(T, dtype=torch.float32)
     if gemm._lib().afd_fp8_quantize(
-        x.data_ptr(), q.data_ptr(), scales.data_ptr(), T, H, torch.get_num_threads()
+        x.data_ptr(), q.data_ptr(), scales.data_ptr(), T, H, torch.get_num_threads(), paths.isa()
     ):
         raise RuntimeError(f"afd_fp8_quantize failed for {tuple(x.shape)}")
     return q, scales
@@ -37,7 +37,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     T, H = q.shape
     y = torch.empty((T, H), dtype=torch.bfloat16)
     if gemm._lib().afd_fp8_dequantize(
-        q.data_ptr(), scales.data_ptr(), y.data_ptr(), T, H, torch.get_num_threads()
+        q.data_ptr(), scales.data_ptr(), y.data_ptr(), T, H, torch.get_num_threads(), paths.isa()
     ):
         raise RuntimeError(f"afd_fp8_dequantize failed for {tuple(q.shape)}")
     return y

@@ -63,9 +63,9 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_index_scores.argtypes = [p, p, p, p, i, p, i, i, i, i, i, i, f, i]
     lib.afd_bf16_index_scores.restype = i
     L = ctypes.c_long
-    lib.afd_bf16_rms_norm.argtypes = [p, L, L, p, p, i, i, i, f, i]
+    lib.afd_bf16_rms_norm.argtypes = [p, L, L, p, p, i, i, i, f, i, i]
     lib.afd_bf16_rms_norm.restype = i
-    lib.afd_bf16_rope.argtypes = [p, L, p, i, i, i, p, p, p, i]
+    lib.afd_bf16_rope.argtypes = [p, L, p, i, i, i, p, p, p, i, i]
     lib.afd_bf16_rope.restype = i
     lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i, i, p, p, i, i, i, p, p]
     lib.afd_bf16_decode_layer.restype = i
@@ -87,9 +87,9 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_topk_rows.restype = i
     lib.afd_topk_trust.argtypes = [i]
     lib.afd_topk_trust.restype = None
-    lib.afd_fp8_quantize.argtypes = [p, p, p, i, i, i]
+    lib.afd_fp8_quantize.argtypes = [p, p, p, i, i, i, i]
     lib.afd_fp8_quantize.restype = i
-    lib.afd_fp8_dequantize.argtypes = [p, p, p, i, i, i]
+    lib.afd_fp8_dequantize.argtypes = [p, p, p, i, i, i, i]
     lib.afd_fp8_dequantize.restype = i
     lib.afd_mxfp4_to_bf16.argtypes = [p, p, p, i, i, i]
     lib.afd_mxfp4_to_bf16.restype = i

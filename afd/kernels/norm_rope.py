@@ -36,8 +36,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     A, sa, B, sb = _rows(x)
     y = torch.empty(x.shape, dtype=torch.bfloat16)
     w = weight.contiguous()
+    threads, isa = torch.get_num_threads(), paths.isa()
     rc = gemm._lib().afd_bf16_rms_norm(
-        x.data_ptr(), sa, sb, w.data_ptr(), y.data_ptr(), A, B, D, eps, torch.get_num_threads()
+        x.data_ptr(), sa, sb, w.data_ptr(), y.data_ptr(), A, B, D, eps, threads, isa
     )
     if rc:
         raise RuntimeError(f"afd_bf16_rms_norm failed for {tuple(x.shape)}")
@@ -66,6 +67,7 @@ def rope(
         sin.data_ptr(),
         pos.data_ptr(),
         torch.get_num_threads(),
+        paths.isa(),
     )
     if rc:
         raise RuntimeError(f"afd_bf16_rope failed for {tuple(x.shape)}")

@@ -110,6 +110,13 @@ def active() -> KernelPath:
     return _active
 
 
+def isa() -> int:
+    """The isa argument of afd's kernels for the active path (gemm.ISAS): its instruction set
+    for the small kernels (attention, norms, RoPE, the FP8 codec) too; oneDNN's and torch's
+    paths take the AVX2 code, which every CPU that loads the library runs."""
+    return gemm.ISAS.get(active().matmul, 0)
+
+
 @contextmanager
 def use(name: str) -> Iterator[KernelPath]:
     """Run what is built and called inside on path `name` (tests, benchmarks)."""

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from afd.kernels import fp8 as fp8_kernel
+from afd.kernels import paths
 from afd.quant import (
     FP8,
     FP8_MAX,
@@ -14,6 +15,7 @@ from afd.quant import (
     quantize_fp8,
     tensor_to_buffer,
 )
+from tests.helpers import kernels
 
 # e4m3 keeps 3 mantissa bits: rounding moves a value by at most half an ulp, 2^-4 of its
 # magnitude, and (relative to the row) at most 16/448 of the row's amax.
@@ -131,7 +133,7 @@ native = pytest.mark.skipif(not fp8_kernel.usable(torch.zeros(1, 8)), reason="ke
 
 
 @native
-def test_native_quantize_is_the_torch_path_bit_for_bit():
+def test_native_quantize_is_the_torch_path_bit_for_bit(native_path):
     g = torch.Generator().manual_seed(1)
     # rows from 1e-40 (subnormal scales) to 1e30, zeros, a row holding inf and one holding nan
     mags = torch.logspace(-40, 30, 60)
@@ -151,10 +153,31 @@ def test_native_quantize_is_the_torch_path_bit_for_bit():
 
 
 @native
-def test_native_dequantize_is_the_torch_path_bit_for_bit():
+def test_native_dequantize_is_the_torch_path_bit_for_bit(native_path):
     # all 256 codes (NaN ones included) against scales from the clamp floor to huge ones
     codes = torch.arange(256, dtype=torch.uint8).repeat(9, 1).view(FP8)  # [9, 256]
     scales = torch.tensor([2.0**-126, 1e-30, 1e-3, 0.37, 1.0, 3.3, 127.9, 200.0, 1e30])
     a = fp8_kernel.dequantize(codes.contiguous(), scales)
     b = _dequantize_torch(codes, scales, torch.bfloat16)
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@native
+@pytest.mark.skipif(len(kernels.NATIVE) < 2, reason="one native path here: nothing to compare")
+@pytest.mark.parametrize("H", [8, 24, 1024])
+def test_native_codec_gives_the_same_bits_on_every_path(H):
+    """The AVX-512 rows (16 values at a time, a last 8 on the 8-lane code) against the AVX2 ones,
+    on rows from subnormal to huge, with a zero, an inf and a NaN row, enough rows to thread."""
+    g = torch.Generator().manual_seed(H)
+    mags = torch.logspace(-40, 30, 96)[:, None]
+    x = (torch.randn(96, H, generator=g) * mags).bfloat16()
+    x[0], x[1, H // 2], x[2, H - 1] = 0, float("inf"), float("nan")
+    got = {}
+    for name in kernels.NATIVE:
+        with paths.use(name):
+            q, s = fp8_kernel.quantize(x)
+            got[name] = (q.view(torch.uint8), s.view(torch.int32), fp8_kernel.dequantize(q, s))
+    base = got.pop("avx2")
+    for q, s, y in got.values():
+        assert torch.equal(q, base[0]) and torch.equal(s, base[1])
+        assert torch.equal(y.view(torch.int16), base[2].view(torch.int16))

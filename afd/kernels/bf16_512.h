@@ -1,0 +1,34 @@
+/* bf16 <-> fp32 on 16 lanes for the small kernels' AVX-512 rows (norm_rope.c, fp8.c): the
+ * same roundings as bf16.h's 8-lane helpers, so a row's bits do not depend on the instruction
+ * set. Only functions that carry AVX512 themselves may call these (afd_cpu_avx512bf16() true). */
+#ifndef AFD_BF16_512_H
+#define AFD_BF16_512_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+static inline AVX512 __m512 load16_bf16(const uint16_t *p) {
+  __m256i v = _mm256_loadu_si256((const __m256i *)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* fp32 -> bf16 -> fp32 on 16 lanes: round to nearest even, a NaN kept quiet (round8's bits). */
+static inline AVX512 __m512 round16(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  __mmask16 nan = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* 16 fp32 lanes that already hold bf16 values -> 16 bf16 at p. */
+static inline AVX512 void store16(uint16_t *p, __m512 v) {
+  __m512i s = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+  _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(s));
+}
+
+#endif
