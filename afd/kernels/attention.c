@@ -86,8 +86,9 @@ static void scores(const float *qf, const uint16_t *cache,
 
 /* s[j, :len] <- bf16(softmax(s[j, :len])), in place; s rows are padded to a multiple of 8.
  * sink (or NULL): a logit per query head that joins each softmax's max and denominator and
- * takes no value (gpt-oss), as the torch path's extra column does. */
-static void softmax_rows(float *s, int len, int g, const float *sink) {
+ * takes no value (gpt-oss), as the torch path's extra column does. wide: the exp and the
+ * division 16 lanes at a time (attention512.c; the same bits), on the AVX-512 paths. */
+static void softmax_rows(float *s, int len, int g, const float *sink, int wide) {
   for (int j = 0; j < g; j++) {
     float *sj = s + (size_t)j * len, m = sj[0], sum = 0.0f;
     int l = 1;
@@ -107,8 +108,9 @@ static void softmax_rows(float *s, int len, int g, const float *sink) {
     for (; l < len; l++) m = sj[l] > m ? sj[l] : m;
     if (sink) m = sink[j] > m ? sink[j] : m;
     const __m256 vm = _mm256_set1_ps(m);
-    l = 0;
-    __m256 acc = _mm256_setzero_ps();
+    float acc8[8] = {0};
+    l = wide ? afd_softmax512_exp_sum(sj, len, m, acc8) : 0;
+    __m256 acc = _mm256_loadu_ps(acc8);
     for (; l + 8 <= len; l += 8) {
       __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + l), vm));
       _mm256_storeu_ps(sj + l, e);
@@ -128,7 +130,8 @@ static void softmax_rows(float *s, int len, int g, const float *sink) {
       sum += tmp[0];
     }
     const __m256 vs = _mm256_set1_ps(sum);
-    for (l = 0; l + 8 <= len; l += 8) _mm256_storeu_ps(sj + l, round8(_mm256_div_ps(_mm256_loadu_ps(sj + l), vs)));
+    for (l = wide ? afd_softmax512_normalize(sj, len, sum) : 0; l + 8 <= len; l += 8)
+      _mm256_storeu_ps(sj + l, round8(_mm256_div_ps(_mm256_loadu_ps(sj + l), vs)));
     for (; l < len; l++) sj[l] = bf16_round(sj[l] / sum);
   }
 }
@@ -217,7 +220,7 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
         afd_attn512_scores(qb, k_cache, row, len, g, D, scale, zrow, s);
       else
         scores(qf, k_cache, row, len, g, D, scale, s, kt);
-      softmax_rows(s, len, g, sinks ? sinks + (size_t)h * g : NULL);
+      softmax_rows(s, len, g, sinks ? sinks + (size_t)h * g : NULL, isa != ISA_AVX2);
       uint16_t *ob = out + ((size_t)b * kvh * g + (size_t)h * g) * D;
       if (wide)
         afd_attn512_values(s, len, g, D, v_cache, row, zrow, pb, ob);
@@ -246,10 +249,11 @@ int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const 
  * so its bits do not depend on how many masked ones the call holds (a prompt prefilled at once,
  * in chunks or after a cached prefix: the same rows). sinks: NULL or [kvh * g]. Replaces the
  * torch ops' scale, mask, softmax and bf16 copy, several passes over fp32 scores, with one.
- * Returns 0, or -1 for a bad range or no memory. */
+ * isa: as the decode kernel's (the softmax's 16-lane passes on the AVX-512 paths, the same
+ * bits). Returns 0, or -1 for a bad range or no memory. */
 int afd_bf16_prefill_softmax(const uint16_t *s, int kvh, int g, int n, int L, const int32_t *lo,
                              const int32_t *hi, float scale, const float *sinks, uint16_t *p,
-                             int threads) {
+                             int threads, int isa) {
   for (int i = 0; i < n; i++)
     if (lo[i] < 0 || hi[i] <= lo[i] || hi[i] > L) return -1;
   int failed = 0, t = threads > 1 ? threads : 1;
@@ -268,7 +272,7 @@ int afd_bf16_prefill_softmax(const uint16_t *s, int kvh, int g, int n, int L, co
       int l = 0;
       for (; l + 8 <= len; l += 8) _mm256_storeu_ps(x + l, _mm256_mul_ps(load_bf16(sr + l), vscale));
       for (; l < len; l++) x[l] = bf16_value(sr[l]) * scale;
-      softmax_rows(x, len, 1, sinks ? sinks + head : NULL);
+      softmax_rows(x, len, 1, sinks ? sinks + head : NULL, isa != ISA_AVX2);
       memset(pr, 0, (size_t)a * sizeof(uint16_t));
       for (l = 0; l + 8 <= len; l += 8) store8(pr + a + l, _mm256_loadu_ps(x + l));
       for (; l < len; l++) pr[a + l] = to_bf16(x[l]);

@@ -68,6 +68,7 @@ def prefill_softmax(
     rc = gemm._lib().afd_bf16_prefill_softmax(
         s.data_ptr(), kvh, gn // n, n, L, lo.data_ptr(), hi.data_ptr(), scale,
         None if sinks is None else sinks.data_ptr(), p.data_ptr(), torch.get_num_threads(),
+        paths.isa(),
     )  # fmt: skip
     if rc:
         raise RuntimeError(f"afd_bf16_prefill_softmax failed for scores {tuple(s.shape)}")

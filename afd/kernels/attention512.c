@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "attention512.h"
+#include "bf16_512.h"
 
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
@@ -153,4 +154,26 @@ AVX512BF16 void afd_attn512_values(const float *p, int len, int g, int D, const 
       default: values_heads(rows, len, D, cache, row, zero, outs, 4); break;
     }
   }
+}
+
+AVX512 int afd_softmax512_exp_sum(float *s, int len, float m, float acc[8]) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m256 a = _mm256_loadu_ps(acc);
+  int l = 0;
+  for (; l + 16 <= len; l += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), vm));
+    _mm512_storeu_ps(s + l, e);
+    a = _mm256_add_ps(a, _mm512_castps512_ps256(e));
+    a = _mm256_add_ps(a, _mm512_extractf32x8_ps(e, 1));
+  }
+  _mm256_storeu_ps(acc, a);
+  return l;
+}
+
+AVX512 int afd_softmax512_normalize(float *s, int len, float sum) {
+  const __m512 vs = _mm512_set1_ps(sum);
+  int l = 0;
+  for (; l + 16 <= len; l += 16)
+    _mm512_storeu_ps(s + l, round16(_mm512_div_ps(_mm512_loadu_ps(s + l), vs)));
+  return l;
 }

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from afd.kernels import gemm, paths
 from afd.ops import Linear
+from tests.helpers import kernels
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 12, 13, 14, 33, 70])
@@ -288,6 +289,33 @@ def test_decode_attention_matches_the_torch_path(
         torch.set_num_threads(before)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2**-9)
     assert (out == ref).float().mean() > 0.98
+
+
+@needs_library
+@pytest.mark.skipif(len(kernels.NATIVE) < 2, reason="one native path here: nothing to compare")
+def test_decode_attention_softmax_is_the_same_bits_on_every_path():
+    """Where D % 32 != 0 both paths take the AVX2 products, so only the softmax differs in how
+    it runs (16 lanes on AVX-512): the outputs are the same bits, lengths 1 to 77 (rows past
+    the last 16 by 8 and by less), sinks and a window included."""
+    from afd.kernels.attention import decode_attention
+
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.tensor([1, 9, 24, 40, 77])
+    k_cache, v_cache = (torch.randn(2, 40, 16, 40, generator=gen).bfloat16() for _ in range(2))
+    blocks = torch.randperm(40, generator=gen)[:25].view(5, 5)
+    q = torch.randn(5, 6, 40, generator=gen).bfloat16()
+    sink = torch.randn(6, generator=gen)
+    got = {}
+    for name in kernels.NATIVE:
+        with paths.use(name):
+            got[name] = [
+                decode_attention(q, k_cache, v_cache, blocks, lens, 0.2, None, 0),
+                decode_attention(q, k_cache, v_cache, blocks, lens, 0.2, sink, 30),
+            ]
+    base = got.pop("avx2")
+    for other in got.values():
+        for a, b in zip(other, base, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 @needs_library

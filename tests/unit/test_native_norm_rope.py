@@ -95,8 +95,11 @@ def test_every_path_gives_the_avx2_bits(d, rope_d):
     lanes and order: the same bits, not merely close ones (rows wide and narrow, tiny and huge
     values, rows split between threads)."""
     g = torch.Generator().manual_seed(d)
-    scale = torch.logspace(-30, 30, 64)[:, None]
-    x = (torch.randn(64, d, generator=g) * scale).to(torch.bfloat16)
+    # rows tiny to huge, and enough ordinary ones (~8M values at the widest) that a last-bit
+    # change of a row's statistic (another order of its sum) shows in some bf16 roundings
+    rows = 64 + (1 << 23) // d
+    scale = torch.cat([torch.logspace(-30, 30, 64), torch.logspace(-3, 3, rows - 64)])[:, None]
+    x = (torch.randn(rows, d, generator=g) * scale).to(torch.bfloat16)
     w = torch.randn(d, generator=g).to(torch.bfloat16)
     rope = Rope(rope_d, 10000.0, 4096)
     cos, sin = rope.tables(torch.bfloat16)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd.kernels import gemm
+from afd.kernels import gemm, paths
+from tests.helpers import kernels
 
 pytestmark = pytest.mark.skipif(
     not gemm.available(), reason="kernel not built or the CPU lacks AVX2/FMA"
@@ -37,7 +38,7 @@ def _torch_probs(s, lo, hi, scale, sinks):
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("kvh,g,n,L", [(4, 4, 37, 48), (1, 8, 5, 80), (2, 1, 64, 64)])
-def test_matches_torchs_ops(kvh, g, n, L, window, with_sinks):
+def test_matches_torchs_ops(kvh, g, n, L, window, with_sinks, native_path):
     from afd.kernels.attention import prefill_softmax
 
     gen = torch.Generator().manual_seed(kvh * 1000 + g * 100 + n)
@@ -104,3 +105,32 @@ def test_the_prefill_attention_matches_the_torch_path(window):
     want = _attend(q, k_cache, v_cache, blocks, bias, D**-0.5, sinks)
     got = _attend(q, k_cache, v_cache, blocks, bias, D**-0.5, sinks, visible=(lo, hi))
     assert (got.float() - want.float()).abs().max() <= 2 * 2**-8 * want.float().abs().max()
+
+
+@pytest.mark.skipif(len(kernels.NATIVE) < 2, reason="one native path here: nothing to compare")
+@pytest.mark.parametrize("L", [8, 40, 300, 1024])
+def test_every_path_gives_the_avx2_bits(L):
+    """The AVX-512 paths' softmax (exp and division 16 lanes at a time, the running sum kept in
+    the 8-lane order) against the AVX2 one: the same bits, with sinks, windows, rows whose
+    length leaves 8 values past the last 16, scores far below the max (exp flushed to 0). The
+    largest case has ~3M probabilities: a last-bit change in fp32 (a sum in another order, a
+    reciprocal for the division) shows in a few of their bf16 roundings."""
+    from afd.kernels.attention import prefill_softmax
+
+    gen = torch.Generator().manual_seed(L)
+    n = min(L, 24) if L < 1024 else 512
+    # scores far apart (most exps flushed to 0), or close (few probabilities near 0 or 1)
+    s = (torch.randn(2, 4 * n, L, generator=gen) * (300 if L < 1024 else 4)).to(torch.bfloat16)
+    hi = torch.arange(L - n, L) + 1
+    sinks = torch.randn(8, generator=gen)
+    got = {}
+    for name in kernels.NATIVE:
+        with paths.use(name):
+            got[name] = [
+                prefill_softmax(s, torch.zeros(n, dtype=torch.long), hi, 0.125, None),
+                prefill_softmax(s, (hi - 5).clamp(min=0), hi, 0.125, sinks),
+            ]
+    base = got.pop("avx2")
+    for other in got.values():
+        for a, b in zip(other, base, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
