@@ -6,6 +6,8 @@
  *     y = afd_bf16_moe_ext(x, routing) into zeros    (moe.c: what the FFN shard computes;
  *         afd_mxfp4_moe for MXFP4 experts, mxfp4_moe.c)
  *     h = bf16(h' + y)                               (the residual add of the pipeline)
+ *   and, where the caller asks (the call ends at the model's last layer): the LM head,
+ *     logits = fp32(rms_norm(h, final_norm) @ w_head^T)  (services/attention/model.py: logits)
  *
  * It is services/attention/pipeline.py's layer loop with one micro-batch and the shard called
  * inline (dispatch.py: serve_local), composed of the same two calls with the same roundings, so
@@ -74,6 +76,28 @@ static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamp
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* A matmul on the instruction set (and weight layout) the caller chose, as decode_layer.c's. */
+static int gemm_isa(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
+                    int threads, int isa) {
+  return (isa == ISA_AMX ? afd_bf16_gemm_amx : isa ? afd_bf16_gemm512 : afd_bf16_gemm)(
+      x, w, y, M, N, K, threads);
+}
+
+/* logits [T, V] fp32 <- fp32(bf16(rms_norm(h) @ w_head^T)): the model's head, the same calls
+ * (norm_rope.c, the matmul of isa) and roundings as its per-op path. Returns 0 or -1. */
+static int head(const uint16_t *h, const uint16_t *final_norm, float eps, const uint16_t *w_head,
+                int T, int H, int V, int threads, int isa, float *logits) {
+  uint16_t *xn = (uint16_t *)malloc((size_t)T * H * sizeof(uint16_t));
+  uint16_t *y = (uint16_t *)malloc((size_t)T * V * sizeof(uint16_t));
+  int rc = xn && y ? 0 : -1;
+  if (!rc) rc = afd_bf16_rms_norm(h, H, 0, final_norm, xn, T, 1, H, eps, threads, isa);
+  if (!rc) rc = gemm_isa(xn, w_head, y, T, V, H, threads, isa);
+  if (!rc)
+    for (size_t i = 0; i < (size_t)T * V; i++) logits[i] = bf16_value(y[i]);
+  free(xn), free(y);
+  return rc ? -1 : 0;
+}
+
 /* h [T, H] in: the layers' input; out: the last layer's output (before the final norm).
  * h_attn, x [T, H] and logits [T, E] are work buffers; where a layer's routing is left to the
  * caller they hold that layer's h', x and router logits. ids [L, T, topk] int32 and weights
@@ -81,16 +105,20 @@ static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamp
  * end of its attention, the end of its experts (wall clock, seconds). The rest as
  * afd_bf16_decode_layer_ext's and the experts calls' arguments (I: the experts' intermediate
  * size).
+ * final_norm [H], w_head [V, H] (laid out for isa) and logits [T, V] fp32, or final_norm NULL:
+ * where every layer ran, the LM head's logits of h (head_eps the final norm's epsilon).
  * Returns L when every layer ran; l < L where layer l's routing is left to the caller (a tie
- * across its top-k cut that topk.c may not break: h is then layer l's input); -1 where a
- * layer's attention failed and -2 where its experts did (bad sizes, memory short), *at set to
- * that layer. */
+ * across its top-k cut that topk.c may not break: h is then layer l's input; no logits); -1
+ * where a layer's attention failed and -2 where its experts did (bad sizes, memory short), *at
+ * set to that layer; -3 where the head failed (memory short). */
 int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t *h_attn,
                           uint16_t *x, uint16_t *logits, const int64_t *pos,
                           const int64_t *slots, const int64_t *blocks, const int64_t *lens, int T,
                           int H, int qin, int nh, int kvh, int D, int NB, int bs, int nb, int E,
                           int topk, int norm, int I, float eps, int threads, int isa,
-                          int32_t *ids, float *weights, double *stamps, int *at) {
+                          int32_t *ids, float *weights, double *stamps, int *at,
+                          const uint16_t *final_norm, float head_eps, const uint16_t *w_head,
+                          int V, float *logits_out) {
   *at = 0;
   if (T <= 0 || H % 8 != 0 || topk <= 0 || E <= 0) return -1;
   uint16_t *y = (uint16_t *)malloc((size_t)T * H * sizeof(uint16_t));
@@ -134,5 +162,8 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
     stamps[3 * l + 2] = wall_seconds();
   }
   free(y);
+  if (rc == L && final_norm &&
+      head(h, final_norm, head_eps, w_head, T, H, V, threads, isa, logits_out))
+    rc = -3;
   return rc;
 }

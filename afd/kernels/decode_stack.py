@@ -55,6 +55,16 @@ class LayerParts:
 
 
 @dataclass(frozen=True)
+class StackHead:
+    """The model's LM head, for a call that ends at the model's last layer: logits =
+    fp32(rms_norm(h, final_norm) @ weight^T), the weight laid out for the stack's matmuls."""
+
+    final_norm: torch.Tensor  # [H] bf16, contiguous
+    eps: float
+    weight: torch.Tensor  # [V, H] bf16, as ops.Linear holds it for the stack's isa
+
+
+@dataclass(frozen=True)
 class StackResult:
     """What one call leaves. `done` layers ran (counted from the call's first); where done < L,
     layer `done`'s routing is left to the caller (a tie across its top-k cut) and h_attn, x,
@@ -68,6 +78,7 @@ class StackResult:
     ids: torch.Tensor  # [L, T, k] int32: the layers' routing (the first `done` are valid)
     weights: torch.Tensor  # [L, T, k] float32
     stamps: torch.Tensor  # [L, 3] float64: each layer's start, attention end, experts end
+    head_logits: torch.Tensor | None = None  # [T, V] float32: the LM head's (asked, done == L)
 
 
 class NativeDecodeStack:
@@ -134,6 +145,7 @@ class NativeDecodeStack:
         blocks: torch.Tensor,  # [T, nb] long
         lens: torch.Tensor,  # [T] long
         start: int = 0,  # the first of the stack's layers to run (after a tie, the next one)
+        head: StackHead | None = None,  # the LM head too, where the call ends the model
     ) -> StackResult:
         if not 0 <= start < self.num_layers:
             raise ValueError(f"start {start} is not one of the stack's {self.num_layers} layers")
@@ -148,12 +160,20 @@ class NativeDecodeStack:
         _, NB, bs, _ = self.parts[0].k_cache.shape
         at = ctypes.c_int(0)
         layers = ctypes.addressof(self._layers) + start * ctypes.sizeof(StackLayer)
+        V = head.weight.shape[0] if head is not None else 0
+        out = torch.empty(T, V, dtype=torch.float32) if head is not None else None
+        head_args = (
+            (head.final_norm.data_ptr(), head.eps, head.weight.data_ptr(), V, out.data_ptr())
+            if head is not None
+            else (None, 0.0, None, 0, None)
+        )
         rc = gemm._lib().afd_bf16_decode_stack(
             layers, L, h.data_ptr(), h_attn.data_ptr(), x.data_ptr(), logits.data_ptr(),
             positions.data_ptr(), slots.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
             T, self.hidden, self.q_in, self.nh, self.kvh, self.d, NB, bs, blocks.shape[1],
             self.router_experts, k, self.norm, self.inter, self.eps, torch.get_num_threads(),
             self.isa, ids.data_ptr(), weights.data_ptr(), stamps.data_ptr(), ctypes.byref(at),
+            *head_args,
         )  # fmt: skip
         if rc == -1:
             raise RuntimeError(
@@ -162,7 +182,12 @@ class NativeDecodeStack:
             )
         if rc == -2:
             raise ExpertsFailed(at.value)
-        return StackResult(rc, h, h_attn, x, logits, ids, weights, stamps)
+        if rc == -3:
+            raise torch.OutOfMemoryError(
+                "afd_bf16_decode_stack: no memory for the LM head's buffers"
+            )
+        head_logits = out if rc == L else None
+        return StackResult(rc, h, h_attn, x, logits, ids, weights, stamps, head_logits)
 
 
 def _address(ptrs) -> int | None:

@@ -72,7 +72,7 @@ def _lib() -> ctypes.CDLL | None:
     layer_ext = lib.afd_bf16_decode_layer.argtypes + [p, p, p, i, p, i]
     lib.afd_bf16_decode_layer_ext.argtypes = layer_ext
     lib.afd_bf16_decode_layer_ext.restype = i
-    stack = [p, i, p, p, p, p, p, p, p, p] + [i] * 13 + [f, i, i, p, p, p, p]
+    stack = [p, i, p, p, p, p, p, p, p, p] + [i] * 13 + [f, i, i, p, p, p, p] + [p, f, p, i, p]
     lib.afd_bf16_decode_stack.argtypes = stack
     lib.afd_bf16_decode_stack.restype = i
     lib.afd_apply_bitmask.argtypes = [p, p, i, i, p, i, i]

@@ -79,7 +79,11 @@ class ModelRunner:
             rows = mbs[m].sample_rows
             if not len(rows):
                 return h.new_empty(0)
-            # a decode step samples every row in order: h as it is, no copy
+            # the native stack's call ran the head already (stack.py), or a decode step samples
+            # every row in order: h as it is, no copy
+            fused = self.stack.take_logits(h) if self.stack is not None else None
+            if fused is not None:
+                return fused
             return self.model.logits(h if mbs[m].samples_all else h.index_select(0, rows))
 
         per_mb = run_layers(self.model, self.cache, self.dispatcher, mbs, head, self.stack)

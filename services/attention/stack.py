@@ -13,6 +13,10 @@ the one shard computes each layer with its fused experts alone, the wire is bf16
 is below oneDNN's crossover on both sides. A layer whose routing the call leaves to torch (a tie
 across the top-k cut where afd/kernels/topk.py's check did not pass) is routed and sent as
 usual, and the stack goes on from the next layer.
+
+Where a call ends at the model's last layer and the step samples every row, the call also runs
+the LM head (the final norm and the head's matmul, the same kernels as model.logits on the
+same weight): the runner takes those logits for the hidden they belong to (take_logits).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from afd.errors import TransportError
-from afd.kernels.decode_stack import ExpertsFailed, LayerParts, NativeDecodeStack
+from afd.kernels import gemm
+from afd.kernels.decode_stack import ExpertsFailed, LayerParts, NativeDecodeStack, StackHead
 from services.attention.batch import MicroBatch
 from services.attention.dispatch import FFNDispatcher, Pending
 from services.attention.kv_cache import KVCache
@@ -39,6 +44,8 @@ class DecodeStack:
         self._within: dict[int, tuple[NativeDecodeStack, int]] = {}  # layer -> (stack, offset)
         self._attention_rows = 0  # the fused attention layers run below this many rows
         self._expert_rows = 0  # the shard's fused experts below this many rows per expert
+        self._head: StackHead | None = None  # the LM head, where the last stack can run it
+        self._logits: tuple[torch.Tensor, torch.Tensor] | None = None  # (h, its logits)
 
     def applies(self, h: torch.Tensor, mb: MicroBatch) -> bool:
         """Whether this step's micro-batch (h [T, H]) runs its stacks (checked once a step)."""
@@ -66,23 +73,58 @@ class DecodeStack:
         if found is None:
             return None
         stack, offset = found
-        meta = mb.meta
+        meta, end = mb.meta, layer + stack.num_layers - offset
+        head = self._head if self._runs_head(end, h.shape[0], mb) else None
+        self._logits = None
         try:
             r = stack(
-                h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens, start=offset
+                h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens, offset, head
             )
         except ExpertsFailed as e:
             _, address = self.ffn.inline_shard() or (None, "in process")
             why = f"FFN shard {address} failed layer {layer + e.layer}: internal: {e}"
             raise TransportError(why) from e
-        ffn, model, end = self.ffn, self.model, layer + stack.num_layers - offset
+        ffn, model = self.ffn, self.model
         ffn.ran_inline(layer, r.ids[: r.done], r.stamps[: r.done])
         if layer + r.done == end:
+            if r.head_logits is not None:
+                self._logits = (r.h, r.head_logits)
             return end, r.h, None
         # this layer: attention ran, its routing is torch's (a tie), its experts are sent
         at = layer + r.done
         ids, weights = model.route_fn(r.logits, model.cfg, model.layers[at].router_bias)
         return at + 1, r.h_attn, ffn.send(at, 0, r.x, ids, weights)
+
+    def take_logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The logits [T, V] float32 the last call's head computed for exactly this final hidden
+        h (the tensor it returned), once; else None (the caller runs model.logits)."""
+        found, self._logits = self._logits, None
+        return found[1] if found is not None and found[0] is h else None
+
+    def _runs_head(self, end: int, T: int, mb: MicroBatch) -> bool:
+        """Whether a call ending before layer `end` runs the LM head: it ends the model, every
+        row is sampled (the head takes h as it is) and the head's matmul is afd's at T rows."""
+        head = self.model.lm_head
+        return (
+            self._head is not None
+            and end == self.model.cfg.num_layers
+            and mb.samples_all
+            and head.ours(T)
+        )
+
+    def _head_for(self, stack: NativeDecodeStack) -> StackHead | None:
+        """The LM head as a stack call runs it: a plain bf16 weight laid out for the stack's
+        matmuls and a bf16 final norm; else None."""
+        head, model = self.model.lm_head, self.model
+        plain = head.mx is None and head.fp8 is None and head.bias is None
+        if not plain or head.isa is None or gemm.ISAS[head.isa] != stack.isa:
+            return None
+        w, norm = head.w, model.final_norm
+        if w.dtype != torch.bfloat16 or norm.dtype != torch.bfloat16 or w.device.type != "cpu":
+            return None
+        if not (w.is_contiguous() and norm.is_contiguous()) or w.shape[1] != stack.hidden:
+            return None
+        return StackHead(norm, model.cfg.rms_norm_eps, w)
 
     def _build(self, serving) -> None:
         self._built_for, self._stacks, self._within = serving, {}, {}
@@ -109,9 +151,12 @@ class DecodeStack:
             )
             attention_rows = min(attention_rows, lw.o_proj.onednn_from)
             expert_rows = min(expert_rows, experts.rows_below)
+        self._head = None
         for start, parts in zip(starts, runs, strict=True):
             if parts and NativeDecodeStack.usable(parts):
                 stack = self._stacks[start] = NativeDecodeStack(parts)
                 for offset in range(len(parts)):
                     self._within[start + offset] = (stack, offset)
+                if start + len(parts) == model.cfg.num_layers:
+                    self._head = self._head_for(stack)
         self._attention_rows, self._expert_rows = attention_rows, expert_rows

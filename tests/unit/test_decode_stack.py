@@ -83,6 +83,29 @@ def test_the_stack_gives_the_layer_loops_tokens_and_logprobs(native_path, ckpt, 
     assert bool((stamps[:, 1] >= stamps[:, 0]).all() and (stamps[:, 2] >= stamps[:, 1]).all())
 
 
+@pytest.mark.parametrize("ckpt", ["mixtral_dir", "gpt_oss_mxfp4_dir"])
+def test_the_last_stack_runs_the_lm_head(native_path, ckpt, request, monkeypatch):
+    """The call that ends the model computes the decode steps' logits too (the final norm and
+    the LM head's matmul in the call); the tokens and logprobs above are those logits'. Each
+    decode step's head is the stack's, none falls back to model.logits."""
+    from services.attention.model import AttentionModel
+    from services.attention.stack import DecodeStack
+
+    taken, per_op = [], []
+    take, logits = DecodeStack.take_logits, AttentionModel.logits
+    monkeypatch.setattr(
+        DecodeStack, "take_logits", lambda self, h: taken.append(take(self, h)) or taken[-1]
+    )
+    monkeypatch.setattr(
+        AttentionModel, "logits", lambda self, h: per_op.append(h.shape[0]) or logits(self, h)
+    )
+    _generate(request.getfixturevalue(ckpt), stack=True)
+    fused = [t for t in taken if t is not None]
+    assert fused and all(t.dtype == torch.float32 for t in fused)
+    # model.logits ran for the prefill steps only: one per prompt's last chunk at most
+    assert len(per_op) <= len(PROMPTS) and len(fused) + len(per_op) == len(taken)
+
+
 def test_a_dense_layer_splits_the_stack(native_path, qwen3_dir):
     cfg = ModelConfig.from_hf(qwen3_dir)
     dense = [i for i in range(cfg.num_layers) if not cfg.is_moe(i)]
