@@ -45,10 +45,11 @@ def _targets() -> list[tuple[object, str, str]]:
     from services.attention.engine import Engine
 
     return [
-        (NativeDecodeStack, "__call__", "decode_stacks"),  # layers with attention + experts
+        # layers with attention + experts, and the LM head where the call ends the model
+        (NativeDecodeStack, "__call__", "decode_stacks"),
         (NativeExperts, "__call__", "fused_experts"),
         (NativeDecodeLayer, "__call__", "fused_decode_layers"),
-        (Linear, "_matmul", "matmuls"),  # the LM head, on the fused path
+        (Linear, "_matmul", "matmuls"),  # the LM head where the stack does not run it
         (Engine, "step", "step"),
     ]
 
