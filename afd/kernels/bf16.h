@@ -181,6 +181,14 @@ int afd_bf16_gemm_amx(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, 
                       int threads);
 int afd_bf16_rms_norm(const uint16_t *x, long sa, long sb, const uint16_t *w, uint16_t *y, int A,
                       int B, int D, float eps, int threads, int isa);
+
+/* A matmul on the instruction set (and weight layout) isa names: what the fused calls
+ * (decode_layer.c, decode_stack.c) run for the Linear of their path. */
+static inline int afd_gemm_isa(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N,
+                               int K, int threads, int isa) {
+  return (isa == ISA_AMX ? afd_bf16_gemm_amx : isa ? afd_bf16_gemm512 : afd_bf16_gemm)(
+      x, w, y, M, N, K, threads);
+}
 int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, const uint16_t *cos,
                   const uint16_t *sin, const int64_t *pos, int threads, int isa);
 int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,

@@ -27,9 +27,7 @@
 #include "bf16.h"
 
 /* A matmul on the instruction set (and weight layout) the caller chose. */
-#define GEMM(x, w, y, M, N, K)                                                            \
-  ((isa == ISA_AMX ? afd_bf16_gemm_amx : isa ? afd_bf16_gemm512 : afd_bf16_gemm)(x, w, y, M, N, K, \
-                                                                                threads))
+#define GEMM(x, w, y, M, N, K) afd_gemm_isa(x, w, y, M, N, K, threads, isa)
 
 /* topk.c: torch.topk's pick among equal scores, once checked against this process's torch */
 extern int afd_topk_trusted;

@@ -76,13 +76,6 @@ static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamp
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* A matmul on the instruction set (and weight layout) the caller chose, as decode_layer.c's. */
-static int gemm_isa(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
-                    int threads, int isa) {
-  return (isa == ISA_AMX ? afd_bf16_gemm_amx : isa ? afd_bf16_gemm512 : afd_bf16_gemm)(
-      x, w, y, M, N, K, threads);
-}
-
 /* logits [T, V] fp32 <- fp32(bf16(rms_norm(h) @ w_head^T)): the model's head, the same calls
  * (norm_rope.c, the matmul of isa) and roundings as its per-op path. Returns 0 or -1. */
 static int head(const uint16_t *h, const uint16_t *final_norm, float eps, const uint16_t *w_head,
@@ -91,7 +84,7 @@ static int head(const uint16_t *h, const uint16_t *final_norm, float eps, const 
   uint16_t *y = (uint16_t *)malloc((size_t)T * V * sizeof(uint16_t));
   int rc = xn && y ? 0 : -1;
   if (!rc) rc = afd_bf16_rms_norm(h, H, 0, final_norm, xn, T, 1, H, eps, threads, isa);
-  if (!rc) rc = gemm_isa(xn, w_head, y, T, V, H, threads, isa);
+  if (!rc) rc = afd_gemm_isa(xn, w_head, y, T, V, H, threads, isa);
   if (!rc)
     for (size_t i = 0; i < (size_t)T * V; i++) logits[i] = bf16_value(y[i]);
   free(xn), free(y);
