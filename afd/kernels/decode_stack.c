@@ -76,10 +76,12 @@ static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamp
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+int afd_argmax_rows(const float *x, int B, int V, int64_t *out, int threads);
+
 /* logits [T, V] fp32 <- fp32(bf16(rms_norm(h) @ w_head^T)): the model's head, the same calls
  * (norm_rope.c, the matmul of isa) and roundings as its per-op path. Returns 0 or -1. */
 static int head(const uint16_t *h, const uint16_t *final_norm, float eps, const uint16_t *w_head,
-                int T, int H, int V, int threads, int isa, float *logits) {
+                int T, int H, int V, int threads, int isa, float *logits, int64_t *argmax) {
   uint16_t *xn = (uint16_t *)malloc((size_t)T * H * sizeof(uint16_t));
   uint16_t *y = (uint16_t *)malloc((size_t)T * V * sizeof(uint16_t));
   int rc = xn && y ? 0 : -1;
@@ -87,6 +89,8 @@ static int head(const uint16_t *h, const uint16_t *final_norm, float eps, const 
   if (!rc) rc = afd_gemm_isa(xn, w_head, y, T, V, H, threads, isa);
   if (!rc)
     for (size_t i = 0; i < (size_t)T * V; i++) logits[i] = bf16_value(y[i]);
+  /* greedy decoding's pick while the logits are still in this core's caches (argmax.c) */
+  if (!rc && argmax) rc = afd_argmax_rows(logits, T, V, argmax, threads);
   free(xn), free(y);
   return rc ? -1 : 0;
 }
@@ -99,11 +103,15 @@ static int head(const uint16_t *h, const uint16_t *final_norm, float eps, const 
  * afd_bf16_decode_layer_ext's and the experts calls' arguments (I: the experts' intermediate
  * size).
  * final_norm [H], w_head [V, H] (laid out for isa) and logits [T, V] fp32, or final_norm NULL:
- * where every layer ran, the LM head's logits of h (head_eps the final norm's epsilon).
+ * where every layer ran, the LM head's logits of h (head_eps the final norm's epsilon), and
+ * with argmax [T] int64 given, each row's argmax as argmax.c picks it.
+ * tokens [T] int64 and embed [vocab, H] bf16, or tokens NULL: h [T, H] is first filled with
+ * the tokens' rows of embed (the model's embedding, as F.embedding gathers it).
  * Returns L when every layer ran; l < L where layer l's routing is left to the caller (a tie
  * across its top-k cut that topk.c may not break: h is then layer l's input; no logits); -1
  * where a layer's attention failed and -2 where its experts did (bad sizes, memory short), *at
- * set to that layer; -3 where the head failed (memory short). */
+ * set to that layer; -3 where the head failed (memory short); -4 where a token is not one of
+ * the vocab rows (*at set to its row; nothing ran). */
 int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t *h_attn,
                           uint16_t *x, uint16_t *logits, const int64_t *pos,
                           const int64_t *slots, const int64_t *blocks, const int64_t *lens, int T,
@@ -111,9 +119,19 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
                           int topk, int norm, int I, float eps, int threads, int isa,
                           int32_t *ids, float *weights, double *stamps, int *at,
                           const uint16_t *final_norm, float head_eps, const uint16_t *w_head,
-                          int V, float *logits_out) {
+                          int V, float *logits_out, int64_t *argmax, const int64_t *tokens,
+                          const uint16_t *embed, int64_t vocab) {
   *at = 0;
   if (T <= 0 || H % 8 != 0 || topk <= 0 || E <= 0) return -1;
+  if (tokens) {
+    for (int t = 0; t < T; t++)
+      if (tokens[t] < 0 || tokens[t] >= vocab) {
+        *at = t;
+        return -4;
+      }
+    for (int t = 0; t < T; t++)
+      memcpy(h + (size_t)t * H, embed + (size_t)tokens[t] * H, (size_t)H * sizeof(uint16_t));
+  }
   uint16_t *y = (uint16_t *)malloc((size_t)T * H * sizeof(uint16_t));
   if (!y) return -1;
   int rc = L;
@@ -156,7 +174,7 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
   }
   free(y);
   if (rc == L && final_norm &&
-      head(h, final_norm, head_eps, w_head, T, H, V, threads, isa, logits_out))
+      head(h, final_norm, head_eps, w_head, T, H, V, threads, isa, logits_out, argmax))
     rc = -3;
   return rc;
 }

@@ -79,6 +79,7 @@ class StackResult:
     weights: torch.Tensor  # [L, T, k] float32
     stamps: torch.Tensor  # [L, 3] float64: each layer's start, attention end, experts end
     head_logits: torch.Tensor | None = None  # [T, V] float32: the LM head's (asked, done == L)
+    head_argmax: torch.Tensor | None = None  # [T] int64: each row's argmax of head_logits
 
 
 class NativeDecodeStack:
@@ -139,18 +140,30 @@ class NativeDecodeStack:
 
     def __call__(
         self,
-        h: torch.Tensor,  # [T, H] bf16: the embedded tokens, T single-token decodes
+        h: torch.Tensor | None,  # [T, H] bf16: the layers' input, T single-token decodes
         positions: torch.Tensor,  # [T] long
         slots: torch.Tensor,  # [T] long
         blocks: torch.Tensor,  # [T, nb] long
         lens: torch.Tensor,  # [T] long
         start: int = 0,  # the first of the stack's layers to run (after a tie, the next one)
         head: StackHead | None = None,  # the LM head too, where the call ends the model
+        embed: tuple[torch.Tensor, torch.Tensor] | None = None,  # with h None: (tokens, table)
     ) -> StackResult:
+        """With h None, the call embeds first: h = table[tokens] (tokens [T] long, table
+        [V, H] bf16 contiguous, the model's embedding), as F.embedding would."""
         if not 0 <= start < self.num_layers:
             raise ValueError(f"start {start} is not one of the stack's {self.num_layers} layers")
+        if h is None:
+            assert embed is not None, "no hidden state and no tokens to embed"
+            tokens, table = embed
+            tokens = tokens if tokens.dtype == torch.long else tokens.long()
+            tokens, vocab = tokens.contiguous(), table.shape[0]
+            h = torch.empty(tokens.shape[0], self.hidden, dtype=torch.bfloat16)
+            embed_args = (tokens.data_ptr(), table.data_ptr(), vocab)
+        else:
+            h, tokens = h.contiguous().clone(), None  # written in place by the call
+            embed_args = (None, None, 0)
         T, L, k = h.shape[0], self.num_layers - start, self.topk
-        h = h.contiguous().clone()  # written in place by the call
         h_attn, x = torch.empty_like(h), torch.empty_like(h)
         logits = torch.empty(T, self.router_experts, dtype=torch.bfloat16)
         ids = torch.empty(L, T, k, dtype=torch.int32)
@@ -162,19 +175,24 @@ class NativeDecodeStack:
         layers = ctypes.addressof(self._layers) + start * ctypes.sizeof(StackLayer)
         V = head.weight.shape[0] if head is not None else 0
         out = torch.empty(T, V, dtype=torch.float32) if head is not None else None
+        argmax = torch.empty(T, dtype=torch.long) if head is not None else None
         head_args = (
-            (head.final_norm.data_ptr(), head.eps, head.weight.data_ptr(), V, out.data_ptr())
+            (head.final_norm.data_ptr(), head.eps, head.weight.data_ptr(), V, out.data_ptr(),
+             argmax.data_ptr())
             if head is not None
-            else (None, 0.0, None, 0, None)
-        )
+            else (None, 0.0, None, 0, None, None)
+        )  # fmt: skip
         rc = gemm._lib().afd_bf16_decode_stack(
             layers, L, h.data_ptr(), h_attn.data_ptr(), x.data_ptr(), logits.data_ptr(),
             positions.data_ptr(), slots.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
             T, self.hidden, self.q_in, self.nh, self.kvh, self.d, NB, bs, blocks.shape[1],
             self.router_experts, k, self.norm, self.inter, self.eps, torch.get_num_threads(),
             self.isa, ids.data_ptr(), weights.data_ptr(), stamps.data_ptr(), ctypes.byref(at),
-            *head_args,
+            *head_args, *embed_args,
         )  # fmt: skip
+        if rc == -4:
+            bad = int(tokens[at.value]) if tokens is not None else -1
+            raise IndexError(f"token id {bad} is not in the embedding's {vocab} rows")
         if rc == -1:
             raise RuntimeError(
                 f"afd_bf16_decode_stack: layer {at.value}'s attention failed "
@@ -186,8 +204,11 @@ class NativeDecodeStack:
             raise torch.OutOfMemoryError(
                 "afd_bf16_decode_stack: no memory for the LM head's buffers"
             )
-        head_logits = out if rc == L else None
-        return StackResult(rc, h, h_attn, x, logits, ids, weights, stamps, head_logits)
+        ran = rc == L
+        return StackResult(
+            rc, h, h_attn, x, logits, ids, weights, stamps,
+            out if ran else None, argmax if ran else None,
+        )  # fmt: skip
 
 
 def _address(ptrs) -> int | None:

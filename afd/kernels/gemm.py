@@ -73,6 +73,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_decode_layer_ext.argtypes = layer_ext
     lib.afd_bf16_decode_layer_ext.restype = i
     stack = [p, i, p, p, p, p, p, p, p, p] + [i] * 13 + [f, i, i, p, p, p, p] + [p, f, p, i, p]
+    stack += [p, p, p, L]  # the head's argmax; the tokens to embed and the embedding
     lib.afd_bf16_decode_stack.argtypes = stack
     lib.afd_bf16_decode_stack.restype = i
     lib.afd_apply_bitmask.argtypes = [p, p, i, i, p, i, i]

@@ -32,12 +32,12 @@ def run_layers(
     the LM head there, all but the last micro-batch's LM head overlaps the FFN side's work.
     With `stack` and one micro-batch, each run of layers that can be one native call is one
     (stack.py) and the loop runs the others."""
-    hs = [model.embed(mb.token_ids) for mb in mbs]
     pending: list[Pending | None] = [None] * len(mbs)
     try:
-        if stack is not None and len(mbs) == 1 and stack.applies(hs[0], mbs[0]):
-            h = _run_stacked(model, cache, ffn, mbs[0], hs[0], stack)
+        if stack is not None and len(mbs) == 1 and stack.applies(mbs[0]):
+            h = _run_stacked(model, cache, ffn, mbs[0], stack)
             return [finish(0, h) if finish is not None else h]
+        hs = [model.embed(mb.token_ids) for mb in mbs]
         for layer in range(model.cfg.num_layers):
             for m, mb in enumerate(mbs):
                 if pending[m] is not None:
@@ -59,19 +59,23 @@ def _run_stacked(
     cache: KVCache,
     ffn: FFNDispatcher,
     mb: MicroBatch,
-    h: torch.Tensor,  # [T, H]
     stack: DecodeStack,
 ) -> torch.Tensor:  # [T, H]
-    """One micro-batch's layers, each run of them that is one native call as that call."""
+    """One micro-batch's layers, each run of them that is one native call as that call (the
+    first embeds the tokens where it starts at layer 0)."""
     pending: Pending | None = None
+    h: torch.Tensor | None = None  # [T, H]
     layer = 0
     while layer < model.cfg.num_layers:
         if pending is not None:
+            assert h is not None
             h, pending = h + ffn.collect(pending), None
         ran = stack.run(layer, h, mb)
         if ran is not None:
             layer, h, pending = ran
             continue
+        if h is None:
+            h = model.embed(mb.token_ids)
         h, x, ids, weights = model.attention_and_route(layer, h, mb.meta, cache)
         pending = ffn.send(layer, 0, x, ids, weights)
         layer += 1

@@ -107,8 +107,10 @@ class ModelRunner:
         ]
         outputs = [r.output_token_ids for r in reqs]
         banned = [_banned(r) for r in reqs]
+        # greedy picks the stack's head made as it wrote these logits, where it ran
+        picked = self.stack.argmax_of(logits) if self.stack is not None else None
         tokens, lps, empty = sample(
-            logits, params, gens, prompts, outputs, banned, self.guides.active
+            logits, params, gens, prompts, outputs, banned, self.guides.active, picked
         )
         out.stuck = {ids[i] for i in empty}
         sampled = {r: t for r, t in zip(ids, tokens, strict=True) if r not in out.stuck}

@@ -20,13 +20,17 @@ def sample(
     outputs: Sequence[Sequence[int]] | None = None,  # prompt ids and generated ids so far
     banned: Sequence[Sequence[int]] = (),  # per row, tokens it may not choose (min_tokens)
     masked: bool = False,  # a grammar masked some rows already
+    argmax: torch.Tensor | None = None,  # [B] int64: each row's argmax of logits as given
 ) -> tuple[list[int], list[Logprob | None], list[int]]:
     """One token per row, chosen after the row's biases, penalties and exclusions; with
     logprobs asked, the sampled token's and the top-n alternatives' log-probabilities under
     the model's own (unscaled, unpenalized, unrestricted) distribution, as vLLM reports them.
     The third list: the rows that had no token left to choose (`exclude_`); their tokens
-    mean nothing."""
+    mean nothing. `argmax`, where the caller has it, is the answer when every row is greedy
+    and nothing changes the logits or asks for logprobs (the step's rows read no further)."""
     B = logits.shape[0]
+    if argmax is not None and not masked and _plain_greedy(params, banned):
+        return argmax.tolist(), [None] * B, []
     dev = logits.device  # index tensors live beside the logits (a CUDA device's, say)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     # of the model's logits, before any penalty; a token a grammar masked out reads as vLLM
@@ -97,6 +101,14 @@ def exclude_(
     for i in empty:
         logits[i].zero_()
     return empty
+
+
+def _plain_greedy(params: list[SamplingParams], banned: Sequence[Sequence[int]]) -> bool:
+    """Every row greedy, without logprobs, and nothing that changes its logits first."""
+    for p in params:
+        if not p.greedy or p.logprobs is not None or p.adjusts_logits or p.allowed_token_ids:
+            return False
+    return not any(banned)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64

@@ -45,12 +45,16 @@ class DecodeStack:
         self._attention_rows = 0  # the fused attention layers run below this many rows
         self._expert_rows = 0  # the shard's fused experts below this many rows per expert
         self._head: StackHead | None = None  # the LM head, where the last stack can run it
-        self._logits: tuple[torch.Tensor, torch.Tensor] | None = None  # (h, its logits)
+        # (h, its logits [T, V], their argmax [T]) from the last call's head; then (the logits
+        # handed out, their argmax)
+        self._logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._argmax: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def applies(self, h: torch.Tensor, mb: MicroBatch) -> bool:
-        """Whether this step's micro-batch (h [T, H]) runs its stacks (checked once a step)."""
-        meta, T = mb.meta, h.shape[0]
-        if meta.num_decode != T or meta.decode_blocks is None or h.dtype != torch.bfloat16:
+    def applies(self, mb: MicroBatch) -> bool:
+        """Whether this step's micro-batch runs its stacks (checked once a step)."""
+        meta, T = mb.meta, mb.token_ids.shape[0]
+        dtype = self.model.embed_w.dtype  # the hidden state's, from the first layer on
+        if meta.num_decode != T or meta.decode_blocks is None or dtype != torch.bfloat16:
             return False
         shard = self.ffn.inline_shard()
         if shard is None:
@@ -62,24 +66,33 @@ class DecodeStack:
         return T * self.model.cfg.top_k // self.model.cfg.num_experts < self._expert_rows
 
     def run(
-        self, layer: int, h: torch.Tensor, mb: MicroBatch
+        self, layer: int, h: torch.Tensor | None, mb: MicroBatch
     ) -> tuple[int, torch.Tensor, Pending | None] | None:
         """Where `layer` is one of a stack's (and `applies` said yes this step): h [T, H], the
-        layer's input -> (the next layer to run, its input h [T, H], the FFN work of the layer
-        before it in flight or None); else None (the caller runs the layer). The call runs from
-        `layer` to the stack's end: after a tie left one layer to torch, the stack goes on from
-        the next (without topk.c, at batch 32 most steps had a tie in some layer)."""
+        layer's input, or None at layer 0 (the call embeds mb's tokens) -> (the next layer to
+        run, its input h [T, H], the FFN work of the layer before it in flight or None); else
+        None (the caller runs the layer). The call runs from `layer` to the stack's end: after
+        a tie left one layer to torch, the stack goes on from the next (without topk.c, at
+        batch 32 most steps had a tie in some layer)."""
         found = self._within.get(layer)
         if found is None:
             return None
         stack, offset = found
-        meta, end = mb.meta, layer + stack.num_layers - offset
-        head = self._head if self._runs_head(end, h.shape[0], mb) else None
-        self._logits = None
+        meta, end, T = mb.meta, layer + stack.num_layers - offset, mb.token_ids.shape[0]
+        head = self._head if self._runs_head(end, T, mb) else None
+        self._logits = self._argmax = None
+        embed = None
+        if h is None:
+            table = self.model.embed_w
+            if table.is_contiguous() and table.device.type == "cpu":
+                embed = (mb.token_ids, table)
+            else:
+                h = self.model.embed(mb.token_ids)
         try:
             r = stack(
-                h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens, offset, head
-            )
+                h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens, offset, head,
+                embed,
+            )  # fmt: skip
         except ExpertsFailed as e:
             _, address = self.ffn.inline_shard() or (None, "in process")
             why = f"FFN shard {address} failed layer {layer + e.layer}: internal: {e}"
@@ -87,8 +100,8 @@ class DecodeStack:
         ffn, model = self.ffn, self.model
         ffn.ran_inline(layer, r.ids[: r.done], r.stamps[: r.done])
         if layer + r.done == end:
-            if r.head_logits is not None:
-                self._logits = (r.h, r.head_logits)
+            if r.head_logits is not None and r.head_argmax is not None:
+                self._logits = (r.h, r.head_logits, r.head_argmax)
             return end, r.h, None
         # this layer: attention ran, its routing is torch's (a tie), its experts are sent
         at = layer + r.done
@@ -99,7 +112,17 @@ class DecodeStack:
         """The logits [T, V] float32 the last call's head computed for exactly this final hidden
         h (the tensor it returned), once; else None (the caller runs model.logits)."""
         found, self._logits = self._logits, None
-        return found[1] if found is not None and found[0] is h else None
+        if found is None or found[0] is not h:
+            return None
+        self._argmax = found[1:]
+        return found[1]
+
+    def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax [T] int64 of exactly these logits (the tensor `take_logits` handed
+        out, as the head wrote it: the caller has not changed it since), computed in the call
+        while the logits were in cache; else None."""
+        found = self._argmax
+        return found[1] if found is not None and found[0] is logits else None
 
     def _runs_head(self, end: int, T: int, mb: MicroBatch) -> bool:
         """Whether a call ending before layer `end` runs the LM head: it ends the model, every

@@ -33,7 +33,7 @@ def _config(path, stack: bool) -> EngineConfig:
     )
 
 
-def _generate(path, stack: bool, prepare=None):
+def _generate(path, stack: bool, prepare=None, logprobs: int | None = 1):
     """(tokens, logprobs, expert load, layers the stacks ran, inline timings) of greedy runs."""
     with local_engine(_config(path, stack), 1, progress=False) as eng:
         if prepare is not None:
@@ -47,7 +47,7 @@ def _generate(path, stack: bool, prepare=None):
             return result
 
         eng.step = spy
-        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=logprobs)
         reqs = eng.generate(PROMPTS, sp)
         eng.dispatcher.count_routed(flush=True)
         tokens = [r.output_token_ids for r in reqs]
@@ -104,6 +104,50 @@ def test_the_last_stack_runs_the_lm_head(native_path, ckpt, request, monkeypatch
     assert fused and all(t.dtype == torch.float32 for t in fused)
     # model.logits ran for the prefill steps only: one per prompt's last chunk at most
     assert len(per_op) <= len(PROMPTS) and len(fused) + len(per_op) == len(taken)
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir"])
+def test_the_stack_embeds_the_tokens_and_its_head_picks_greedy_ones(
+    native_path, ckpt, request, monkeypatch
+):
+    """Greedy steps without logprobs: a stack that starts the model embeds the step's tokens in
+    its call, and its head's argmax is the step's pick (the sampler reads no logits); the
+    tokens are the layer loop's. Qwen3's second stack starts after its dense layer."""
+    from services.attention import sampler
+    from services.attention.model import AttentionModel
+    from services.attention.stack import DecodeStack
+
+    path = request.getfixturevalue(ckpt)
+    want = _generate(path, stack=False, logprobs=None)[0]
+    picked, embedded, read = [], [], []
+    argmax_of, embed, rows = DecodeStack.argmax_of, AttentionModel.embed, sampler.argmax_rows
+    monkeypatch.setattr(
+        DecodeStack, "argmax_of", lambda self, x: picked.append(argmax_of(self, x)) or picked[-1]
+    )
+    monkeypatch.setattr(
+        AttentionModel, "embed", lambda self, t: embedded.append(t.shape[0]) or embed(self, t)
+    )
+    monkeypatch.setattr(sampler, "argmax_rows", lambda x: read.append(x.shape[0]) or rows(x))
+    tokens = _generate(path, stack=True, logprobs=None)[0]
+    assert tokens == want
+    hinted = [p for p in picked if p is not None]
+    assert len(hinted) >= 11, "the decode steps' picks were not the head's"
+    # torch embedded and the sampler read logits for the prefill steps only
+    steps = len(picked)
+    assert len(embedded) == len(read) == steps - len(hinted)
+
+
+def test_a_token_outside_the_embedding_fails_the_call_before_it_runs(native_path, mixtral_dir):
+    with local_engine(_config(mixtral_dir, True), 1, progress=False) as eng:
+        eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        stack, table = eng.runner.stack._stacks[0], eng.model.embed_w
+        k = stack.parts[0].k_cache.clone()
+        one = torch.zeros(1, dtype=torch.long)
+        meta = (one, one, one.view(1, 1), one + 1)
+        for bad in (table.shape[0], -1):
+            with pytest.raises(IndexError, match=f"token id {bad} is not in the embedding"):
+                stack(None, *meta, embed=(torch.tensor([bad]), table))
+        assert torch.equal(stack.parts[0].k_cache, k), "a layer ran"
 
 
 def test_a_dense_layer_splits_the_stack(native_path, qwen3_dir):

@@ -111,3 +111,41 @@ def test_logprobs_stay_the_models_own_under_restrictions():
     _, _, empty = sample(logits.repeat(2, 1), [p, SamplingParams(temperature=1.0)], [None, None],
                          banned=[[2, 3], []])  # fmt: skip
     assert empty == [0]
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["none", "logprobs", "penalty", "bias", "allowed", "banned", "masked", "sampled"],
+)
+def test_a_precomputed_argmax_is_taken_only_for_plain_greedy_rows(change):
+    """The caller's argmax (the decode stack's head computes it beside the logits) answers a
+    step whose rows are all greedy with nothing that changes their logits or asks for
+    logprobs; any of those and the sampler reads the logits itself. A wrong hint tells which
+    happened."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, V)
+    kw = {
+        "logprobs": {"logprobs": 1},
+        "penalty": {"repetition_penalty": 1.3},
+        "bias": {"logit_bias": ((3, 5.0),)},
+        "allowed": {"allowed_token_ids": (1, 2, 3)},
+        "sampled": {"temperature": 0.8, "seed": 1},
+    }.get(change, {})
+    plain = SamplingParams(temperature=0)
+    params = [plain, SamplingParams(**{"temperature": 0, **kw})]
+    banned = [(), (int(logits[1].argmax()),)] if change == "banned" else [(), ()]
+    wrong = (logits.argmax(-1) + 1) % V
+
+    def run(hint):
+        return sample(
+            logits.clone(), params, [None, None], [[], []], [[], []], banned,
+            change == "masked", hint,
+        )[0]  # fmt: skip
+
+    taken = run(wrong)
+    if change == "none":
+        assert taken == wrong.tolist()
+    else:  # row 0 is plain greedy: its own argmax, not the hint's
+        assert taken[0] == int(logits[0].argmax())
+        if change != "sampled":  # the unseeded draw aside, what the sampler gives unhinted
+            assert taken == run(None)
