@@ -125,7 +125,7 @@ void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int
  * take units as they come free (a dynamic schedule), so a thread the OS preempts for another
  * process (the gateway, a client, on a small box) holds up one unit, not the share a static
  * split gave it. Where the matmul streams the weights (at most STREAM_MAX_M rows of x on
- * AVX-512, fewer than PAIR_M on AVX2) each thread first takes its run of consecutive units
+ * AVX-512, every matmul on AVX2) each thread first takes its run of consecutive units
  * (runs.h). A multiple of 4. */
 #define ROWS_PER_UNIT 64
 

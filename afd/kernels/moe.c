@@ -91,12 +91,12 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     int e = reverse ? E - 1 - i : i;
     if (starts[e + 1] > starts[e]) units[held++] = e;
   }
-  /* Each thread takes its run of consecutive units in the two matmul loops (runs.h) where the
-   * weights' reads bound them: on AVX-512 at every batch (a batch of 32 gives an expert ~4
-   * rows of x, still streamed; the units' products differ in number from expert to expert, which
-   * the stealing evens out: 1.07x the units in turn there), on AVX2 at 1-2 tokens (from PAIR_M
-   * rows its pair path converts each chunk's weights to fp32, and the units go out in turn). */
-  const int streams = isa == ISA_AVX512 || (isa == ISA_AVX2 && T < PAIR_M);
+  /* Each thread takes its run of consecutive units in the two matmul loops (runs.h), where the
+   * weights' reads bound them (a batch of 32 gives an expert ~4 rows of x, still streamed; the
+   * units' products differ in number from expert to expert, which the stealing evens out):
+   * on AVX-512 1.07x the units in turn at a batch of 32, on AVX2 (its pair path fetching the
+   * next group as it multiplies, gemm.c) 1.07x at 8, 1.1-1.18x at 32, 1.08x at 64 (Zen 4). */
+  const int streams = isa == ISA_AVX512 || isa == ISA_AVX2;
   const int nr = streams ? t : 1;
   float *acc = (float *)malloc((size_t)t * H * sizeof(float)); /* the sum's: a row a thread */
   uint64_t *runs13 = (uint64_t *)aligned_alloc(64, 2 * AFD_RUNS_WORDS(nr) * sizeof(uint64_t));
