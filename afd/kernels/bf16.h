@@ -124,9 +124,8 @@ void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int
 /* Rows of W per unit of work in the multi-threaded matmuls (gemm.c, gemm512.c, moe.c): threads
  * take units as they come free (a dynamic schedule), so a thread the OS preempts for another
  * process (the gateway, a client, on a small box) holds up one unit, not the share a static
- * split gave it. Where the matmul streams the weights (at most STREAM_MAX_M rows of x on
- * AVX-512, every matmul on AVX2) each thread first takes its run of consecutive units
- * (runs.h). A multiple of 4. */
+ * split gave it. On AVX2 and AVX-512 each thread first takes its run of consecutive units
+ * (runs.h), where its reads of the weights stream on. A multiple of 4. */
 #define ROWS_PER_UNIT 64
 
 /* Up to this many rows of x (measured crossover on Zen 4: 4 rows 0.88x, 8 rows 1.04x of the
