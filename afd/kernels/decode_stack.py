@@ -161,7 +161,7 @@ class NativeDecodeStack:
             h = torch.empty(tokens.shape[0], self.hidden, dtype=torch.bfloat16)
             embed_args = (tokens.data_ptr(), table.data_ptr(), vocab)
         else:
-            h, tokens = h.contiguous().clone(), None  # written in place by the call
+            h, tokens, vocab = h.contiguous().clone(), None, 0  # h: written in place
             embed_args = (None, None, 0)
         T, L, k = h.shape[0], self.num_layers - start, self.topk
         h_attn, x = torch.empty_like(h), torch.empty_like(h)

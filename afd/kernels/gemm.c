@@ -25,11 +25,11 @@
 
 /* R rows of x from row m (R <= 3, a constant where inlined) against 4 weight rows already in
  * fp32 (wt [4, K]): 4 R accumulators, the R rows' x and one weight vector at a time (each used
- * by R FMAs), 16 ymm registers at R = 3. With pf (the first rows of a group): the next group's
- * lines, one a step, into L2 while the products keep the core busy; else the conversion of
- * the next group waited for DRAM (1.15-1.35x at 13-32 rows, Zen 4's AVX2 path, measured). Holding all 4 weight vectors as well needed a 17th:
+ * by R FMAs), 16 ymm registers at R = 3. Holding all 4 weight vectors as well needed a 17th:
  * the compiler kept one accumulator on the stack, and its store-to-load round trip every
- * iteration held the loop to a third of the FMA rate. */
+ * iteration held the loop to a third of the FMA rate. With pf (a group's first rows): the
+ * next group's lines, one a step, into L2 while the products keep the core busy; without, its
+ * conversion waited for DRAM (1.15-1.35x at 13-32 rows, Zen 4's AVX2 path, measured). */
 static inline __attribute__((always_inline)) void tile_rows(const float *xf, const float *wt,
                                                             const uint16_t *pf, uint16_t *y,
                                                             int R, int m, int N, int K, int n) {

@@ -100,6 +100,7 @@ class AttentionModel:
         )  # fmt: skip
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        # the decode stack copies these rows itself (stack.py: run): a change here goes there too
         return F.embedding(token_ids, self.embed_w)
 
     def attention_and_route(
