@@ -208,6 +208,9 @@ class EngineConfig:
     # A decode step's layers in one native call where attention and the one expert shard share
     # this process (services/attention/stack.py); False: the layer loop (the same bits).
     decode_stack: bool = True
+    # Up to this many greedy decode steps in that one call, each from the last one's pick,
+    # where a step's every request may take them (services/attention/burst.py); 1: one step
+    num_scheduler_steps: int = 4
     a2f_dtype: str = "fp8"  # hidden states on the wire attention -> FFN: fp8 | bf16 | fp32
     # The i-th entry serves expert shard i; "a|b" names replicas of one shard (failover).
     ffn_addresses: tuple[str, ...] = ("inproc://ffn0",)
@@ -237,6 +240,10 @@ class EngineConfig:
             check_device(self.ffn_device)
         check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         check(self.micro_batches >= 1, f"micro-batches must be >= 1, got {self.micro_batches}")
+        check(
+            self.num_scheduler_steps >= 1,
+            f"scheduler steps must be >= 1, got {self.num_scheduler_steps}",
+        )
         check(
             self.a2f_dtype in WIRE_DTYPES,
             f"the a2f dtype must be one of {WIRE_DTYPES}, got {self.a2f_dtype!r}",

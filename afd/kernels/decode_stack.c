@@ -178,3 +178,60 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
     rc = -3;
   return rc;
 }
+
+/* `steps` decode steps of the stack above, each one's input the argmax of the step before:
+ * greedy decoding's next `steps` tokens in one call (the engine's burst, scheduler.py), without
+ * Python between the steps. The first step is afd_bf16_decode_stack's call as given (tokens
+ * [T] embedded, the head and its argmax run); step s > 0 embeds the argmax of step s - 1 at
+ * positions pos + s, attending to lens + s keys, its K/V at the slots that blocks [T, nb] give
+ * those positions (the caller allocated them). ids, weights [steps, L, T, topk] and stamps
+ * [steps, L, 3] out, each step's as the stack's; argmax [steps, T] out; logits_out [T, V]: the
+ * last step's. *done: the steps that ran to their head (their argmax is valid). A step after the
+ * first that ends early (a routing tie, a failure, a position past the block table) ends the
+ * burst there, its partial K/V at positions no request has yet (the next step writes them);
+ * the first step's return is the stack's own. Returns L where at least the first step ran. */
+int afd_bf16_decode_burst(int steps, int *done, afd_stack_layer *layers, int L, uint16_t *h,
+                          uint16_t *h_attn, uint16_t *x, uint16_t *logits, const int64_t *pos,
+                          const int64_t *slots, const int64_t *blocks, const int64_t *lens,
+                          int T, int H, int qin, int nh, int kvh, int D, int NB, int bs, int nb,
+                          int E, int topk, int norm, int I, float eps, int threads, int isa,
+                          int32_t *ids, float *weights, double *stamps, int *at,
+                          const uint16_t *final_norm, float head_eps, const uint16_t *w_head,
+                          int V, float *logits_out, int64_t *argmax, const int64_t *tokens,
+                          const uint16_t *embed, int64_t vocab) {
+  *done = 0;
+  if (steps < 1 || !final_norm || !argmax || !tokens) return -1;
+  int64_t *p = (int64_t *)malloc((size_t)T * 3 * sizeof(int64_t));
+  if (!p) return -3;
+  int64_t *n = p + T, *sl = p + 2 * T; /* this step's positions, key counts, slots */
+  memcpy(p, pos, (size_t)T * sizeof(int64_t));
+  memcpy(n, lens, (size_t)T * sizeof(int64_t));
+  memcpy(sl, slots, (size_t)T * sizeof(int64_t));
+  int rc = L;
+  const size_t per_step = (size_t)L * T * topk;
+  for (int s = 0; s < steps; s++) {
+    if (s > 0) { /* the next positions, each inside the row's block table */
+      int past = 0;
+      for (int t = 0; t < T; t++) {
+        p[t] += 1, n[t] += 1;
+        int64_t b = p[t] / bs;
+        if (b >= nb) past = 1;
+        else sl[t] = blocks[(size_t)t * nb + b] * bs + p[t] % bs;
+      }
+      if (past) break;
+    }
+    const int64_t *in = s == 0 ? tokens : argmax + (size_t)(s - 1) * T;
+    int r = afd_bf16_decode_stack(layers, L, h, h_attn, x, logits, p, sl, blocks, n, T, H, qin,
+                                  nh, kvh, D, NB, bs, nb, E, topk, norm, I, eps, threads, isa,
+                                  ids + s * per_step, weights + s * per_step, stamps + 3 * s * L,
+                                  at, final_norm, head_eps, w_head, V, logits_out,
+                                  argmax + (size_t)s * T, in, embed, vocab);
+    if (r != L) {
+      if (s == 0) rc = r;
+      break;
+    }
+    *done = s + 1;
+  }
+  free(p);
+  return rc;
+}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -80,6 +81,10 @@ class StackResult:
     stamps: torch.Tensor  # [L, 3] float64: each layer's start, attention end, experts end
     head_logits: torch.Tensor | None = None  # [T, V] float32: the LM head's (asked, done == L)
     head_argmax: torch.Tensor | None = None  # [T] int64: each row's argmax of head_logits
+    # a burst (steps > 1 asked): each step's argmax [steps, T] int64, the steps that ran to
+    # their head; ids, weights [steps * L, T, k] and stamps [steps * L, 3] are then every
+    # step's in turn, head_logits and head_argmax the last step's
+    tokens: torch.Tensor | None = None
 
 
 class NativeDecodeStack:
@@ -148,11 +153,16 @@ class NativeDecodeStack:
         start: int = 0,  # the first of the stack's layers to run (after a tie, the next one)
         head: StackHead | None = None,  # the LM head too, where the call ends the model
         embed: tuple[torch.Tensor, torch.Tensor] | None = None,  # with h None: (tokens, table)
+        steps: int = 1,  # > 1: a burst of greedy steps (decode_stack.c: afd_bf16_decode_burst)
     ) -> StackResult:
         """With h None, the call embeds first: h = table[tokens] (tokens [T] long, table
-        [V, H] bf16 contiguous, the model's embedding), as F.embedding would."""
+        [V, H] bf16 contiguous, the model's embedding), as F.embedding would. A burst embeds
+        the tokens, runs every layer and the head each step, and needs blocks to cover each
+        row's positions up to positions + steps - 1."""
         if not 0 <= start < self.num_layers:
             raise ValueError(f"start {start} is not one of the stack's {self.num_layers} layers")
+        if steps > 1 and (start or head is None or h is not None):
+            raise ValueError("a burst starts at the first layer from tokens and runs the head")
         if h is None:
             assert embed is not None, "no hidden state and no tokens to embed"
             tokens, table = embed
@@ -166,23 +176,29 @@ class NativeDecodeStack:
         T, L, k = h.shape[0], self.num_layers - start, self.topk
         h_attn, x = torch.empty_like(h), torch.empty_like(h)
         logits = torch.empty(T, self.router_experts, dtype=torch.bfloat16)
-        ids = torch.empty(L, T, k, dtype=torch.int32)
-        weights = torch.empty(L, T, k, dtype=torch.float32)
-        stamps = torch.zeros(L, 3, dtype=torch.float64)
+        ids = torch.empty(steps * L, T, k, dtype=torch.int32)
+        weights = torch.empty(steps * L, T, k, dtype=torch.float32)
+        stamps = torch.zeros(steps * L, 3, dtype=torch.float64)
         blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
         _, NB, bs, _ = self.parts[0].k_cache.shape
         at = ctypes.c_int(0)
         layers = ctypes.addressof(self._layers) + start * ctypes.sizeof(StackLayer)
         V = head.weight.shape[0] if head is not None else 0
         out = torch.empty(T, V, dtype=torch.float32) if head is not None else None
-        argmax = torch.empty(T, dtype=torch.long) if head is not None else None
+        argmax = torch.empty(steps, T, dtype=torch.long) if head is not None else None
         head_args = (
             (head.final_norm.data_ptr(), head.eps, head.weight.data_ptr(), V, out.data_ptr(),
              argmax.data_ptr())
             if head is not None
             else (None, 0.0, None, 0, None, None)
         )  # fmt: skip
-        rc = gemm._lib().afd_bf16_decode_stack(
+        ran_steps = ctypes.c_int(1)
+        lib = gemm._lib()
+        call = (
+            lib.afd_bf16_decode_stack if steps == 1
+            else partial(lib.afd_bf16_decode_burst, steps, ctypes.byref(ran_steps))
+        )  # fmt: skip
+        rc = call(
             layers, L, h.data_ptr(), h_attn.data_ptr(), x.data_ptr(), logits.data_ptr(),
             positions.data_ptr(), slots.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
             T, self.hidden, self.q_in, self.nh, self.kvh, self.d, NB, bs, blocks.shape[1],
@@ -205,9 +221,19 @@ class NativeDecodeStack:
                 "afd_bf16_decode_stack: no memory for the LM head's buffers"
             )
         ran = rc == L
+        if steps == 1:
+            return StackResult(
+                rc, h, h_attn, x, logits, ids, weights, stamps,
+                out if ran else None, argmax[0] if ran and argmax is not None else None,
+            )  # fmt: skip
+        if not ran:  # the first step's result, as a one-step call leaves it
+            return StackResult(rc, h, h_attn, x, logits, ids[:L], weights[:L], stamps[:L])
+        n = ran_steps.value  # the steps that ran, the first at least
+        assert argmax is not None and out is not None
+        tokens = argmax[:n]
         return StackResult(
-            rc, h, h_attn, x, logits, ids, weights, stamps,
-            out if ran else None, argmax if ran else None,
+            rc, h, h_attn, x, logits, ids[: n * L], weights[: n * L], stamps[: n * L],
+            out, tokens[-1], tokens,
         )  # fmt: skip
 
 

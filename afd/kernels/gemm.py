@@ -76,6 +76,8 @@ def _lib() -> ctypes.CDLL | None:
     stack += [p, p, p, L]  # the head's argmax; the tokens to embed and the embedding
     lib.afd_bf16_decode_stack.argtypes = stack
     lib.afd_bf16_decode_stack.restype = i
+    lib.afd_bf16_decode_burst.argtypes = [i, p, *stack]  # the steps, how many ran
+    lib.afd_bf16_decode_burst.restype = i
     lib.afd_apply_bitmask.argtypes = [p, p, i, i, p, i, i]
     lib.afd_apply_bitmask.restype = i
     lib.afd_argmax_rows.argtypes = [p, i, i, p, i]

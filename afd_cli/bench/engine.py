@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> dict:
         a2f_dtype=args.a2f_dtype,
         micro_batches=args.micro_batches,
         decode_stack=not args.no_decode_stack,
+        num_scheduler_steps=args.num_scheduler_steps,
         threads=args.threads,
         cache=CacheConfig(block_size=16, kv_cache_memory_gb=1.0),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
@@ -229,6 +230,7 @@ def run(args: argparse.Namespace) -> dict:
         "new_tokens": args.new_tokens,
         "micro_batches": args.micro_batches,
         "decode_stack": not args.no_decode_stack,
+        "num_scheduler_steps": args.num_scheduler_steps,
         "a2f_dtype": args.a2f_dtype,
         "repeat": args.repeat,
         "results": results,
@@ -279,6 +281,8 @@ def _decode_tokens(text: str) -> int:
 
 
 def add_parser(sub) -> None:
+    from afd.config import EngineConfig
+
     p = sub.add_parser("engine", help="afd vs transformers greedy decode throughput")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=128)
@@ -301,6 +305,12 @@ def add_parser(sub) -> None:
         "--no-decode-stack",
         action="store_true",
         help="afd runs a step's layers one by one (not as one native call)",
+    )
+    p.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=EngineConfig.num_scheduler_steps,
+        help="greedy decode steps per native call, at most (1: a call per step)",
     )
     p.add_argument(
         "--kernels",

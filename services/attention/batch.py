@@ -25,6 +25,9 @@ class MicroBatch:
     prompt_owners: tuple[tuple[str, int], ...] = ()
     # sample_rows is every row in order (a decode step): the head takes the hidden as it is
     samples_all: bool = False
+    # greedy steps the native stack may run in one call (scheduler.py: a burst), each row's
+    # blocks covering positions + burst - 1
+    burst: int = 1
 
 
 def split(seqs: list[ScheduledSeq], n: int) -> list[list[ScheduledSeq]]:
@@ -54,13 +57,14 @@ def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
     positions: list[torch.Tensor] = []
     slots: list[torch.Tensor] = []
     table = lens = None
-    num_decode = 0
+    num_decode, burst = 0, 1
     if decodes:
         # all decode rows at once, as plain ints: tensors built per sequence cost a few torch
         # calls each, which add up with batch and context on every step's critical path
         rows = [(s, s.start_pos + i) for s in decodes for i in range(s.num_new_tokens)]
         num_decode = len(rows)
-        table, lens = _decode_blocks(rows, block_size)
+        burst = min(s.burst for s in seqs)
+        table, lens = _decode_blocks(rows, block_size, burst)
         positions.append(torch.tensor([p for _, p in rows]))
         slots.append(
             torch.tensor(
@@ -109,6 +113,7 @@ def build(seqs: list[ScheduledSeq], block_size: int) -> MicroBatch:
         prompt_targets=torch.tensor(p_targets, dtype=torch.long) if p_rows else None,
         prompt_owners=tuple(owners),
         samples_all=len(rows) == row,  # increasing and distinct, so 0 .. row - 1
+        burst=burst,
     )
 
 
@@ -146,13 +151,14 @@ def _slots(blocks: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Te
 def _decode_blocks(
     rows: list[tuple[ScheduledSeq, int]],  # each decode row's seq and position
     bs: int,
+    burst: int = 1,  # positions each row's blocks cover: p .. p + burst - 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n = [p + 1 for _, p in rows]  # keys each row attends to
-    short = [s.request.request_id for s, p in rows if len(s.block_ids) * bs < p + 1]
+    short = [s.request.request_id for s, p in rows if len(s.block_ids) * bs < p + burst]
     if short:  # the table's padding would otherwise hand the row someone else's block 0
         raise RuntimeError(f"requests {short} have no KV block for their position")
     lens = torch.tensor(n)
-    nblk = (max(n) + bs - 1) // bs
+    nblk = (max(n) + burst - 1 + bs - 1) // bs
     # one tensor from one list, padded with block 0 (masked)
     table = [s.block_ids[:nblk] + [0] * (nblk - min(nblk, len(s.block_ids))) for s, _ in rows]
     return torch.tensor(table, dtype=torch.long), lens

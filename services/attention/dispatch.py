@@ -139,10 +139,12 @@ class FFNDispatcher:
         self,
         first: int,
         ids: torch.Tensor,  # [n, T, k] int32: layers first .. first + n - 1's routing
-        stamps: torch.Tensor,  # [n, 3] float64 (StepTiming.inline)
+        stamps: torch.Tensor,  # [m, 3] float64 (StepTiming.inline): a layer's run each
+        tokens: int | None = None,  # the tokens of each run (default: T)
     ) -> None:
         """Layers the caller ran with the inline shard's kernels: their routing is counted and
-        their timing kept, as the messages' would have been."""
+        their timing kept, as the messages' would have been (a burst: m runs of T tokens, the
+        routing of its steps together per layer)."""
         if not len(ids):
             return
         shard = self.inline_shard()
@@ -151,7 +153,8 @@ class FFNDispatcher:
         self.routed.add(first, ids)
         self.timing.inline.append((address, stamps))
         self.timing.max_in_flight = max(self.timing.max_in_flight, 1)
-        serving.served_inline(ids.shape[1], [e - a for _, a, e in stamps.tolist()])
+        runs = [e - a for _, a, e in stamps.tolist()]
+        serving.served_inline(ids.shape[1] if tokens is None else tokens, runs)
         self._idle_since = time.perf_counter()
 
     def _direct_servings(self) -> list[FFNServing] | None:

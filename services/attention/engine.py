@@ -32,6 +32,7 @@ from afd.errors import AfdError, ConfigError, DeviceMemoryError, RequestError, T
 from afd.runtime import tune_allocator
 from afd.sharding import ExpertShard, pool_shards
 from afd.transport import connect
+from services.attention import burst
 from services.attention.block_manager import BlockManager
 from services.attention.dispatch import FFNDispatcher
 from services.attention.elastic import ElasticPool
@@ -126,6 +127,8 @@ class Engine:
         )
         self._ids = itertools.count()
         self._outage_since: float | None = None  # monotonic: a shard lost its last replica
+        # greedy decode steps in one native call where the stack runs (burst.py)
+        self._bursts = burst.Policy(cfg.num_scheduler_steps if cfg.decode_stack else 1)
 
     def _num_blocks(self, layout: CacheLayout, dtype: torch.dtype) -> int:
         """The KV pool's size: on the host as the cache config says; on a CUDA device (without
@@ -257,7 +260,10 @@ class Engine:
         self._refresh_pool()
         if self._hold():
             return StepResult(paused=True)
-        plan = self.scheduler.schedule()
+        t0 = time.perf_counter()
+        # a burst only where the stack can run it: the one shard is called in process
+        steps = self._bursts.steps() if self.dispatcher.inline_shard() is not None else 1
+        plan = burst.extend(self.scheduler, self.scheduler.schedule(), steps)
         tokens = sum(s.num_new_tokens for s in plan.scheduled)
         if not plan.scheduled:
             return StepResult()
@@ -284,6 +290,8 @@ class Engine:
             plan, done.sampled, done.logprobs, done.prompt_logprobs, done.ended, done.kept
         )
         updated += failed
+        if tokens == len(plan.scheduled):  # decodes alone: the steps a burst's length is for
+            self._bursts.observe(time.perf_counter() - t0, done.steps)
         self.dispatcher.count_routed(flush=not self.scheduler.has_unfinished())
         for req in updated:
             if req.finished:

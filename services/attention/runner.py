@@ -42,6 +42,7 @@ class Executed:
     kept: dict[str, list[tuple[int, Logprob | None]]] = field(default_factory=dict)
     ended: set[str] = field(default_factory=set)
     stuck: set[str] = field(default_factory=set)
+    steps: int = 1  # decode steps run (a burst's, burst.py: its tokens are in `kept`)
 
 
 class ModelRunner:
@@ -90,6 +91,9 @@ class ModelRunner:
         seqs = [s for mb in mbs for s in mb.sample_seqs]
         if not seqs:
             return out
+        burst = self.stack.take_burst() if self.stack is not None else None
+        if burst is not None:  # [steps, B]: every row's greedy pick at each step, in order
+            return _burst_out(burst, seqs, out)
         parts = [x for x in per_mb if x.numel()]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B + drafts, V] float32
         if any(s.draft_ids for s in seqs):
@@ -213,6 +217,17 @@ class ModelRunner:
         self._generators.pop(request_id, None)
         self._prompts.pop(request_id, None)
         self.guides.release(request_id)
+
+
+def _burst_out(tokens: torch.Tensor, seqs: list[ScheduledSeq], out: Executed) -> Executed:
+    """A burst's tokens [steps, B] as each request's kept drafts and its last token: the update
+    appends them in turn, and each may end the request (burst.py)."""
+    out.steps = tokens.shape[0]
+    for s, row in zip(seqs, tokens.t().tolist(), strict=True):
+        rid = s.request.request_id
+        out.kept[rid] = [(t, None) for t in row[:-1]]
+        out.sampled[rid] = row[-1]
+    return out
 
 
 def _banned(req: Request) -> tuple[int, ...]:

@@ -17,8 +17,8 @@ hidden state. A request asking for prompt logprobs computes its whole prompt (ea
 logits are needed) and still leaves its blocks in the cache.
 
 With speculative decoding (speculative.py) a decoding request's chunk is its last token and its
-drafts; `update()` counts the drafts the runner kept as computed and appends them as output.
-"""
+drafts; `update()` counts the drafts the runner kept as computed and appends them as output, as
+it does a burst's tokens (burst.py: greedy steps in one call, planned after `schedule()`)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ class ScheduledSeq:
     sample: bool  # last chunk: the runner must sample a token for this request
     # speculative decoding: the guessed tokens after the last one, the tail of token_ids
     draft_ids: tuple[int, ...] = ()
+    burst: int = 1  # greedy steps in one call, their blocks allocated (burst.py)
 
     @property
     def num_new_tokens(self) -> int:
@@ -95,8 +96,6 @@ class Scheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
 
-    # ---- queries ------------------------------------------------------------------------------
-
     @property
     def num_running(self) -> int:
         return len(self._running)
@@ -107,8 +106,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
-
-    # ---- requests in and out ------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
         """Validate and queue a new request; raises RequestError if it cannot be served."""
@@ -152,8 +149,6 @@ class Scheduler:
         self._finish(req, "abort")
         return True
 
-    # ---- schedule -----------------------------------------------------------------------------
-
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first (in order), then admit waiting ones (in the
         policy's order)."""
@@ -181,7 +176,7 @@ class Scheduler:
             # Preempt the policy's victim until this request's blocks fit. Under fcfs that is
             # the tail, never a request already planned this step (those sit before index i);
             # under priority it may be one, whose plan is then taken back.
-            while not self._grow(req, n):
+            while not self.grow(req, n):
                 out = victim(self._running, self.config.scheduling_policy)
                 planned = self._running.index(out) < i
                 self._preempt(out)
@@ -209,7 +204,7 @@ class Scheduler:
         if off and len(self._running) > off:
             return []
         drafts = d.propose(req, min(budget - 1, room(req, self.max_model_len)))
-        return drafts if drafts and self._grow(req, 1 + len(drafts)) else []
+        return drafts if drafts and self.grow(req, 1 + len(drafts)) else []
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
@@ -217,7 +212,7 @@ class Scheduler:
             self._take_cached_prefix(req)
             n = self._num_new_tokens(req, budget)
             # if the head does not fit (budget or blocks), nobody behind it jumps ahead
-            if n == 0 or not self._grow(req, n):
+            if n == 0 or not self.grow(req, n):
                 self._release(req)
                 break
             self._waiting.pop_head()
@@ -281,7 +276,7 @@ class Scheduler:
             return n
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _grow(self, req: Request, n: int) -> bool:
+    def grow(self, req: Request, n: int) -> bool:
         """Make req's block table cover `num_computed_tokens + n` tokens; False if no room."""
         bm = self.block_manager
         missing = bm.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids)
@@ -315,8 +310,6 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._waiting.readmit(req)
-
-    # ---- update -------------------------------------------------------------------------------
 
     def update(
         self,

@@ -49,6 +49,7 @@ class DecodeStack:
         # handed out, their argmax)
         self._logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._argmax: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._burst: torch.Tensor | None = None  # [steps, T] int64: the last call's burst
 
     def applies(self, mb: MicroBatch) -> bool:
         """Whether this step's micro-batch runs its stacks (checked once a step)."""
@@ -80,7 +81,7 @@ class DecodeStack:
         stack, offset = found
         meta, end, T = mb.meta, layer + stack.num_layers - offset, mb.token_ids.shape[0]
         head = self._head if self._runs_head(end, T, mb) else None
-        self._logits = self._argmax = None
+        self._logits = self._argmax = self._burst = None
         embed = None
         if h is None:
             table = self.model.embed_w
@@ -88,17 +89,25 @@ class DecodeStack:
                 embed = (mb.token_ids, table)
             else:
                 h = self.model.embed(mb.token_ids)
+        # a burst: greedy steps in one call, each from the last one's argmax (scheduler.py)
+        steps = mb.burst if embed is not None and head is not None and offset == 0 else 1
         try:
             r = stack(
                 h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens, offset, head,
-                embed,
+                embed, steps,
             )  # fmt: skip
         except ExpertsFailed as e:
             _, address = self.ffn.inline_shard() or (None, "in process")
             why = f"FFN shard {address} failed layer {layer + e.layer}: internal: {e}"
             raise TransportError(why) from e
         ffn, model = self.ffn, self.model
-        ffn.ran_inline(layer, r.ids[: r.done], r.stamps[: r.done])
+        n = len(r.tokens) if r.tokens is not None else 1
+        if n > 1:  # every step's routing by layer: [L, n * T, k]; a run of a layer per stamp
+            ids = r.ids.view(n, r.done, T, -1).transpose(0, 1).reshape(r.done, n * T, -1)
+            ffn.ran_inline(layer, ids, r.stamps, tokens=T)
+            self._burst = r.tokens
+        else:
+            ffn.ran_inline(layer, r.ids[: r.done], r.stamps[: r.done])
         if layer + r.done == end:
             if r.head_logits is not None and r.head_argmax is not None:
                 self._logits = (r.h, r.head_logits, r.head_argmax)
@@ -107,6 +116,12 @@ class DecodeStack:
         at = layer + r.done
         ids, weights = model.route_fn(r.logits, model.cfg, model.layers[at].router_bias)
         return at + 1, r.h_attn, ffn.send(at, 0, r.x, ids, weights)
+
+    def take_burst(self) -> torch.Tensor | None:
+        """The tokens [steps, T] int64 (steps > 1) of this step's burst, once: each step's
+        greedy pick for every row, in the micro-batch's order; else None."""
+        found, self._burst = self._burst, None
+        return found
 
     def take_logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """The logits [T, V] float32 the last call's head computed for exactly this final hidden

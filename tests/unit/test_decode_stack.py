@@ -28,6 +28,7 @@ def _config(path, stack: bool) -> EngineConfig:
         a2f_dtype="bf16",
         micro_batches=1,
         decode_stack=stack,
+        num_scheduler_steps=1,  # one step a call: bursts have their own tests (test_burst.py)
         cache=CacheConfig(block_size=4, num_blocks=128),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24),
     )
@@ -184,10 +185,10 @@ def test_a_tied_layer_routes_as_torch_in_the_stack_or_in_torch(
     firsts: list[int] = []
     ran_inline = FFNDispatcher.ran_inline
 
-    def spy(self, first, ids, stamps):
+    def spy(self, first, ids, stamps, **kw):
         if len(ids):
             firsts.append(first)
-        return ran_inline(self, first, ids, stamps)
+        return ran_inline(self, first, ids, stamps, **kw)
 
     monkeypatch.setattr(FFNDispatcher, "ran_inline", spy)
     tokens, logprobs, load, ran, inline = _generate(mixtral_dir, True, _tie(tied))
