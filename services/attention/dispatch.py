@@ -153,8 +153,7 @@ class FFNDispatcher:
         self.routed.add(first, ids)
         self.timing.inline.append((address, stamps))
         self.timing.max_in_flight = max(self.timing.max_in_flight, 1)
-        runs = [e - a for _, a, e in stamps.tolist()]
-        serving.served_inline(ids.shape[1] if tokens is None else tokens, runs)
+        serving.served_inline(tokens or ids.shape[1], [e - a for _, a, e in stamps.tolist()])
         self._idle_since = time.perf_counter()
 
     def _direct_servings(self) -> list[FFNServing] | None:

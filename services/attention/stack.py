@@ -89,7 +89,7 @@ class DecodeStack:
                 embed = (mb.token_ids, table)
             else:
                 h = self.model.embed(mb.token_ids)
-        # a burst: greedy steps in one call, each from the last one's argmax (scheduler.py)
+        # a burst: greedy steps in one call, each from the last one's argmax (burst.py)
         steps = mb.burst if embed is not None and head is not None and offset == 0 else 1
         try:
             r = stack(
