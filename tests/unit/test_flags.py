@@ -115,6 +115,7 @@ def test_serve_refuses_what_its_children_would_before_starting_them():
     parser = build_parser()
     for argv, problem in (
         (["--micro-batches", "0"], "micro-batches"),
+        (["--num-scheduler-steps", "0"], "scheduler steps"),
         (["--sla-tpot", "-1"], "SLA"),
         (["--transport", "inproc", "--kv-cache-gb", "0"], "KV cache"),
     ):
