@@ -3,7 +3,7 @@ last one's argmax. Against `transformers` on the same checkpoint, against one st
 and at the edges: a stop token or max_tokens inside a burst, a request that reads its logits
 in the batch, a request waiting for a slot, the prefix cache reading K/V a burst wrote.
 Mixtral's test model is one stack with the head in the call (bursts run), gpt-oss's has a
-sliding window shorter than the contexts here."""
+sliding window shorter than the contexts here (its experts in bf16, and in MXFP4 as stored)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,19 @@ def gpt_oss_dir(tmp_path_factory):
     return gpt_oss(tmp_path_factory.mktemp("gpt_oss_burst") / "ckpt")
 
 
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4_dir(gpt_oss_dir, tmp_path_factory):
+    from tests.helpers.checkpoints import gpt_oss_mxfp4
+
+    return gpt_oss_mxfp4(gpt_oss_dir, tmp_path_factory.mktemp("gpt_oss_mx_burst"))[0]
+
+
+@pytest.fixture(autouse=True)
+def _any_step_time(monkeypatch):
+    """A burst's length here is the cap, however long this machine's steps take."""
+    monkeypatch.setattr(burst, "BUDGET_S", 3600.0)
+
+
 @pytest.mark.parametrize("ckpt", ["mixtral_dir", "gpt_oss_dir"])
 def test_bursts_give_one_steps_tokens_and_transformers_greedy(
     native_path, ckpt, request, monkeypatch
@@ -77,6 +90,17 @@ def test_bursts_give_one_steps_tokens_and_transformers_greedy(
     hf_gap, hf_agree = _gaps(ref, hf_greedy(hf_model(path, torch.bfloat16), PROMPTS, 14))
     assert gap <= max(BF16_GAP, hf_gap), f"a token {gap:.3f} below the reference's best"
     assert agree >= min(0.9, hf_agree - 0.05), f"at the reference's argmax {agree:.0%}"
+
+
+def test_bursts_give_one_steps_tokens_with_mxfp4_experts(
+    native_path, gpt_oss_mxfp4_dir, monkeypatch
+):
+    """The MXFP4 experts multiplied as stored, in the call (their reference tests compare the
+    one-step path with transformers: test_mxfp4.py)."""
+    sp = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    tokens, lengths = _run(gpt_oss_mxfp4_dir, 4, PROMPTS, sp, monkeypatch=monkeypatch)
+    assert lengths and max(lengths) == 4, "no burst ran"
+    assert tokens == _run(gpt_oss_mxfp4_dir, 1, PROMPTS, sp)[0]
 
 
 def _gaps(ref, got: list[list[int]]) -> tuple[float, float]:
@@ -150,7 +174,8 @@ def test_a_tied_layer_in_a_burst_routes_as_in_one_step(
     assert bool(lengths) == tie_routing, "bursts ran past a layer left to torch (or not at all)"
 
 
-def test_a_bursts_length_fits_its_budget():
+def test_a_bursts_length_fits_its_budget(monkeypatch):
+    monkeypatch.setattr(burst, "BUDGET_S", 0.025)
     p = burst.Policy(cap=4)
     assert p.steps() == 1, "the first decode step is measured, not guessed"
     p.observe(0.002, 1)
