@@ -185,8 +185,8 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
  * [T] embedded, the head and its argmax run); step s > 0 embeds the argmax of step s - 1 at
  * positions pos + s, attending to lens + s keys, its K/V at the slots that blocks [T, nb] give
  * those positions (the caller allocated them). ids, weights [steps, L, T, topk] and stamps
- * [steps, L, 3] out, each step's as the stack's; argmax [steps, T] out; logits_out [T, V]: the
- * last step's. *done: the steps that ran to their head (their argmax is valid). A step after the
+ * [steps, L, 3] out, each step's as the stack's; argmax [steps, T] and logits_out [steps, T, V]
+ * out, each step's. *done: the steps that ran to their head (their argmax is valid). A step after the
  * first that ends early (a routing tie, a failure, a position past the block table) ends the
  * burst there, its partial K/V at positions no request has yet (the next step writes them);
  * the first step's return is the stack's own. Returns L where at least the first step ran. */
@@ -224,8 +224,9 @@ int afd_bf16_decode_burst(int steps, int *done, afd_stack_layer *layers, int L, 
     int r = afd_bf16_decode_stack(layers, L, h, h_attn, x, logits, p, sl, blocks, n, T, H, qin,
                                   nh, kvh, D, NB, bs, nb, E, topk, norm, I, eps, threads, isa,
                                   ids + s * per_step, weights + s * per_step, stamps + 3 * s * L,
-                                  at, final_norm, head_eps, w_head, V, logits_out,
-                                  argmax + (size_t)s * T, in, embed, vocab);
+                                  at, final_norm, head_eps, w_head, V,
+                                  logits_out + (size_t)s * T * V, argmax + (size_t)s * T, in,
+                                  embed, vocab);
     if (r != L) {
       if (s == 0) rc = r;
       break;

@@ -81,10 +81,11 @@ class StackResult:
     stamps: torch.Tensor  # [L, 3] float64: each layer's start, attention end, experts end
     head_logits: torch.Tensor | None = None  # [T, V] float32: the LM head's (asked, done == L)
     head_argmax: torch.Tensor | None = None  # [T] int64: each row's argmax of head_logits
-    # a burst (steps > 1 asked): each step's argmax [steps, T] int64, the steps that ran to
-    # their head; ids, weights [steps * L, T, k] and stamps [steps * L, 3] are then every
-    # step's in turn, head_logits and head_argmax the last step's
+    # a burst (steps > 1 asked): each step's argmax [steps, T] int64 and logits [steps, T, V]
+    # float32, the steps that ran to their head; ids, weights [steps * L, T, k] and stamps
+    # [steps * L, 3] are then every step's in turn, head_logits and head_argmax the last step's
     tokens: torch.Tensor | None = None
+    step_logits: torch.Tensor | None = None
 
 
 class NativeDecodeStack:
@@ -184,7 +185,7 @@ class NativeDecodeStack:
         at = ctypes.c_int(0)
         layers = ctypes.addressof(self._layers) + start * ctypes.sizeof(StackLayer)
         V = head.weight.shape[0] if head is not None else 0
-        out = torch.empty(T, V, dtype=torch.float32) if head is not None else None
+        out = torch.empty(steps, T, V, dtype=torch.float32) if head is not None else None
         argmax = torch.empty(steps, T, dtype=torch.long) if head is not None else None
         head_args = (
             (head.final_norm.data_ptr(), head.eps, head.weight.data_ptr(), V, out.data_ptr(),
@@ -222,18 +223,18 @@ class NativeDecodeStack:
             )
         ran = rc == L
         if steps == 1:
+            ok = ran and out is not None and argmax is not None
             return StackResult(
                 rc, h, h_attn, x, logits, ids, weights, stamps,
-                out if ran else None, argmax[0] if ran and argmax is not None else None,
+                out[0] if ok else None, argmax[0] if ok else None,
             )  # fmt: skip
         if not ran:  # the first step's result, as a one-step call leaves it
             return StackResult(rc, h, h_attn, x, logits, ids[:L], weights[:L], stamps[:L])
         n = ran_steps.value  # the steps that ran, the first at least
         assert argmax is not None and out is not None
-        tokens = argmax[:n]
         return StackResult(
             rc, h, h_attn, x, logits, ids[: n * L], weights[: n * L], stamps[: n * L],
-            out, tokens[-1], tokens,
+            out[n - 1], argmax[n - 1], argmax[:n], out[:n],
         )  # fmt: skip
 
 

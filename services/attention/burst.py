@@ -11,8 +11,8 @@ K/V lies in the request's own blocks, freed with it).
 
 A burst is planned after the step's schedule (`extend`) and only where:
 - every scheduled request decodes one token (no prefill, no drafts) and is sampled greedily
-  with nothing that reads or changes its logits (logprobs, penalties, biases, banned or
-  allowed tokens, a grammar, min_tokens still to come);
+  with nothing that changes its logits (penalties, biases, banned or allowed tokens, a
+  grammar, min_tokens still to come); logprobs are read from each step's logits afterwards;
 - no request is waiting: a burst delays the next admission by its length;
 - every request has room for the burst's tokens (max_tokens, the context) and its blocks for
   them can be allocated without a preemption.
@@ -73,11 +73,11 @@ def extend(scheduler: Scheduler, plan: SchedulerOutput, steps: int) -> Scheduler
 
 
 def _plain(req) -> bool:
-    """Greedy, and nothing but the argmax decides the next token."""
+    """Greedy, and nothing but the argmax decides the next token (logprobs are read from each
+    step's logits after the call: runner.py)."""
     sp = req.sampling
     return (
         sp.greedy
-        and sp.logprobs is None
         and not sp.adjusts_logits
         and not sp.allowed_token_ids
         and not sp.bad_words

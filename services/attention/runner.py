@@ -92,8 +92,8 @@ class ModelRunner:
         if not seqs:
             return out
         burst = self.stack.take_burst() if self.stack is not None else None
-        if burst is not None:  # [steps, B]: every row's greedy pick at each step, in order
-            return _burst_out(burst, seqs, out)
+        if burst is not None:  # every row's greedy pick at each step, in order
+            return _burst_out(*burst, seqs, out)
         parts = [x for x in per_mb if x.numel()]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B + drafts, V] float32
         if any(s.draft_ids for s in seqs):
@@ -219,13 +219,22 @@ class ModelRunner:
         self.guides.release(request_id)
 
 
-def _burst_out(tokens: torch.Tensor, seqs: list[ScheduledSeq], out: Executed) -> Executed:
-    """A burst's tokens [steps, B] as each request's kept drafts and its last token: the update
-    appends them in turn, and each may end the request (burst.py)."""
+def _burst_out(
+    tokens: torch.Tensor,  # [steps, B] int64: each step's pick for every row
+    logits: torch.Tensor,  # [steps, B, V] float32: what each was picked from
+    seqs: list[ScheduledSeq],
+    out: Executed,
+) -> Executed:
+    """A burst's tokens as each request's kept drafts and its last token (the update appends
+    them in turn, and each may end the request: burst.py), with their logprobs where asked."""
     out.steps = tokens.shape[0]
-    for s, row in zip(seqs, tokens.t().tolist(), strict=True):
-        rid = s.request.request_id
-        out.kept[rid] = [(t, None) for t in row[:-1]]
+    for i, (s, row) in enumerate(zip(seqs, tokens.t().tolist(), strict=True)):
+        rid, top = s.request.request_id, s.request.sampling.logprobs
+        lps: list[Logprob | None] = [None] * len(row)
+        if top is not None:  # as `sample` reports them, from the same rows of logits
+            got = logprobs_of(logits[:, i], row, top)
+            out.logprobs[rid], lps = got[-1], [*got]
+        out.kept[rid] = list(zip(row[:-1], lps[:-1], strict=True))
         out.sampled[rid] = row[-1]
     return out
 

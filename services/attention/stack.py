@@ -49,7 +49,8 @@ class DecodeStack:
         # handed out, their argmax)
         self._logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._argmax: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._burst: torch.Tensor | None = None  # [steps, T] int64: the last call's burst
+        # the last call's burst: its tokens [steps, T] int64 and logits [steps, T, V] float32
+        self._burst: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def applies(self, mb: MicroBatch) -> bool:
         """Whether this step's micro-batch runs its stacks (checked once a step)."""
@@ -105,7 +106,7 @@ class DecodeStack:
         if n > 1:  # every step's routing by layer: [L, n * T, k]; a run of a layer per stamp
             ids = r.ids.view(n, r.done, T, -1).transpose(0, 1).reshape(r.done, n * T, -1)
             ffn.ran_inline(layer, ids, r.stamps, tokens=T)
-            self._burst = r.tokens
+            self._burst = (r.tokens, r.step_logits)
         else:
             ffn.ran_inline(layer, r.ids[: r.done], r.stamps[: r.done])
         if layer + r.done == end:
@@ -117,9 +118,10 @@ class DecodeStack:
         ids, weights = model.route_fn(r.logits, model.cfg, model.layers[at].router_bias)
         return at + 1, r.h_attn, ffn.send(at, 0, r.x, ids, weights)
 
-    def take_burst(self) -> torch.Tensor | None:
-        """The tokens [steps, T] int64 (steps > 1) of this step's burst, once: each step's
-        greedy pick for every row, in the micro-batch's order; else None."""
+    def take_burst(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This step's burst, once: (tokens [steps, T] int64, logits [steps, T, V] float32),
+        steps > 1, each step's greedy pick for every row (in the micro-batch's order) and the
+        logits it was picked from; else None."""
         found, self._burst = self._burst, None
         return found
 

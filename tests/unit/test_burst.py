@@ -1,7 +1,7 @@
 """Bursts (services/attention/burst.py): greedy decode steps in one native call, each fed the
 last one's argmax. Against `transformers` on the same checkpoint, against one step per call,
-and at the edges: a stop token or max_tokens inside a burst, a request that reads its logits
-in the batch, a request waiting for a slot, the prefix cache reading K/V a burst wrote.
+and at the edges: a stop token or max_tokens inside a burst, logprobs, a request whose logits
+a penalty changes, a request waiting for a slot, the prefix cache reading K/V a burst wrote.
 Mixtral's test model is one stack with the head in the call (bursts run), gpt-oss's has a
 sliding window shorter than the contexts here (its experts in bf16, and in MXFP4 as stored)."""
 
@@ -39,14 +39,7 @@ def _run(path, steps: int, prompts, params, seqs: int = 8, monkeypatch=None, pre
     lengths: list[int] = []
     if monkeypatch is not None:
         take = DecodeStack.take_burst
-
-        def spy(self):
-            found = take(self)
-            if found is not None:
-                lengths.append(found.shape[0])
-            return found
-
-        monkeypatch.setattr(DecodeStack, "take_burst", spy)
+        monkeypatch.setattr(DecodeStack, "take_burst", lambda self: _seen(take(self), lengths))
     with local_engine(_config(path, steps, seqs), 1, progress=False) as eng:
         if prepare is not None:
             prepare(eng)
@@ -125,12 +118,41 @@ def test_a_stop_or_the_length_inside_a_burst_ends_the_request_there(
     assert got == want[0] and len(got) == 13
 
 
-def test_no_burst_where_a_request_reads_its_logits_or_waits(native_path, mixtral_dir, monkeypatch):
+def test_a_bursts_logprobs_are_one_steps(native_path, mixtral_dir, monkeypatch):
+    """Logprobs (the chosen token's and the top 3) read from each step's logits after the call:
+    the same numbers as one step a call reports."""
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    scored = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
-    want, _ = _run(mixtral_dir, 1, PROMPTS[:2], [greedy, scored])
-    got, lengths = _run(mixtral_dir, 4, PROMPTS[:2], [greedy, scored], monkeypatch=monkeypatch)
-    assert got == want and not lengths, "a burst ran beside a request that asked for logprobs"
+    scored = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+
+    def run(steps, mp=None):
+        lengths: list[int] = []
+        if mp is not None:
+            take = DecodeStack.take_burst
+            mp.setattr(DecodeStack, "take_burst", lambda s: _seen(take(s), lengths))
+        with local_engine(_config(mixtral_dir, steps), 1, progress=False) as eng:
+            reqs = eng.generate(PROMPTS[:2], [scored, greedy])
+        return [(r.output_token_ids, r.output_logprobs) for r in reqs], lengths
+
+    got, lengths = run(4, monkeypatch)
+    want, _ = run(1)
+    assert lengths, "no burst ran"
+    assert got[0][0] == want[0][0] and got[1][0] == want[1][0]
+    assert got[0][1] == want[0][1] and len(got[0][1]) == 10  # each token's, the same bits
+    assert all(len(lp.top) == 3 for lp in got[0][1]) and got[1][1] == []
+
+
+def _seen(found, lengths: list[int]):
+    if found is not None:
+        lengths.append(found[0].shape[0])
+    return found
+
+
+def test_no_burst_beside_a_penalty_or_while_a_request_waits(native_path, mixtral_dir, monkeypatch):
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, presence_penalty=1)
+    want, _ = _run(mixtral_dir, 1, PROMPTS[:2], [greedy, penalized])
+    got, lengths = _run(mixtral_dir, 4, PROMPTS[:2], [greedy, penalized], monkeypatch=monkeypatch)
+    assert got == want and not lengths, "a burst ran beside a request with a penalty"
     # one slot, two requests: the first runs without bursts while the second waits, then the
     # second bursts alone
     want, _ = _run(mixtral_dir, 1, PROMPTS[:2], greedy, seqs=1)
