@@ -20,6 +20,18 @@ def mixtral_dir(tmp_path_factory):
     return checkpoints.mixtral(tmp_path_factory.mktemp("mixtral"))
 
 
+@pytest.fixture(scope="session")
+def gpt_oss_dir(tmp_path_factory):
+    """gpt-oss's test checkpoint: biases, sinks, a sliding window of 8, BF16 experts."""
+    return checkpoints.gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_mxfp4_dir(gpt_oss_dir, tmp_path_factory):
+    """The same model with its experts in MXFP4 (the checkpoint layout)."""
+    return checkpoints.gpt_oss_mxfp4(gpt_oss_dir, tmp_path_factory.mktemp("gpt_oss_mx"))[0]
+
+
 @pytest.fixture(params=kernels.NATIVE or [pytest.param(None, marks=kernels.NO_NATIVE)])
 def native_path(request, monkeypatch):
     """Each of afd's own kernel paths this machine runs (AVX2, AVX-512 BF16, AMX), active for the

@@ -180,16 +180,17 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
 }
 
 /* `steps` decode steps of the stack above, each one's input the argmax of the step before:
- * greedy decoding's next `steps` tokens in one call (the engine's burst, scheduler.py), without
- * Python between the steps. The first step is afd_bf16_decode_stack's call as given (tokens
- * [T] embedded, the head and its argmax run); step s > 0 embeds the argmax of step s - 1 at
- * positions pos + s, attending to lens + s keys, its K/V at the slots that blocks [T, nb] give
- * those positions (the caller allocated them). ids, weights [steps, L, T, topk] and stamps
- * [steps, L, 3] out, each step's as the stack's; argmax [steps, T] and logits_out [steps, T, V]
- * out, each step's. *done: the steps that ran to their head (their argmax is valid). A step after the
- * first that ends early (a routing tie, a failure, a position past the block table) ends the
- * burst there, its partial K/V at positions no request has yet (the next step writes them);
- * the first step's return is the stack's own. Returns L where at least the first step ran. */
+ * greedy decoding's next `steps` tokens in one call (the engine's burst,
+ * services/attention/burst.py), without Python between the steps. The first step is
+ * afd_bf16_decode_stack's call as given (tokens [T] embedded, the head and its argmax run);
+ * step s > 0 embeds the argmax of step s - 1 at positions pos + s, attending to lens + s keys,
+ * its K/V at the slots that blocks [T, nb] give those positions (the caller allocated them).
+ * ids, weights [steps, L, T, topk] and stamps [steps, L, 3] out, each step's as the stack's;
+ * argmax [steps, T] and logits_out [steps, T, V] out, each step's. *done: the steps that ran
+ * to their head (their argmax and logits are valid). A step after the first that ends early (a
+ * routing tie, a failure, a position past the block table) ends the burst there, its partial
+ * K/V at positions no request has yet (the next step writes them); the first step's return is
+ * the stack's own. Returns L where at least the first step ran. */
 int afd_bf16_decode_burst(int steps, int *done, afd_stack_layer *layers, int L, uint16_t *h,
                           uint16_t *h_attn, uint16_t *x, uint16_t *logits, const int64_t *pos,
                           const int64_t *slots, const int64_t *blocks, const int64_t *lens,

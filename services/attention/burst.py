@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from services.attention.request import Request
 from services.attention.scheduler import Scheduler, SchedulerOutput
 from services.attention.speculative import room
 
@@ -72,7 +73,7 @@ def extend(scheduler: Scheduler, plan: SchedulerOutput, steps: int) -> Scheduler
     return replace(plan, scheduled=bursting)
 
 
-def _plain(req) -> bool:
+def _plain(req: Request) -> bool:
     """Greedy, and nothing but the argmax decides the next token (logprobs are read from each
     step's logits after the call: runner.py)."""
     sp = req.sampling

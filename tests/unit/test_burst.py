@@ -47,20 +47,6 @@ def _run(path, steps: int, prompts, params, seqs: int = 8, monkeypatch=None, pre
     return [r.output_token_ids for r in reqs], lengths
 
 
-@pytest.fixture(scope="module")
-def gpt_oss_dir(tmp_path_factory):
-    from tests.helpers.checkpoints import gpt_oss
-
-    return gpt_oss(tmp_path_factory.mktemp("gpt_oss_burst") / "ckpt")
-
-
-@pytest.fixture(scope="module")
-def gpt_oss_mxfp4_dir(gpt_oss_dir, tmp_path_factory):
-    from tests.helpers.checkpoints import gpt_oss_mxfp4
-
-    return gpt_oss_mxfp4(gpt_oss_dir, tmp_path_factory.mktemp("gpt_oss_mx_burst"))[0]
-
-
 @pytest.fixture(autouse=True)
 def _any_step_time(monkeypatch):
     """A burst's length here is the cap, however long this machine's steps take."""

@@ -57,20 +57,6 @@ def _generate(path, stack: bool, prepare=None, logprobs: int | None = 1):
         return tokens, logprobs, eng.dispatcher.expert_load.clone(), ran, inline
 
 
-@pytest.fixture(scope="module")
-def gpt_oss_dir(tmp_path_factory):
-    from tests.helpers.checkpoints import gpt_oss
-
-    return gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "ckpt")
-
-
-@pytest.fixture(scope="module")
-def gpt_oss_mxfp4_dir(gpt_oss_dir, tmp_path_factory):
-    from tests.helpers.checkpoints import gpt_oss_mxfp4
-
-    return gpt_oss_mxfp4(gpt_oss_dir, tmp_path_factory.mktemp("gpt_oss_mx"))[0]
-
-
 @pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir", "gpt_oss_dir", "gpt_oss_mxfp4_dir"])
 def test_the_stack_gives_the_layer_loops_tokens_and_logprobs(native_path, ckpt, request):
     path = request.getfixturevalue(ckpt)

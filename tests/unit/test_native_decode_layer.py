@@ -29,13 +29,6 @@ def step3_dir(tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module")
-def gpt_oss_dir(tmp_path_factory):
-    from tests.helpers.checkpoints import gpt_oss
-
-    return gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "ckpt")
-
-
 @pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir", "step3_dir", "gpt_oss_dir"])
 def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckpt, request):
     cfg = ModelConfig.from_hf(request.getfixturevalue(ckpt))
