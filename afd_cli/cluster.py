@@ -30,6 +30,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from afd import hugepages
 from afd.config import CacheConfig, check, check_device
 from afd.errors import AfdError
 from afd.flags import EXPERT_FLAGS, field_default, served_name
@@ -288,6 +289,8 @@ class Cluster:
     def launch(self, child: Child) -> None:
         """Start (or start again) one child, with the same command line: the same ports."""
         env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **self.env, **child.env}
+        if child.name != "gateway":  # a server that loads weights: in 2 MiB pages as it does
+            env |= hugepages.child_env(env)
         parent = os.getpid()
         child.proc = subprocess.Popen(
             child.argv,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from afd import hugepages
 from afd.config import EngineConfig
 from afd.control import SamplingParams, Stats
 from afd.device import memory as device_memory
@@ -129,6 +130,8 @@ class Engine:
         self._outage_since: float | None = None  # monotonic: a shard lost its last replica
         # greedy decode steps in one native call where the stack runs (burst.py)
         self._bursts = burst.Policy(cfg.num_scheduler_steps if cfg.decode_stack else 1)
+        if device.type == "cpu":  # the weights and KV cache read every step: in 2 MiB pages
+            hugepages.back_loaded()
 
     def _num_blocks(self, layout: CacheLayout, dtype: torch.dtype) -> int:
         """The KV pool's size: on the host as the cache config says; on a CUDA device (without

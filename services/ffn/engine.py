@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from afd import hugepages
 from afd.blockfp8 import BlockFP8, cat_rows
 from afd.checkpoint import load_weights
 from afd.config import ExpertConfig, ModelConfig
@@ -87,6 +88,8 @@ class FFNEngine:
                 self.dense[i] = _mlp(w, f"layers.{i}.mlp", act)
         del w
         release_load_memory()
+        if device.type == "cpu":  # the experts, streamed from DRAM every step: in 2 MiB pages
+            hugepages.back_loaded()
         if cfg.mxfp4_experts:
             log.info("MXFP4 experts, computed %s", self.expert_compute)
 
