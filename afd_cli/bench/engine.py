@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> dict:
     import transformers
     from transformers import AutoModelForCausalLM
 
+    from afd import hugepages
     from afd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from afd.kernels import paths
     from afd_cli.local import local_engine
@@ -222,6 +223,9 @@ def run(args: argparse.Namespace) -> dict:
             **bound,
         },
         "cpu": _cpu(),
+        # the weights, KV caches and read buffer in 2 MiB pages (afd/hugepages.py): the read
+        # rate above is then the box's best, the same pages as the weights it bounds
+        "huge_pages_gib": round(hugepages.resident_huge() / 2**30, 2),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "transformers_attention": hf["bf16"].config._attn_implementation,
