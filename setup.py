@@ -67,6 +67,7 @@ def _kernels() -> list[Extension]:
                     "experts",
                     "bitmask",
                     "argmax",
+                    "sample",
                     "topk",
                     "runs",
                 )

@@ -208,7 +208,7 @@ class EngineConfig:
     # A decode step's layers in one native call where attention and the one expert shard share
     # this process (services/attention/stack.py); False: the layer loop (the same bits).
     decode_stack: bool = True
-    # Up to this many greedy decode steps in that one call, each from the last one's pick,
+    # Up to this many decode steps in that one call, each from the tokens the last one chose,
     # where a step's every request may take them (services/attention/burst.py); 1: one step
     num_scheduler_steps: int = 4
     a2f_dtype: str = "fp8"  # hidden states on the wire attention -> FFN: fp8 | bf16 | fp32

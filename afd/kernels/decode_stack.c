@@ -77,6 +77,9 @@ static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamp
 }
 
 int afd_argmax_rows(const float *x, int B, int V, int64_t *out, int threads);
+int afd_sample_rows(const float *logits, int T, int V, const float *temperature,
+                    const int32_t *top_k, const float *top_p, const float *min_p,
+                    const float *uniform, int64_t *out);
 
 /* logits [T, V] fp32 <- fp32(bf16(rms_norm(h) @ w_head^T)): the model's head, the same calls
  * (norm_rope.c, the matmul of isa) and roundings as its per-op path. Returns 0 or -1. */
@@ -179,18 +182,21 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
   return rc;
 }
 
-/* `steps` decode steps of the stack above, each one's input the argmax of the step before:
- * greedy decoding's next `steps` tokens in one call (the engine's burst,
+/* `steps` decode steps of the stack above, each one's input the token chosen at the step
+ * before: the next `steps` tokens in one call (the engine's burst,
  * services/attention/burst.py), without Python between the steps. The first step is
  * afd_bf16_decode_stack's call as given (tokens [T] embedded, the head and its argmax run);
- * step s > 0 embeds the argmax of step s - 1 at positions pos + s, attending to lens + s keys,
- * its K/V at the slots that blocks [T, nb] give those positions (the caller allocated them).
+ * step s > 0 embeds the token chosen at step s - 1 at positions pos + s, attending to lens + s
+ * keys, its K/V at the slots that blocks [T, nb] give those positions (the caller allocated
+ * them). A row's token is its argmax, or with temperature given and the row's above 0, a draw
+ * from its logits (sample.c: temperature, top_k, top_p, min_p [T], uniform [steps, T]).
  * ids, weights [steps, L, T, topk] and stamps [steps, L, 3] out, each step's as the stack's;
- * argmax [steps, T] and logits_out [steps, T, V] out, each step's. *done: the steps that ran
- * to their head (their argmax and logits are valid). A step after the first that ends early (a
- * routing tie, a failure, a position past the block table) ends the burst there, its partial
- * K/V at positions no request has yet (the next step writes them); the first step's return is
- * the stack's own. Returns L where at least the first step ran. */
+ * argmax [steps, T] (each step's chosen tokens) and logits_out [steps, T, V] out. *done: the
+ * steps that ran to their head with their tokens chosen. A step after the first that ends
+ * early (a routing tie, a failure, a position past the block table, a row sample.c could not
+ * draw from) ends the burst there, its partial K/V at positions no request has yet (the next
+ * step writes them); the first step's return is the stack's own (where its draw failed, the
+ * caller draws from its logits). Returns L where at least the first step ran. */
 int afd_bf16_decode_burst(int steps, int *done, afd_stack_layer *layers, int L, uint16_t *h,
                           uint16_t *h_attn, uint16_t *x, uint16_t *logits, const int64_t *pos,
                           const int64_t *slots, const int64_t *blocks, const int64_t *lens,
@@ -199,7 +205,9 @@ int afd_bf16_decode_burst(int steps, int *done, afd_stack_layer *layers, int L, 
                           int32_t *ids, float *weights, double *stamps, int *at,
                           const uint16_t *final_norm, float head_eps, const uint16_t *w_head,
                           int V, float *logits_out, int64_t *argmax, const int64_t *tokens,
-                          const uint16_t *embed, int64_t vocab) {
+                          const uint16_t *embed, int64_t vocab, const float *temperature,
+                          const int32_t *top_k, const float *top_p, const float *min_p,
+                          const float *uniform) {
   *done = 0;
   if (steps < 1 || !final_norm || !argmax || !tokens) return -1;
   int64_t *p = (int64_t *)malloc((size_t)T * 3 * sizeof(int64_t));
@@ -221,7 +229,7 @@ int afd_bf16_decode_burst(int steps, int *done, afd_stack_layer *layers, int L, 
       }
       if (past) break;
     }
-    const int64_t *in = s == 0 ? tokens : argmax + (size_t)(s - 1) * T;
+    const int64_t *in = s == 0 ? tokens : argmax + (size_t)(s - 1) * T; /* chosen at s - 1 */
     int r = afd_bf16_decode_stack(layers, L, h, h_attn, x, logits, p, sl, blocks, n, T, H, qin,
                                   nh, kvh, D, NB, bs, nb, E, topk, norm, I, eps, threads, isa,
                                   ids + s * per_step, weights + s * per_step, stamps + 3 * s * L,
@@ -230,6 +238,12 @@ int afd_bf16_decode_burst(int steps, int *done, afd_stack_layer *layers, int L, 
                                   embed, vocab);
     if (r != L) {
       if (s == 0) rc = r;
+      break;
+    }
+    if (temperature && afd_sample_rows(logits_out + (size_t)s * T * V, T, V, temperature, top_k,
+                                       top_p, min_p, uniform + (size_t)s * T,
+                                       argmax + (size_t)s * T)) {
+      if (s == 0) *done = 1;
       break;
     }
     *done = s + 1;

@@ -16,6 +16,7 @@ from afd.kernels.decode_layer import NativeDecodeLayer
 from afd.kernels.moe import ACTS, NativeExperts
 from afd.kernels.mxfp4 import FusedExperts
 from afd.kernels.mxfp4 import isa as mxfp4_isa
+from afd.kernels.sample import Draws
 
 _POINTERS = (
     "attn_norm", "ffn_norm", "w_qkv", "q_norm", "k_norm", "inter_norm", "w_q", "w_o",
@@ -80,10 +81,12 @@ class StackResult:
     weights: torch.Tensor  # [L, T, k] float32
     stamps: torch.Tensor  # [L, 3] float64: each layer's start, attention end, experts end
     head_logits: torch.Tensor | None = None  # [T, V] float32: the LM head's (asked, done == L)
-    head_argmax: torch.Tensor | None = None  # [T] int64: each row's argmax of head_logits
-    # a burst (steps > 1 asked): each step's argmax [steps, T] int64 and logits [steps, T, V]
-    # float32, the steps that ran to their head; ids, weights [steps * L, T, k] and stamps
-    # [steps * L, 3] are then every step's in turn, head_logits and head_argmax the last step's
+    # [T] int64: each row's argmax of head_logits (after a burst, a sampled row's draw)
+    head_argmax: torch.Tensor | None = None
+    # a burst (steps > 1 asked): each step's chosen tokens [steps, T] int64 (a greedy row's
+    # argmax, a sampled row's draw) and logits [steps, T, V] float32, the steps that ran to
+    # their head; ids, weights [steps * L, T, k] and stamps [steps * L, 3] are then every
+    # step's in turn, head_logits and head_argmax the last step's
     tokens: torch.Tensor | None = None
     step_logits: torch.Tensor | None = None
 
@@ -154,7 +157,8 @@ class NativeDecodeStack:
         start: int = 0,  # the first of the stack's layers to run (after a tie, the next one)
         head: StackHead | None = None,  # the LM head too, where the call ends the model
         embed: tuple[torch.Tensor, torch.Tensor] | None = None,  # with h None: (tokens, table)
-        steps: int = 1,  # > 1: a burst of greedy steps (decode_stack.c: afd_bf16_decode_burst)
+        steps: int = 1,  # > 1: a burst of steps (decode_stack.c: afd_bf16_decode_burst)
+        draws: Draws | None = None,  # a burst's sampled rows (greedy where None)
     ) -> StackResult:
         """With h None, the call embeds first: h = table[tokens] (tokens [T] long, table
         [V, H] bf16 contiguous, the model's embedding), as F.embedding would. A burst embeds
@@ -195,17 +199,19 @@ class NativeDecodeStack:
         )  # fmt: skip
         ran_steps = ctypes.c_int(1)
         lib = gemm._lib()
+        sampled = draws.args() if draws is not None else (None,) * 5
         call = (
             lib.afd_bf16_decode_stack if steps == 1
             else partial(lib.afd_bf16_decode_burst, steps, ctypes.byref(ran_steps))
         )  # fmt: skip
+        tail = () if steps == 1 else sampled
         rc = call(
             layers, L, h.data_ptr(), h_attn.data_ptr(), x.data_ptr(), logits.data_ptr(),
             positions.data_ptr(), slots.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
             T, self.hidden, self.q_in, self.nh, self.kvh, self.d, NB, bs, blocks.shape[1],
             self.router_experts, k, self.norm, self.inter, self.eps, torch.get_num_threads(),
             self.isa, ids.data_ptr(), weights.data_ptr(), stamps.data_ptr(), ctypes.byref(at),
-            *head_args, *embed_args,
+            *head_args, *embed_args, *tail,
         )  # fmt: skip
         if rc == -4:
             bad = int(tokens[at.value]) if tokens is not None else -1

@@ -76,12 +76,15 @@ def _lib() -> ctypes.CDLL | None:
     stack += [p, p, p, L]  # the head's argmax; the tokens to embed and the embedding
     lib.afd_bf16_decode_stack.argtypes = stack
     lib.afd_bf16_decode_stack.restype = i
-    lib.afd_bf16_decode_burst.argtypes = [i, p, *stack]  # the steps, how many ran
+    # the steps, how many ran; the stack's; each row's sampling and each step's uniforms
+    lib.afd_bf16_decode_burst.argtypes = [i, p, *stack, p, p, p, p, p]
     lib.afd_bf16_decode_burst.restype = i
     lib.afd_apply_bitmask.argtypes = [p, p, i, i, p, i, i]
     lib.afd_apply_bitmask.restype = i
     lib.afd_argmax_rows.argtypes = [p, i, i, p, i]
     lib.afd_argmax_rows.restype = i
+    lib.afd_sample_rows.argtypes = [p, i, i, p, p, p, p, p, p]
+    lib.afd_sample_rows.restype = i
     lib.afd_act_rows.argtypes = [p, i, i, i, f, f, p]
     lib.afd_act_rows.restype = i
     lib.afd_topk_known.argtypes = [i, i]

@@ -314,7 +314,7 @@ def add_parser(sub) -> None:
         "--num-scheduler-steps",
         type=int,
         default=EngineConfig.num_scheduler_steps,
-        help="greedy decode steps per native call, at most (1: a call per step)",
+        help="decode steps per native call, at most (1: a call per step)",
     )
     p.add_argument(
         "--kernels",

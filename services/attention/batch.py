@@ -25,7 +25,7 @@ class MicroBatch:
     prompt_owners: tuple[tuple[str, int], ...] = ()
     # sample_rows is every row in order (a decode step): the head takes the hidden as it is
     samples_all: bool = False
-    # greedy steps the native stack may run in one call (burst.py), each row's
+    # decode steps the native stack may run in one call (burst.py), each row's
     # blocks covering positions + burst - 1
     burst: int = 1
 

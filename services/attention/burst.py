@@ -1,18 +1,23 @@
-"""Bursts: several greedy decode steps in one native call (vLLM's multi-step scheduling).
+"""Bursts: several decode steps in one native call (vLLM's multi-step scheduling).
 
 Where the decode step is one native call (stack.py), what is left of a step at batch 1 is the
 Python around that call: scheduling, the batch's tensors, the call's arguments, the update and
-its events, a tenth of the step on a fast box. Where every request of a step decodes greedily
-and nothing but the argmax decides its next token, the call itself can go on: it feeds each
-step's argmax to the next (decode_stack.c: afd_bf16_decode_burst) and the Python runs once for
-the burst. The update then takes each request's tokens as a speculating request's kept drafts
-(scheduler.update: each one may end it; what a burst computed after an end is dropped, and its
-K/V lies in the request's own blocks, freed with it).
+its events, a tenth of the step on a fast box. Where nothing but the request's own logits and
+sampling parameters decides each next token, the call itself can go on: it feeds each step's
+tokens to the next (decode_stack.c: afd_bf16_decode_burst), a greedy row's argmax or a sampled
+row's draw (sample.c: temperature, min-p, top-k, top-p, from uniform numbers drawn before the
+call from torch's global generator), and the Python runs once for the burst. The update then
+takes each request's tokens as a speculating request's kept drafts (scheduler.update: each one
+may end it; what a burst computed after an end is dropped, and its K/V lies in the request's
+own blocks, freed with it).
 
 A burst is planned after the step's schedule (`extend`) and only where:
-- every scheduled request decodes one token (no prefill, no drafts) and is sampled greedily
-  with nothing that changes its logits (penalties, biases, banned or allowed tokens, a
-  grammar, min_tokens still to come); logprobs are read from each step's logits afterwards;
+- every scheduled request decodes one token (no prefill, no drafts) with nothing that changes
+  its logits (penalties, biases, banned or allowed tokens, a grammar, min_tokens still to
+  come); logprobs are read from each step's logits afterwards;
+- a sampled request has no seed of its own and the engine's generator none either
+  (--sampling-seed): a burst's draws differ from a step's, and its length follows the box's
+  speed, so a seeded request's tokens would change from run to run;
 - no request is waiting: a burst delays the next admission by its length;
 - every request has room for the burst's tokens (max_tokens, the context) and its blocks for
   them can be allocated without a preemption.
@@ -54,14 +59,17 @@ class Policy:
         self._step_s = per if self._step_s <= 0.0 else 0.8 * self._step_s + 0.2 * per
 
 
-def extend(scheduler: Scheduler, plan: SchedulerOutput, steps: int) -> SchedulerOutput:
+def extend(
+    scheduler: Scheduler, plan: SchedulerOutput, steps: int, sampled: bool = True
+) -> SchedulerOutput:
     """`plan` with each scheduled request's burst set (and its blocks allocated) where the
-    whole step may run `steps` > 1 greedy steps in one call; else `plan` as it is."""
+    whole step may run `steps` > 1 steps in one call; else `plan` as it is. `sampled`: whether
+    unseeded sampled requests may burst (the engine's generator has no seed)."""
     if steps <= 1 or not plan.scheduled or scheduler.num_waiting or plan.preempted:
         return plan
     n = steps
     for s in plan.scheduled:
-        if s.num_new_tokens != 1 or not s.sample or s.draft_ids or not _plain(s.request):
+        if s.num_new_tokens != 1 or not s.sample or s.draft_ids or not _plain(s.request, sampled):
             return plan
         n = min(n, room(s.request, scheduler.max_model_len) + 1)
     if n <= 1:
@@ -73,12 +81,13 @@ def extend(scheduler: Scheduler, plan: SchedulerOutput, steps: int) -> Scheduler
     return replace(plan, scheduled=bursting)
 
 
-def _plain(req: Request) -> bool:
-    """Greedy, and nothing but the argmax decides the next token (logprobs are read from each
-    step's logits after the call: runner.py)."""
+def _plain(req: Request, sampled: bool) -> bool:
+    """Nothing but the logits and the sampling parameters decide the next token: greedy, or
+    (`sampled`) drawn without a seed (logprobs are read from each step's logits after the
+    call: runner.py)."""
     sp = req.sampling
     return (
-        sp.greedy
+        (sp.greedy or (sampled and sp.seed is None))
         and not sp.adjusts_logits
         and not sp.allowed_token_ids
         and not sp.bad_words

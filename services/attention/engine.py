@@ -128,7 +128,7 @@ class Engine:
         )
         self._ids = itertools.count()
         self._outage_since: float | None = None  # monotonic: a shard lost its last replica
-        # greedy decode steps in one native call where the stack runs (burst.py)
+        # decode steps in one native call where the stack runs (burst.py)
         self._bursts = burst.Policy(cfg.num_scheduler_steps if cfg.decode_stack else 1)
         if device.type == "cpu":  # the weights and KV cache read every step: in 2 MiB pages
             hugepages.back_loaded()
@@ -266,7 +266,9 @@ class Engine:
         t0 = time.perf_counter()
         # a burst only where the stack can run it: the one shard is called in process
         steps = self._bursts.steps() if self.dispatcher.inline_shard() is not None else 1
-        plan = burst.extend(self.scheduler, self.scheduler.schedule(), steps)
+        plan = burst.extend(
+            self.scheduler, self.scheduler.schedule(), steps, self.cfg.sampling_seed < 0
+        )
         tokens = sum(s.num_new_tokens for s in plan.scheduled)
         if not plan.scheduled:
             return StepResult()

@@ -74,9 +74,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             e,
             "num_scheduler_steps",
             help="decode steps per scheduling, at most (vLLM's multi-step): where attention and "
-            "the one expert shard share this process and every running request is greedy, "
-            "the native stack runs up to this many steps in one call, each from the last one's "
-            "pick, while no request waits and a burst stays within ~25 ms (1: one step a call)",
+            "the one expert shard share this process and every running request is greedy or "
+            "sampled without a seed, the native stack runs up to this many steps in one call, "
+            "each from the tokens the last one chose, while no request waits and a burst stays "
+            "within ~25 ms (1: one step a call)",
         ),
         option(
             g,

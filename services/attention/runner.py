@@ -92,7 +92,7 @@ class ModelRunner:
         if not seqs:
             return out
         burst = self.stack.take_burst() if self.stack is not None else None
-        if burst is not None:  # every row's greedy pick at each step, in order
+        if burst is not None:  # every row's token at each step, in order
             return _burst_out(*burst, seqs, out)
         parts = [x for x in per_mb if x.numel()]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B + drafts, V] float32
@@ -220,7 +220,7 @@ class ModelRunner:
 
 
 def _burst_out(
-    tokens: torch.Tensor,  # [steps, B] int64: each step's pick for every row
+    tokens: torch.Tensor,  # [steps, B] int64: each step's token for every row
     logits: torch.Tensor,  # [steps, B, V] float32: what each was picked from
     seqs: list[ScheduledSeq],
     out: Executed,

@@ -18,7 +18,7 @@ logits are needed) and still leaves its blocks in the cache.
 
 With speculative decoding (speculative.py) a decoding request's chunk is its last token and its
 drafts; `update()` counts the drafts the runner kept as computed and appends them as output, as
-it does a burst's tokens (burst.py: greedy steps in one call, planned after `schedule()`)."""
+it does a burst's tokens (burst.py: decode steps in one call, planned after `schedule()`)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class ScheduledSeq:
     sample: bool  # last chunk: the runner must sample a token for this request
     # speculative decoding: the guessed tokens after the last one, the tail of token_ids
     draft_ids: tuple[int, ...] = ()
-    burst: int = 1  # greedy steps in one call, their blocks allocated (burst.py)
+    burst: int = 1  # decode steps in one call, their blocks allocated (burst.py)
 
     @property
     def num_new_tokens(self) -> int:

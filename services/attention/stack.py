@@ -26,6 +26,7 @@ import torch
 from afd.errors import TransportError
 from afd.kernels import gemm
 from afd.kernels.decode_stack import ExpertsFailed, LayerParts, NativeDecodeStack, StackHead
+from afd.kernels.sample import Draws
 from services.attention.batch import MicroBatch
 from services.attention.dispatch import FFNDispatcher, Pending
 from services.attention.kv_cache import KVCache
@@ -90,12 +91,14 @@ class DecodeStack:
                 embed = (mb.token_ids, table)
             else:
                 h = self.model.embed(mb.token_ids)
-        # a burst: greedy steps in one call, each from the last one's argmax (burst.py)
+        # a burst: steps in one call, each from the tokens the last one chose (burst.py), its
+        # sampled rows drawn in the call from uniforms drawn here
         steps = mb.burst if embed is not None and head is not None and offset == 0 else 1
+        draws = Draws.of([s.request.sampling for s in mb.seqs], steps) if steps > 1 else None
         try:
             r = stack(
                 h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens, offset, head,
-                embed, steps,
+                embed, steps, draws,
             )  # fmt: skip
         except ExpertsFailed as e:
             _, address = self.ffn.inline_shard() or (None, "in process")
@@ -120,8 +123,8 @@ class DecodeStack:
 
     def take_burst(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This step's burst, once: (tokens [steps, T] int64, logits [steps, T, V] float32),
-        steps > 1, each step's greedy pick for every row (in the micro-batch's order) and the
-        logits it was picked from; else None."""
+        steps > 1, each step's token for every row (in the micro-batch's order: a greedy row's
+        argmax, a sampled row's draw) and the logits it was chosen from; else None."""
         found, self._burst = self._burst, None
         return found
 

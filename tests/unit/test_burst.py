@@ -1,11 +1,14 @@
-"""Bursts (services/attention/burst.py): greedy decode steps in one native call, each fed the
-last one's argmax. Against `transformers` on the same checkpoint, against one step per call,
-and at the edges: a stop token or max_tokens inside a burst, logprobs, a request whose logits
-a penalty changes, a request waiting for a slot, the prefix cache reading K/V a burst wrote.
+"""Bursts (services/attention/burst.py): decode steps in one native call, each fed the tokens
+the last one chose (a greedy row's argmax, a sampled row's draw). Against `transformers` on
+the same checkpoint, against one step per call, and at the edges: a stop token or max_tokens
+inside a burst, logprobs, sampled rows beside greedy ones, a seed, a request whose logits a
+penalty changes, a request waiting for a slot, the prefix cache reading K/V a burst wrote.
 Mixtral's test model is one stack with the head in the call (bursts run), gpt-oss's has a
 sliding window shorter than the contexts here (its experts in bf16, and in MXFP4 as stored)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -125,6 +128,46 @@ def test_a_bursts_logprobs_are_one_steps(native_path, mixtral_dir, monkeypatch):
     assert got[0][0] == want[0][0] and got[1][0] == want[1][0]
     assert got[0][1] == want[0][1] and len(got[0][1]) == 10  # each token's, the same bits
     assert all(len(lp.top) == 3 for lp in got[0][1]) and got[1][1] == []
+
+
+def test_sampled_rows_burst_and_draw_from_their_own_steps_logits(
+    native_path, mixtral_dir, monkeypatch
+):
+    """Beside a greedy row, a sampled row with top_k 1 (the draw can only be its step's
+    argmax) decodes the greedy tokens, so each draw in the call read its own step's logits;
+    a row at temperature 1.2 with top_k 3 draws each token from its step's top 3."""
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    top1 = SamplingParams(max_tokens=12, temperature=1.0, top_k=1, ignore_eos=True)
+    top3 = SamplingParams(max_tokens=12, temperature=1.2, top_k=3, ignore_eos=True, logprobs=3)
+    want, _ = _run(mixtral_dir, 1, PROMPTS[:2], greedy)
+    torch.manual_seed(0)
+    lengths: list[int] = []
+    take = DecodeStack.take_burst
+    monkeypatch.setattr(DecodeStack, "take_burst", lambda self: _seen(take(self), lengths))
+    with local_engine(_config(mixtral_dir, 4), 1, progress=False) as eng:
+        reqs = eng.generate(PROMPTS, [greedy, top1, top3])
+    assert lengths and max(lengths) == 4, "no burst ran"
+    assert [r.output_token_ids for r in reqs[:2]] == [want[0], want[1]]
+    drawn = reqs[2]
+    assert len(drawn.output_token_ids) == 12
+    for token, lp in zip(drawn.output_token_ids, drawn.output_logprobs, strict=True):
+        assert token in [t for t, _ in lp.top], "a draw outside its step's top 3"
+
+
+def test_a_seed_keeps_a_request_out_of_bursts(native_path, mixtral_dir, monkeypatch):
+    """A seeded request's tokens are the same run after run: it steps one at a time and draws
+    from its own generator, as without bursts (so does every sampled request where the engine's
+    generator is seeded: --sampling-seed)."""
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    want, _ = _run(mixtral_dir, 1, PROMPTS[:1], seeded)
+    got, lengths = _run(mixtral_dir, 4, PROMPTS[:1], seeded, monkeypatch=monkeypatch)
+    assert got == want and not lengths, "a seeded request burst"
+    free = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    lengths.clear()
+    cfg = dataclasses.replace(_config(mixtral_dir, 4), sampling_seed=11)
+    with local_engine(cfg, 1, progress=False) as eng:
+        eng.generate(PROMPTS[:1], free)
+    assert not lengths, "a sampled request burst under a seeded generator"
 
 
 def _seen(found, lengths: list[int]):
