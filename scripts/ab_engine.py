@@ -13,7 +13,7 @@ copy, with the expert path of `--expert-compute`). With `--prefill LEN`: prefill
 decode, prompt tok/s of `--batch` new prompts of LEN tokens each (one output token; the median
 of three calls, each with prompts the engine has not seen). With `--serve STREAMS`: each side's `afd
 serve` instead, started fresh for every run and driven through the API by `afd bench serve`
-(both revisions need afd_cli.bench.peer). With `--matmul ROWS`: afd's matmul alone on the default
+at `--temperature` (0, greedy, unless given; both revisions need afd_cli.bench.peer). With `--matmul ROWS`: afd's matmul alone on the default
 path (`AFD_KERNELS`), ROWS rows of x against a decode step's weights from DRAM (a layer's
 expert-sized matrices and the LM head's, cycled), GB/s of weights read.
 Prints JSON: the runs, the medians and AFTER / BEFORE. Not part of CI.
@@ -108,14 +108,14 @@ from pathlib import Path
 from afd_cli.bench.engine import build_checkpoint
 from afd_cli.bench.peer import _stop, start_afd_serve
 
-streams, new, cache = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+streams, new, cache, temperature = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 path = build_checkpoint(Path(cache) / "bench-qwen3moe-ref")
 proc, url = start_afd_serve(path, [], 600)
 try:
     cmd = [sys.executable, "-m", "afd_cli", "bench", "serve", "--json", "--ignore-eos",
            "--base-url", f"{url}/v1", "--concurrency", str(streams),
            "--num-requests", str(max(6 * streams, 6)), "--input-len", "16",
-           "--output-len", str(new), "--seed", "0"]
+           "--output-len", str(new), "--seed", "0", "--temperature", temperature]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     print(json.dumps({"tok_s": json.loads(done.stdout)["output_throughput"]}))
 finally:
@@ -143,7 +143,8 @@ def _prepare(rev: str, tree: Path) -> Path:
 def _run(tree: Path, args: argparse.Namespace) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     if args.serve:
-        code, argv = _SERVING, [str(args.serve), str(args.new_tokens), args.cache_dir]
+        code = _SERVING
+        argv = [str(args.serve), str(args.new_tokens), args.cache_dir, str(args.temperature)]
     elif args.matmul:
         code, argv = _MATMUL, [str(args.matmul), str(args.threads)]
     else:
@@ -186,6 +187,12 @@ def main() -> int:
         type=int,
         metavar="ROWS",
         help="instead of the engine: afd's matmul alone at ROWS rows of x, GB/s of weights read",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="with --serve: the requests' temperature (0: greedy)",
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
