@@ -11,10 +11,11 @@ reference checkpoint, bf16, 2 threads, the default kernel path), decode tok/s as
 computes it; `--model` another checkpoint (e.g. `afd bench mxfp4`'s gpt-oss model or its MXFP4
 copy, with the expert path of `--expert-compute`). With `--prefill LEN`: prefill instead of
 decode, prompt tok/s of `--batch` new prompts of LEN tokens each (one output token; the median
-of three calls, each with prompts the engine has not seen). With `--serve STREAMS`: each side's `afd
-serve` instead, started fresh for every run and driven through the API by `afd bench serve`
-at `--temperature` (0, greedy, unless given; both revisions need afd_cli.bench.peer). With `--matmul ROWS`: afd's matmul alone on the default
-path (`AFD_KERNELS`), ROWS rows of x against a decode step's weights from DRAM (a layer's
+of three calls, each with prompts the engine has not seen). With `--serve STREAMS`: each
+side's `afd serve` instead, started fresh for every run and driven through the API by `afd
+bench serve` at `--temperature` (0, greedy, unless given; both revisions need
+afd_cli.bench.peer). With `--matmul ROWS`: afd's matmul alone on the default path
+(`AFD_KERNELS`), ROWS rows of x against a decode step's weights from DRAM (a layer's
 expert-sized matrices and the LM head's, cycled), GB/s of weights read.
 Prints JSON: the runs, the medians and AFTER / BEFORE. Not part of CI.
 """
