@@ -9,7 +9,10 @@
 2. convert: the benchmark checkpoint (afd bench engine's) to GGUF bf16 with the vendored
    convert_hf_to_gguf.py;
 3. run: each server in turn, alone on the machine, started as its users start it (llama-server
-   with one slot per stream and continuous batching; `afd serve` with its defaults), driven by
+   with one slot per stream and continuous batching; `afd serve` with its defaults), each with
+   its weights in 2 MiB pages (afd does that itself, afd/hugepages.py; llama-server gets the
+   same through `--load-mode none` and glibc's hugetlb tunable: 1.12x llama-bench's decode
+   here, unless `--llama-default-pages`), driven by
    `afd bench serve` with the same prompts, lengths and concurrency; alternating rounds, medians,
    and the ratio afd / llama-server per concurrency.
 
@@ -34,6 +37,10 @@ import httpx
 
 VERSION = "0.3.36"
 _SERVERS = ("afd", "llama.cpp")
+# llama-server's weights read into its own buffers (not mapped from the file, whose page cache
+# stays in 4 KiB pages) with glibc asking for huge pages as its heap grows
+_LLAMA_HUGE_ARGS = ("--load-mode", "none")
+_LLAMA_HUGE_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 
 def _log(msg: str) -> None:
@@ -143,14 +150,17 @@ def _start(name: str, args: argparse.Namespace, server: Path, gguf: Path, ckpt: 
         # one slot per stream, each with the context one request needs; continuous batching
         ctx = (args.input_len + args.output_len + 64) * slots
         cmd += ["-np", str(slots), "-c", str(ctx), "-t", str(args.threads), "-cb"]
+        cmd += [] if args.llama_default_pages else list(_LLAMA_HUGE_ARGS)
         health = f"http://127.0.0.1:{port}/health"
     else:
         cmd = [sys.executable, "-m", "afd_cli", "serve", "--model", str(ckpt), "--port", str(port)]
         cmd += list(args.afd_arg)
         health = f"http://127.0.0.1:{port}/ready"  # /health answers before the model is up
+    huge = name == "llama.cpp" and not args.llama_default_pages
+    env = {**os.environ, **_LLAMA_HUGE_ENV} if huge else None
     _log(" ".join(cmd))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, env=env)  # fmt: skip
     try:
         _wait_ready(health, proc, args.start_timeout)
     except BaseException:
@@ -271,6 +281,9 @@ def run(args: argparse.Namespace) -> dict:
             "source": f"llama-cpp-python=={args.version} vendor/llama.cpp",
             "server": str(server),
             "gguf": gguf.name,
+            "huge_pages": not args.llama_default_pages,
+            "args": [] if args.llama_default_pages else list(_LLAMA_HUGE_ARGS),
+            "env": {} if args.llama_default_pages else _LLAMA_HUGE_ENV,
         },  # fmt: skip
         "afd_args": list(args.afd_arg),
         "workload": {
@@ -296,6 +309,11 @@ def add_parser(sub) -> None:
     p.add_argument("--logprobs", action="store_true", help="ask both servers for logprobs")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server -t")
     p.add_argument("--afd-arg", action="append", default=[], help="extra `afd serve` argument")
+    p.add_argument(
+        "--llama-default-pages",
+        action="store_true",
+        help="llama-server with its weights mapped from the file (4 KiB pages), not in huge pages",
+    )
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--repeat", type=int, default=2, help="alternating rounds; medians reported")
