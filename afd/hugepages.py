@@ -38,6 +38,7 @@ ENV = "AFD_HUGE_PAGES"
 HUGE = 2 << 20  # bytes in one huge page (x86-64's PMD size)
 PAGE = 4096
 _PER_HUGE = HUGE // PAGE
+_SCAN = 1 << 30  # addresses whose pagemap entries are read at once
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -62,7 +63,8 @@ def enabled() -> str:
     if not sys.platform.startswith("linux"):
         return "not Linux"
     try:
-        mode = open(_THP).read()  # e.g. "always [madvise] never"
+        with open(_THP) as f:
+            mode = f.read()  # e.g. "always [madvise] never"
     except OSError:
         return "the kernel has no transparent huge pages"
     if "[never]" in mode:
@@ -96,28 +98,27 @@ def anonymous_regions() -> list[tuple[int, int]]:
 
 def populated_runs(lo: int, hi: int, pagemap) -> list[tuple[int, int]]:
     """The runs of whole 2 MiB pages in [lo, hi) whose every 4 KiB page is resident, read from
-    /proc/self/pagemap (one 64-bit entry per page; bit 63: present)."""
-    first, last = -(-lo // HUGE) * HUGE, hi // HUGE * HUGE
-    if last <= first:
-        return []
-    n = (last - first) // PAGE
-    raw = os.pread(pagemap, n * 8, first // PAGE * 8)
-    if len(raw) < n * 8:
-        return []
+    /proc/self/pagemap (one 64-bit entry per page; bit 63: present), a GiB of addresses at a
+    time (a large reservation, mostly untouched, costs a bounded buffer)."""
     import torch  # here: afd serve's parent imports this module before any torch
 
-    # bit 63 set reads as a negative int64
-    entries = torch.frombuffer(bytearray(raw), dtype=torch.int64).view(-1, _PER_HUGE)
-    full = (entries < 0).all(dim=1).tolist()
+    first, last = -(-lo // HUGE) * HUGE, hi // HUGE * HUGE
     runs: list[tuple[int, int]] = []
-    for i, ok in enumerate(full):
-        if not ok:
-            continue
-        start = first + i * HUGE
-        if runs and runs[-1][1] == start:
-            runs[-1] = (runs[-1][0], start + HUGE)
-        else:
-            runs.append((start, start + HUGE))
+    for at in range(first, last, _SCAN):
+        n = (min(at + _SCAN, last) - at) // PAGE
+        raw = os.pread(pagemap, n * 8, at // PAGE * 8)
+        if len(raw) < n * 8:
+            break
+        # bit 63 set reads as a negative int64
+        entries = torch.frombuffer(bytearray(raw), dtype=torch.int64).view(-1, _PER_HUGE)
+        for i, ok in enumerate((entries < 0).all(dim=1).tolist()):
+            if not ok:
+                continue
+            start = at + i * HUGE
+            if runs and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], start + HUGE)
+            else:
+                runs.append((start, start + HUGE))
     return runs
 
 

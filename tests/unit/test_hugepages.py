@@ -96,3 +96,19 @@ def test_a_child_loads_its_memory_in_huge_pages(tmp_path):
     env.pop(hugepages.ENV, None)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert int(out.stdout.strip()) >= (256 << 20) - 2 * hugepages.HUGE, out.stderr
+
+
+def test_runs_read_in_pieces_join_up(monkeypatch):
+    """The pagemap is read a piece of the address space at a time; a populated run that spans
+    pieces comes back as one."""
+    m, addr = _region(touch_every=4096)
+    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    try:
+        whole = hugepages.populated_runs(addr, addr + SIZE, fd)
+        monkeypatch.setattr(hugepages, "_SCAN", 2 * hugepages.HUGE)
+        pieces = hugepages.populated_runs(addr, addr + SIZE, fd)
+    finally:
+        os.close(fd)
+    assert pieces == whole and len(whole) == 1
+    assert whole[0][1] - whole[0][0] >= SIZE - 2 * hugepages.HUGE
+    m.close()
