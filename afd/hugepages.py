@@ -135,18 +135,22 @@ def back_loaded() -> Backed:
     t0 = time.perf_counter()
     asked = moved = 0
     failed = ""
-    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
-    try:
-        for lo, hi in anonymous_regions():
-            for a, b in populated_runs(lo, hi, fd):
-                asked += b - a
-                libc.madvise(a, b - a, _MADV_HUGEPAGE)  # and so khugepaged keeps them huge
-                if libc.madvise(a, b - a, _MADV_COLLAPSE) == 0:
-                    moved += b - a
-                else:
-                    failed = os.strerror(ctypes.get_errno())
-    finally:
-        os.close(fd)
+    try:  # a sandbox may hide /proc: then the memory stays as it is, the service goes on
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+        try:
+            for lo, hi in anonymous_regions():
+                for a, b in populated_runs(lo, hi, fd):
+                    asked += b - a
+                    libc.madvise(a, b - a, _MADV_HUGEPAGE)  # and so khugepaged keeps them huge
+                    if libc.madvise(a, b - a, _MADV_COLLAPSE) == 0:
+                        moved += b - a
+                    else:
+                        failed = os.strerror(ctypes.get_errno())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.info("weights in 4 KiB pages: cannot read this process's memory map (%s)", e)
+        return Backed(reason=f"cannot read /proc/self: {e}")
     seconds = time.perf_counter() - t0
     log.info(
         "%.2f of %.2f GiB of loaded memory in 2 MiB pages (%.2f s)%s",

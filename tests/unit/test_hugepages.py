@@ -112,3 +112,17 @@ def test_runs_read_in_pieces_join_up(monkeypatch):
     assert pieces == whole and len(whole) == 1
     assert whole[0][1] - whole[0][0] >= SIZE - 2 * hugepages.HUGE
     m.close()
+
+
+def test_a_hidden_proc_leaves_the_memory_as_it_is(monkeypatch):
+    """Where the memory map cannot be read (a sandbox), nothing moves and the caller goes on."""
+    real = os.open
+
+    def refused(path, *a, **k):
+        if str(path).startswith("/proc/self/pagemap"):
+            raise PermissionError(13, "Permission denied", path)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(hugepages.os, "open", refused)
+    done = hugepages.back_loaded()
+    assert done.moved == 0 and "cannot read /proc/self" in done.reason
