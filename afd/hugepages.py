@@ -12,11 +12,11 @@ kernels hold stay valid. Runs with a page never touched are left alone: collapsi
 commit memory nobody uses (a thread's stack, say). The KV cache, zeroed at allocation, is
 populated and moves with the weights.
 
-Collapsing costs the kernel a copy and a TLB flush a page, seconds a GiB where another thread
-of the process is running. A process that afd starts to load weights (`afd serve`'s attention
-and FFN servers; the container image sets it for every process) gets `child_env`'s glibc
-tunable instead: glibc's heap then asks for huge pages as it grows, the weights are faulted
-in 2 MiB pages as they load, and `back_loaded` finds nothing left to move.
+Collapsing costs the kernel a copy and a TLB flush a page, and is slow where another thread of
+the process is running (docs/benchmarks.md). A process that afd starts to load weights (`afd
+serve`'s attention and FFN servers; the container image sets it for every process) gets
+`child_env`'s glibc tunable instead: glibc's heap then asks for huge pages as it grows, the
+weights are faulted in 2 MiB pages as they load, and `back_loaded` finds nothing left to move.
 
 AFD_HUGE_PAGES=0 turns both off. Where the kernel cannot (THP `never`, an older kernel, not
 Linux) it does nothing and logs why.

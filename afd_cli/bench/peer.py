@@ -11,8 +11,8 @@
 3. run: each server in turn, alone on the machine, started as its users start it (llama-server
    with one slot per stream and continuous batching; `afd serve` with its defaults), each with
    its weights in 2 MiB pages (afd does that itself, afd/hugepages.py; llama-server gets the
-   same through `--load-mode none` and glibc's hugetlb tunable: 1.12x llama-bench's decode
-   here, unless `--llama-default-pages`), driven by
+   same through `--load-mode none` and glibc's hugetlb tunable, faster than its default here,
+   docs/benchmarks.md; unless `--llama-default-pages`), driven by
    `afd bench serve` with the same prompts, lengths and concurrency; alternating rounds, medians,
    and the ratio afd / llama-server per concurrency.
 
