@@ -133,21 +133,8 @@ def back_loaded() -> Backed:
     if libc is None:
         return Backed(reason="no C library to call madvise")
     t0 = time.perf_counter()
-    asked = moved = 0
-    failed = ""
     try:  # a sandbox may hide /proc: then the memory stays as it is, the service goes on
-        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
-        try:
-            for lo, hi in anonymous_regions():
-                for a, b in populated_runs(lo, hi, fd):
-                    asked += b - a
-                    libc.madvise(a, b - a, _MADV_HUGEPAGE)  # and so khugepaged keeps them huge
-                    if libc.madvise(a, b - a, _MADV_COLLAPSE) == 0:
-                        moved += b - a
-                    else:
-                        failed = os.strerror(ctypes.get_errno())
-        finally:
-            os.close(fd)
+        asked, moved, failed = collapse(anonymous_regions(), libc)
     except OSError as e:
         log.info("weights in 4 KiB pages: cannot read this process's memory map (%s)", e)
         return Backed(reason=f"cannot read /proc/self: {e}")
@@ -157,6 +144,27 @@ def back_loaded() -> Backed:
         moved / 2**30, asked / 2**30, seconds, f"; the kernel said: {failed}" if failed else "",
     )  # fmt: skip
     return Backed(asked, moved, seconds)
+
+
+def collapse(ranges: list[tuple[int, int]], libc) -> tuple[int, int, str]:
+    """Ask for huge pages over the populated 2 MiB runs of `ranges` ([start, end) addresses)
+    and collapse them now: (bytes asked, bytes moved, the kernel's last refusal or '').
+    Raises OSError where /proc/self/pagemap cannot be read."""
+    asked = moved = 0
+    failed = ""
+    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    try:
+        for lo, hi in ranges:
+            for a, b in populated_runs(lo, hi, fd):
+                asked += b - a
+                libc.madvise(a, b - a, _MADV_HUGEPAGE)  # and so khugepaged keeps them huge
+                if libc.madvise(a, b - a, _MADV_COLLAPSE) == 0:
+                    moved += b - a
+                else:
+                    failed = os.strerror(ctypes.get_errno())
+    finally:
+        os.close(fd)
+    return asked, moved, failed
 
 
 def resident_huge() -> int:

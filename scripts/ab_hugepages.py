@@ -7,17 +7,16 @@ the effect, so the two sides take turns decode by decode instead of process by p
 Two engines of `afd bench engine`'s model are built with huge pages off (the variable must
 be 0: this script moves the second engine's memory itself); then the memory mapped while the
 second one was built (new mappings, and the part of the heap it grew by) is moved into huge
-pages with `hugepages.back_loaded`'s calls. Each round decodes on each engine, reads a 512 MiB
-buffer in 4 KiB pages and one in 2 MiB pages (the box's read rate both ways, torch's sum as
-`afd bench engine` measures it). Prints JSON: tok/s per side, the paired ratios and their
-median, the read rates. Not part of CI.
+pages with `hugepages.collapse`, as `back_loaded` moves a server's. Each round decodes on
+each engine, reads a 512 MiB buffer in 4 KiB pages and one in 2 MiB pages (the box's read
+rate both ways, torch's sum as `afd bench engine` measures it). Prints JSON: tok/s per side,
+the paired ratios and their median, the read rates. Not part of CI.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from contextlib import ExitStack
@@ -55,21 +54,6 @@ def _new_since(before: list[tuple[int, int]], after: list[tuple[int, int]]):
     return out
 
 
-def _move(ranges) -> int:
-    libc = hugepages._libc()
-    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
-    moved = 0
-    try:
-        for lo, hi in ranges:
-            for a, b in hugepages.populated_runs(lo, hi, fd):
-                libc.madvise(a, b - a, hugepages._MADV_HUGEPAGE)
-                if libc.madvise(a, b - a, hugepages._MADV_COLLAPSE) == 0:
-                    moved += b - a
-    finally:
-        os.close(fd)
-    return moved
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -98,7 +82,8 @@ def main() -> int:
         huge_pages = stack.enter_context(local_engine(cfg, 1, progress=False))
         new = _new_since(before, hugepages.anonymous_regions())
         new.append((big.data_ptr(), big.data_ptr() + READ))
-        out["moved_gib"] = round(_move(new) / 2**30, 2)
+        _, moved, _ = hugepages.collapse(new, hugepages._libc())
+        out["moved_gib"] = round(moved / 2**30, 2)
         sides = {"4k": _afd_fn(small_pages, "auto"), "2m": _afd_fn(huge_pages, "auto")}
         reads: dict[str, list[float]] = {"4k": [], "2m": []}
         for batch in args.batch:

@@ -35,12 +35,14 @@ from pathlib import Path
 
 import httpx
 
+from afd import hugepages
+
 VERSION = "0.3.36"
 _SERVERS = ("afd", "llama.cpp")
 # llama-server's weights read into its own buffers (not mapped from the file, whose page cache
 # stays in 4 KiB pages) with glibc asking for huge pages as its heap grows
 _LLAMA_HUGE_ARGS = ("--load-mode", "none")
-_LLAMA_HUGE_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+_LLAMA_HUGE_ENV = {"GLIBC_TUNABLES": f"{hugepages.TUNABLE}=1"}
 
 
 def _log(msg: str) -> None:
