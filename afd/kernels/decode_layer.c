@@ -185,6 +185,11 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
   } else if (afd_bf16_rope(qkv, W, q, T, nh, D, cos, sin, pos, threads, isa)) {
     goto done;
   }
+  /* The router's weights into L2 while the attention computes: DRAM idles then, and the
+   * router's matmul, too small for a second thread, otherwise waits on each of its lines */
+  if (w_router)
+    for (size_t o = 0; o < (size_t)E * H * sizeof(uint16_t); o += 64)
+      _mm_prefetch((const char *)w_router + o, _MM_HINT_T1);
   if (afd_bf16_decode_attention_ext(q, k_cache, v_cache, blocks, lens, att, T, kvh, nh / kvh, D,
                                     NB, bs, nb, scale, sinks, window, threads, isa))
     goto done;
