@@ -200,7 +200,7 @@ int afd_bf16_gemm_amx(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, 
   uint16_t *xp = (uint16_t *)aligned_alloc(64, afd_amx_elems(M, K) * sizeof(uint16_t));
   if (!xp) return -1;
   afd_amx_pack(x, M, K, xp);
-  int t = (size_t)N * K < (1u << 17) ? 1 : threads;
+  int t = (size_t)N * K < ONE_THREAD_WEIGHTS ? 1 : threads; /* bf16.h */
   int units = (N + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
 #pragma omp parallel for num_threads(t) schedule(dynamic, 1) if (t > 1)
   for (int u = 0; u < units; u++) {

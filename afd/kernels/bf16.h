@@ -121,6 +121,11 @@ static inline __m256 exp8(__m256 x) {
 void afd_rows(const float *xf, const uint16_t *w, uint16_t *y, int M, int N, int K, int n0,
               int n1, float *wt);
 
+/* A matmul of fewer weights than this (256 KiB of bf16) runs on one thread: a second costs
+ * more to wake than it saves (gemm.c, gemm512.c, amx.c; decode_layer.c fetches a router that
+ * small ahead, since one thread would otherwise wait on each of its lines). */
+#define ONE_THREAD_WEIGHTS ((size_t)1 << 17)
+
 /* Rows of W per unit of work in the multi-threaded matmuls (gemm.c, gemm512.c, moe.c): threads
  * take units as they come free (a dynamic schedule), so a thread the OS preempts for another
  * process (the gateway, a client, on a small box) holds up one unit, not the share a static

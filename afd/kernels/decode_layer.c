@@ -187,9 +187,9 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
   }
   /* The router's weights into L2 while the attention computes: DRAM idles then, and the
    * router's matmul, too small for a second thread, otherwise waits on each of its lines.
-   * Only where it is that small (gemm512.c's one-thread limit): a larger router would push its
-   * own first lines out of L2 before the matmul reads them. */
-  if (w_router && (size_t)E * H < ((size_t)1 << 17))
+   * Only where it is that small (bf16.h): a larger router would push its own first lines out
+   * of L2 before the matmul reads them. */
+  if (w_router && (size_t)E * H < ONE_THREAD_WEIGHTS)
     for (size_t o = 0; o < (size_t)E * H * sizeof(uint16_t); o += 64)
       _mm_prefetch((const char *)w_router + o, _MM_HINT_T1);
   if (afd_bf16_decode_attention_ext(q, k_cache, v_cache, blocks, lens, att, T, kvh, nh / kvh, D,

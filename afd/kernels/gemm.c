@@ -242,8 +242,7 @@ int afd_bf16_gemm(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int 
   if (!xf) return -1;
   for (size_t i = 0; i < (size_t)M * K; i += 8) /* x to fp32 once: it is reused N times */
     _mm256_storeu_ps(xf + i, load_bf16(x + i));
-  /* Below ~256 KiB of weight a second thread costs more to wake than it saves. */
-  int t = (size_t)N * K < (1u << 17) ? 1 : threads;
+  int t = (size_t)N * K < ONE_THREAD_WEIGHTS ? 1 : threads; /* bf16.h */
   /* units of ROWS_PER_UNIT rows (whole 4-row groups), taken as threads come free (bf16.h) */
   int units = (N + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
   /* afd_rows' scratch: 4 weight rows in fp32, or split_x's 2 M rows */

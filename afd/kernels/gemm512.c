@@ -219,8 +219,7 @@ AVX512BF16 void afd_rows512(const uint16_t *x, const uint16_t *w, uint16_t *y, i
 int afd_bf16_gemm512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K,
                      int threads) {
   if (K % 2 != 0 || M <= 0 || N <= 0) return -1;
-  /* Below ~256 KiB of weight a second thread costs more to wake than it saves. */
-  int t = (size_t)N * K < (1u << 17) ? 1 : threads;
+  int t = (size_t)N * K < ONE_THREAD_WEIGHTS ? 1 : threads; /* bf16.h */
   int units = (N + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
   /* each thread its run of units (runs.h): at most STREAM_MAX_M rows of x stream the weights,
    * and more rows fetch the next group as they multiply (group_rows), where a thread's run of
