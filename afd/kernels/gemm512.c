@@ -9,9 +9,9 @@
  *
  * The weight stays row-major, as the checkpoint has it, so the same tensor also serves oneDNN's
  * matmul where afd/ops.py hands it the larger batches, and no second copy is kept. A few rows of
- * x (decode) read it one weight row at a time, front to back: on AMD Zen 4 a thread reading
- * four rows side by side (four streams) got about 0.6x the bandwidth of one stream or of a
- * re-laid-out copy read in order (measured; on an Intel Xeon the four-row read had matched the
+ * x (decode) read it one or two weight rows at a time, front to back: on AMD Zen 4 a thread
+ * reading four rows side by side (four streams) got about 0.6x the bandwidth of one stream or of
+ * a re-laid-out copy read in order (measured; on an Intel Xeon the four-row read had matched the
  * re-laid-out copy). More rows of x take four weight rows side by side: a quarter of the loads
  * of x per product.
  *
@@ -175,11 +175,72 @@ static inline __attribute__((always_inline)) AVX512BF16 void stream_rows(
   }
 }
 
-/* Rows m0..m1 of x (at most STREAM_MAX_M) against weight rows n0..n1, one weight row at a
- * time. */
+/* R rows of x from row m (R <= 6, a constant where inlined) against weight rows n and n + 1
+ * (at w, row-major: the second row starts where the first ends), both read front to back. A
+ * weight row against R rows of x keeps R dot products in flight, and vdpbf16ps takes several
+ * cycles to finish one (docs/benchmarks.md), so a single row at 2-6 rows of x leaves the core
+ * waiting on its own products while the next weights wait in L2; two rows keep 2 R in flight
+ * for the price of a second stream (at 1 row of x that stream costs more than it gains: the
+ * caller keeps stream_rows' single stream there). Each output accumulates and is rounded exactly
+ * as in stream_rows: the same bits. */
+static inline __attribute__((always_inline)) AVX512BF16 void stream_pair(
+    const uint16_t *x, const uint16_t *w, uint16_t *y, int R, int m, int N, int K, int n) {
+  __m512 a[6], b[6];
+  for (int i = 0; i < R; i++) a[i] = b[i] = _mm512_setzero_ps();
+  const int S = K / 32, tail = K % 32;
+  const uint16_t *u = w + K;
+  for (int s = 0; s < S; s++) {
+    __m512bh v0 = ld32(w + 32 * s), v1 = ld32(u + 32 * s);
+    _mm_prefetch((const char *)(w + 32 * s + STREAM_AHEAD), _MM_HINT_T1); /* as stream_rows */
+    _mm_prefetch((const char *)(u + 32 * s + STREAM_AHEAD), _MM_HINT_T1);
+    for (int i = 0; i < R; i++) {
+      __m512bh c = ld32(x + (size_t)(m + i) * K + 32 * s);
+      a[i] = _mm512_dpbf16_ps(a[i], c, v0);
+      b[i] = _mm512_dpbf16_ps(b[i], c, v1);
+    }
+  }
+  if (tail) {
+    const __mmask32 mk = (__mmask32)((1ull << tail) - 1);
+    __m512bh v0 = ld_tail(w + 32 * S, mk), v1 = ld_tail(u + 32 * S, mk);
+    for (int i = 0; i < R; i++) {
+      __m512bh c = ld_tail(x + (size_t)(m + i) * K + 32 * S, mk);
+      a[i] = _mm512_dpbf16_ps(a[i], c, v0);
+      b[i] = _mm512_dpbf16_ps(b[i], c, v1);
+    }
+  }
+  const __m512 z = _mm512_setzero_ps();
+  for (int i = 0; i < R; i += 2) { /* two rows of x, two outputs each, reduced at once */
+    float s[4];
+    _mm_storeu_ps(s, sum4(a[i], b[i], i + 1 < R ? a[i + 1] : z, i + 1 < R ? b[i + 1] : z));
+    for (int j = 0; j < 2 && i + j < R; j++) {
+      y[(size_t)(m + i + j) * N + n] = to_bf16(s[2 * j]);
+      y[(size_t)(m + i + j) * N + n + 1] = to_bf16(s[2 * j + 1]);
+    }
+  }
+}
+
+/* Rows m0..m1 of x (at most STREAM_MAX_M) against weight rows n0..n1: one weight row at a time
+ * for one row of x, two at a time for more. */
 static AVX512BF16 void stream_chunks(const uint16_t *x, const uint16_t *w, uint16_t *y, int m0,
                                      int m1, int N, int K, int n0, int n1) {
-  for (int n = n0; n < n1; n++) {
+  int n = n0;
+  if (m1 - m0 >= 2)
+    for (; n + 2 <= n1; n += 2) {
+      const uint16_t *wn = w + (size_t)n * K;
+      for (int m = m0; m < m1;) {
+        int r = m1 - m < 6 ? m1 - m : 6;
+        switch (r) {
+          case 1: stream_pair(x, wn, y, 1, m, N, K, n); break;
+          case 2: stream_pair(x, wn, y, 2, m, N, K, n); break;
+          case 3: stream_pair(x, wn, y, 3, m, N, K, n); break;
+          case 4: stream_pair(x, wn, y, 4, m, N, K, n); break;
+          case 5: stream_pair(x, wn, y, 5, m, N, K, n); break;
+          default: stream_pair(x, wn, y, 6, m, N, K, n); break;
+        }
+        m += r;
+      }
+    }
+  for (; n < n1; n++) {
     const uint16_t *wn = w + (size_t)n * K;
     for (int m = m0; m < m1;) {
       int r = m1 - m < 6 ? m1 - m : 6;
