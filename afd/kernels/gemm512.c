@@ -142,9 +142,9 @@ static AVX512BF16 void one_row(const uint16_t *x, const uint16_t *w, uint16_t *y
 #define STREAM_AHEAD 4096
 
 /* R rows of x from row m (R <= 6, a constant where inlined) against one weight row n (at w),
- * read front to back: one stream of weights per thread. Each output accumulates exactly as in
- * group_rows (one accumulator, the same steps, the same reduction), so the two give the same
- * bits. */
+ * read front to back: one stream of weights per thread (one row of x; from two, stream_pair
+ * below reads two weight rows). Each output accumulates exactly as in group_rows (one
+ * accumulator, the same steps, the same reduction), so the two give the same bits. */
 static inline __attribute__((always_inline)) AVX512BF16 void stream_rows(
     const uint16_t *x, const uint16_t *w, uint16_t *y, int R, int m, int N, int K, int n) {
   __m512 a[6];
