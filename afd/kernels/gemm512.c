@@ -219,28 +219,11 @@ static inline __attribute__((always_inline)) AVX512BF16 void stream_pair(
   }
 }
 
-/* Rows m0..m1 of x (at most STREAM_MAX_M) against weight rows n0..n1: one weight row at a time
- * for one row of x, two at a time for more. */
+/* Rows m0..m1 of x (at most STREAM_MAX_M) against weight rows n0..n1, one weight row at a
+ * time. */
 static AVX512BF16 void stream_chunks(const uint16_t *x, const uint16_t *w, uint16_t *y, int m0,
                                      int m1, int N, int K, int n0, int n1) {
-  int n = n0;
-  if (m1 - m0 >= 2)
-    for (; n + 2 <= n1; n += 2) {
-      const uint16_t *wn = w + (size_t)n * K;
-      for (int m = m0; m < m1;) {
-        int r = m1 - m < 6 ? m1 - m : 6;
-        switch (r) {
-          case 1: stream_pair(x, wn, y, 1, m, N, K, n); break;
-          case 2: stream_pair(x, wn, y, 2, m, N, K, n); break;
-          case 3: stream_pair(x, wn, y, 3, m, N, K, n); break;
-          case 4: stream_pair(x, wn, y, 4, m, N, K, n); break;
-          case 5: stream_pair(x, wn, y, 5, m, N, K, n); break;
-          default: stream_pair(x, wn, y, 6, m, N, K, n); break;
-        }
-        m += r;
-      }
-    }
-  for (; n < n1; n++) {
+  for (int n = n0; n < n1; n++) {
     const uint16_t *wn = w + (size_t)n * K;
     for (int m = m0; m < m1;) {
       int r = m1 - m < 6 ? m1 - m : 6;
@@ -257,6 +240,30 @@ static AVX512BF16 void stream_chunks(const uint16_t *x, const uint16_t *w, uint1
   }
 }
 
+/* stream_chunks two weight rows at a time (stream_pair), for 2 or more rows of x; an odd last
+ * weight row alone. A function of its own so that the one-row path's code stays as it was
+ * (with both in one loop GCC's code for one row of x read slower). */
+static AVX512BF16 void pair_chunks(const uint16_t *x, const uint16_t *w, uint16_t *y, int m0,
+                                   int m1, int N, int K, int n0, int n1) {
+  int n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    const uint16_t *wn = w + (size_t)n * K;
+    for (int m = m0; m < m1;) {
+      int r = m1 - m < 6 ? m1 - m : 6;
+      switch (r) {
+        case 1: stream_pair(x, wn, y, 1, m, N, K, n); break;
+        case 2: stream_pair(x, wn, y, 2, m, N, K, n); break;
+        case 3: stream_pair(x, wn, y, 3, m, N, K, n); break;
+        case 4: stream_pair(x, wn, y, 4, m, N, K, n); break;
+        case 5: stream_pair(x, wn, y, 5, m, N, K, n); break;
+        default: stream_pair(x, wn, y, 6, m, N, K, n); break;
+      }
+      m += r;
+    }
+  }
+  if (n < n1) stream_chunks(x, w, y, m0, m1, N, K, n, n1);
+}
+
 /* How many rows of x one pass over a thread's weight rows takes: a block of x (~128 KiB at
  * K = 1024) stays in L2 while the weights stream past it once per block. */
 #define M_BLOCK 64
@@ -264,8 +271,8 @@ static AVX512BF16 void stream_chunks(const uint16_t *x, const uint16_t *w, uint1
 /* Rows n0..n1 of packed512 W (n0 a multiple of 4) against all M rows of x (bf16 [M, K]). */
 AVX512BF16 void afd_rows512(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N,
                             int K, int n0, int n1) {
-  if (M <= STREAM_MAX_M) {
-    stream_chunks(x, w, y, 0, M, N, K, n0, n1);
+  if (M <= STREAM_MAX_M) { /* one row of x a weight row at a time, more two (stream_pair) */
+    (M >= 2 ? pair_chunks : stream_chunks)(x, w, y, 0, M, N, K, n0, n1);
     return;
   }
   for (int mb = 0; mb < M; mb += M_BLOCK) {
