@@ -178,11 +178,13 @@ static inline __attribute__((always_inline)) AVX512BF16 void stream_rows(
 /* R rows of x from row m (R <= 6, a constant where inlined) against weight rows n and n + 1
  * (at w, row-major: the second row starts where the first ends), both read front to back. A
  * weight row against R rows of x keeps R dot products in flight, and vdpbf16ps takes several
- * cycles to finish one (docs/benchmarks.md), so a single row at 2-6 rows of x leaves the core
- * waiting on its own products while the next weights wait in L2; two rows keep 2 R in flight
- * for the price of a second stream (at 1 row of x that stream costs more than it gains: the
- * caller keeps stream_rows' single stream there). Each output accumulates and is rounded exactly
- * as in stream_rows: the same bits. */
+ * cycles to finish one, so a single row at 2-6 rows of x leaves the core waiting on its own
+ * products while the next weights wait in L2; two rows keep 2 R in flight for the price of a
+ * second stream. That pays where DRAM outruns the products (Zen 4 reading fast: batch 32's
+ * experts a few percent faster) and costs a little where it does not (docs/benchmarks.md); at 1
+ * row of x the second stream costs more than it gains, and the caller keeps stream_rows' single
+ * stream there. Each output accumulates and is rounded exactly as in stream_rows: the same
+ * bits. */
 static inline __attribute__((always_inline)) AVX512BF16 void stream_pair(
     const uint16_t *x, const uint16_t *w, uint16_t *y, int R, int m, int N, int K, int n) {
   __m512 a[6], b[6];
