@@ -200,14 +200,15 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
     int b = task / kvh, h = task % kvh, len = (int)lens[b];
     int start = window > 0 && len > window ? len - window : 0; /* first visible position */
     len -= start;
-    float *qf = (float *)malloc((size_t)g * D * sizeof(float));
-    float *s = (float *)malloc(((size_t)g * len + 8) * sizeof(float));
+    float *qf = (float *)afd_alloc64((size_t)g * D * sizeof(float));
+    float *s = (float *)afd_alloc64(((size_t)g * len + 8) * sizeof(float));
     float *zeros = (float *)calloc((size_t)len, sizeof(float));
-    float *kt = (float *)malloc((size_t)8 * D * sizeof(float));
+    float *kt = (float *)afd_alloc64((size_t)8 * D * sizeof(float));
     int64_t *row = (int64_t *)malloc((size_t)len * sizeof(int64_t));
     /* AVX-512: D zeros for the rows past len, and the probabilities as bf16 pairs */
     uint16_t *zrow = wide ? (uint16_t *)calloc((size_t)D, sizeof(uint16_t)) : NULL;
-    uint16_t *pb = wide ? (uint16_t *)malloc(((size_t)g * (len + 1) + 2) * sizeof(uint16_t)) : NULL;
+    uint16_t *pb =
+        wide ? (uint16_t *)afd_alloc64(((size_t)g * (len + 1) + 2) * sizeof(uint16_t)) : NULL;
     if (!qf || !s || !zeros || !kt || !row || (wide && (!zrow || !pb))) {
       failed = 1;
     } else {
@@ -271,7 +272,7 @@ int afd_bf16_prefill_softmax(const uint16_t *s, int kvh, int g, int n, int L, co
   const int R = kvh * g * n;
 #pragma omp parallel num_threads(t) if (t > 1)
   {
-    float *x = (float *)malloc(((size_t)L + 8) * sizeof(float));
+    float *x = (float *)afd_alloc64(((size_t)L + 8) * sizeof(float));
     if (!x) failed = 1;
 #pragma omp for schedule(static)
     for (int r = 0; r < R; r++) {

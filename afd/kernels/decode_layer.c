@@ -149,12 +149,12 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
   if (T <= 0 || H % 8 != 0 || D % 16 != 0 || kvh <= 0 || nh % kvh != 0 || qin % 8 != 0) return -1;
   if (!w_q && qin != nh * D) return -1;
   const int Q = nh * D, KV = kvh * D, W = qin + 2 * KV;
-  uint16_t *xn = (uint16_t *)malloc((size_t)T * H * 2);
-  uint16_t *qkv = (uint16_t *)malloc((size_t)T * W * 2);
+  uint16_t *xn = (uint16_t *)afd_alloc64((size_t)T * H * 2);
+  uint16_t *qkv = (uint16_t *)afd_alloc64((size_t)T * W * 2);
   size_t wide = (size_t)(Q > qin ? Q : qin);
-  uint16_t *tmp = (uint16_t *)malloc((size_t)T * wide * 2); /* q (or k) after its norm */
-  uint16_t *q = (uint16_t *)malloc((size_t)T * Q * 2);    /* q after RoPE, then k */
-  uint16_t *att = (uint16_t *)malloc((size_t)T * Q * 2);
+  uint16_t *tmp = (uint16_t *)afd_alloc64((size_t)T * wide * 2); /* q (or k) after its norm */
+  uint16_t *q = (uint16_t *)afd_alloc64((size_t)T * Q * 2);    /* q after RoPE, then k */
+  uint16_t *att = (uint16_t *)afd_alloc64((size_t)T * Q * 2);
   int rc = -1;
   if (!xn || !qkv || !tmp || !q || !att) goto done;
   if (afd_bf16_rms_norm(h, H, 0, attn_norm, xn, T, 1, H, eps, threads, isa)) goto done;

@@ -85,8 +85,8 @@ int afd_sample_rows(const float *logits, int T, int V, const float *temperature,
  * (norm_rope.c, the matmul of isa) and roundings as its per-op path. Returns 0 or -1. */
 static int head(const uint16_t *h, const uint16_t *final_norm, float eps, const uint16_t *w_head,
                 int T, int H, int V, int threads, int isa, float *logits, int64_t *argmax) {
-  uint16_t *xn = (uint16_t *)malloc((size_t)T * H * sizeof(uint16_t));
-  uint16_t *y = (uint16_t *)malloc((size_t)T * V * sizeof(uint16_t));
+  uint16_t *xn = (uint16_t *)afd_alloc64((size_t)T * H * sizeof(uint16_t));
+  uint16_t *y = (uint16_t *)afd_alloc64((size_t)T * V * sizeof(uint16_t));
   int rc = xn && y ? 0 : -1;
   if (!rc) rc = afd_bf16_rms_norm(h, H, 0, final_norm, xn, T, 1, H, eps, threads, isa);
   if (!rc) rc = afd_gemm_isa(xn, w_head, y, T, V, H, threads, isa);
@@ -135,7 +135,7 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
     for (int t = 0; t < T; t++)
       memcpy(h + (size_t)t * H, embed + (size_t)tokens[t] * H, (size_t)H * sizeof(uint16_t));
   }
-  uint16_t *y = (uint16_t *)malloc((size_t)T * H * sizeof(uint16_t));
+  uint16_t *y = (uint16_t *)afd_alloc64((size_t)T * H * sizeof(uint16_t));
   if (!y) return -1;
   int rc = L;
   for (int l = 0; l < L; l++) {

@@ -47,7 +47,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     afd_pairs_free(&pairs);
     return 0;
   }
-  uint16_t *ys = (uint16_t *)malloc((size_t)P * H * sizeof(uint16_t));
+  uint16_t *ys = (uint16_t *)afd_alloc64((size_t)P * H * sizeof(uint16_t));
   if (!ys) {
     afd_pairs_free(&pairs);
     return -1;
@@ -58,10 +58,10 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
   const int t = threads > 1 ? threads : 1, K = H > I ? H : I;
   const int n13 = (2 * I + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
   const int n2 = (H + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
-  char *xs = (char *)malloc((size_t)P * H * xsz);
-  uint16_t *gu = (uint16_t *)malloc((size_t)P * 2 * I * sizeof(uint16_t));
-  char *act = (char *)malloc((size_t)P * I * xsz);
-  float *wt = (float *)malloc((size_t)t * 4 * K * sizeof(float)); /* afd_rows' scratch */
+  char *xs = (char *)afd_alloc64((size_t)P * H * xsz);
+  uint16_t *gu = (uint16_t *)afd_alloc64((size_t)P * 2 * I * sizeof(uint16_t));
+  char *act = (char *)afd_alloc64((size_t)P * I * xsz);
+  float *wt = (float *)afd_alloc64((size_t)t * 4 * K * sizeof(float)); /* afd_rows' scratch */
   int *units = (int *)malloc((size_t)E * sizeof(int)); /* the held experts */
   /* AMX, per matrix (its K a multiple of 32): each expert's rows of x (w13) or of its
    * activations (w2) also packed for the tiles (afd_amx_pack), from block at[e] of 16 rows */
@@ -98,7 +98,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
    * next group as it multiplies, gemm.c) 1.07x at 8, 1.1-1.18x at 32, 1.08x at 64 (Zen 4). */
   const int streams = isa == ISA_AVX512 || isa == ISA_AVX2;
   const int nr = streams ? t : 1;
-  float *acc = (float *)malloc((size_t)t * H * sizeof(float)); /* the sum's: a row a thread */
+  float *acc = (float *)afd_alloc64((size_t)t * H * sizeof(float)); /* the sum's: a row a thread */
   uint64_t *runs13 = (uint64_t *)aligned_alloc(64, 2 * AFD_RUNS_WORDS(nr) * sizeof(uint64_t));
   if (!acc || !runs13) {
     free(ys), free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);

@@ -311,7 +311,7 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
   init_scales();
   const int G = K / 32;
   const int wide = isa >= ISA_AVX512 && !f32;
-  float *acc = (float *)malloc((size_t)M * N * sizeof(float));
+  float *acc = (float *)afd_alloc64((size_t)M * N * sizeof(float));
   if (!acc) return -2;
   if (isa == ISA_AMX && !f32 && N % 16 == 0 && M >= MXFP4_AMX_FROM && afd_cpu_amx()) {
     /* tiles (mxfp4_amx.c; the caller has checked the scales) */
@@ -339,8 +339,8 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
   }
   /* x in the weights' scrambled order: fp32 (AVX2) or bf16 words (AVX-512) */
   const size_t len = afd_mxfp4_row_len(wide, K);
-  float *xp = wide ? NULL : (float *)malloc((size_t)M * len * sizeof(float));
-  uint16_t *xb = wide ? (uint16_t *)malloc((size_t)M * len * sizeof(uint16_t)) : NULL;
+  float *xp = wide ? NULL : (float *)afd_alloc64((size_t)M * len * sizeof(float));
+  uint16_t *xb = wide ? (uint16_t *)afd_alloc64((size_t)M * len * sizeof(uint16_t)) : NULL;
   if (!xp && !xb) {
     free(acc);
     return -2;

@@ -50,11 +50,11 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
   const size_t nx = afd_mxfp4_row_len(wide, H); /* per row: prepared x for w13 */
   const size_t na = afd_mxfp4_row_len(wide, I); /* per row: prepared a for w2 */
   int *held = malloc((size_t)E * sizeof(int));
-  uint16_t *xs = malloc((size_t)P * H * sizeof(uint16_t));   /* x[tokens], by expert */
-  uint16_t *as = malloc((size_t)P * I * sizeof(uint16_t));   /* activations */
-  float *gu = malloc((size_t)P * 2 * I * sizeof(float));     /* w13 sums */
-  float *ya = malloc((size_t)P * H * sizeof(float));         /* w2 sums */
-  float *acc = malloc((size_t)(threads > 1 ? threads : 1) * H * sizeof(float)); /* a thread's row */
+  uint16_t *xs = afd_alloc64((size_t)P * H * sizeof(uint16_t));   /* x[tokens], by expert */
+  uint16_t *as = afd_alloc64((size_t)P * I * sizeof(uint16_t));   /* activations */
+  float *gu = afd_alloc64((size_t)P * 2 * I * sizeof(float));     /* w13 sums */
+  float *ya = afd_alloc64((size_t)P * H * sizeof(float));         /* w2 sums */
+  float *acc = afd_alloc64((size_t)(threads > 1 ? threads : 1) * H * sizeof(float)); /* a row */
   int nheld = 0;
   for (int e = 0; held && e < E; e++) /* (held is checked with the rest below) */
     if (starts[e + 1] > starts[e]) held[nheld++] = e;
@@ -62,10 +62,10 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
    * packed for the tiles (amx.c), from block bk[e] of 16 rows; else in the weights' scrambled
    * order (mxfp4.c) */
   const int amx = isa == ISA_AMX && P >= MXFP4_AMX_FROM * nheld && afd_cpu_amx();
-  float *xp = wide || amx ? NULL : malloc((size_t)P * nx * sizeof(float));
-  float *ap = wide || amx ? NULL : malloc((size_t)P * na * sizeof(float));
-  uint16_t *xb = wide && !amx ? malloc((size_t)P * nx * sizeof(uint16_t)) : NULL;
-  uint16_t *ab = wide && !amx ? malloc((size_t)P * na * sizeof(uint16_t)) : NULL;
+  float *xp = wide || amx ? NULL : afd_alloc64((size_t)P * nx * sizeof(float));
+  float *ap = wide || amx ? NULL : afd_alloc64((size_t)P * na * sizeof(float));
+  uint16_t *xb = wide && !amx ? afd_alloc64((size_t)P * nx * sizeof(uint16_t)) : NULL;
+  uint16_t *ab = wide && !amx ? afd_alloc64((size_t)P * na * sizeof(uint16_t)) : NULL;
   size_t *bk = amx ? malloc((size_t)(E + 1) * sizeof(size_t)) : NULL;
   uint16_t *xpk = NULL, *apk = NULL;
   const int G = G13 > G2 ? G13 : G2, nt = threads > 1 ? threads : 1;
