@@ -52,7 +52,7 @@ def build_gpt_oss(path: Path, seed: int = 0) -> Path:
 def run(args: argparse.Namespace) -> dict:
     from afd.config import CacheConfig, EngineConfig, ExpertConfig, ModelConfig, SchedulerConfig
     from afd.kernels import paths
-    from afd_cli.bench.engine import _afd_time, _cpu, _decode_tps, _prompts
+    from afd_cli.bench.engine import _afd_time, _cpu, _decode_tps, _prompts, _read_bandwidth
     from afd_cli.bench.weights import resident as ffn_resident
     from afd_cli.local import local_engine
     from afd_cli.quantize import write
@@ -88,6 +88,9 @@ def run(args: argparse.Namespace) -> dict:
         )
 
     results = []
+    # The BF16 experts' decode is bound by this box's read rate, which moves between runs
+    # (docs/benchmarks.md); each round records it, read from a buffer larger than any cache.
+    read_buf = torch.ones(128 << 20)
     with ExitStack() as stack:
         engines = {
             name: stack.enter_context(local_engine(engine_cfg(p, c), 1, progress=False))
@@ -102,7 +105,9 @@ def run(args: argparse.Namespace) -> dict:
             for fn in sides.values():
                 fn(prompts, 2)  # warm-up (and the workspace's first conversions)
             runs: dict[str, list[float]] = {name: [] for name in sides}
+            reads: list[float] = []
             for _ in range(args.repeat):
+                reads.append(_read_bandwidth(read_buf))
                 for name, fn in sides.items():
                     runs[name].append(_decode_tps(fn, prompts, args.new_tokens))
             med = {name: statistics.median(v) for name, v in runs.items()}
@@ -113,6 +118,7 @@ def run(args: argparse.Namespace) -> dict:
                     name: round(med[name] / med["bf16"], 2) for name in med if name != "bf16"
                 },
                 "runs": {name: [round(v, 1) for v in r] for name, r in runs.items()},
+                "read_gb_s_runs": [round(v, 1) for v in reads],
             }
             results.append(row)
             print(json.dumps(row), flush=True)
