@@ -261,6 +261,32 @@ static AVX512BF16 void linear_avx512(const uint16_t *xb, const uint8_t *blocks,
   }
 }
 
+/* One row of bf16 x [K] into the AVX-512 route's order (dst: afd_mxfp4_row_len(1, K) words):
+ * each quad's 128 values as four vectors of 32, vector k holding elements k, 4 + k, 8 + k, ...
+ * (avx512_element), zero past K. Two word permutes over the quad's halves and a blend a vector. */
+static AVX512BF16 void prepare_wide(const uint16_t *src, int K, uint16_t *dst) {
+  __m512i idx[4]; /* lane i: (4i + k) mod 64, a word of the pair of vectors it permutes */
+  for (int k = 0; k < 4; k++) {
+    uint16_t at[32];
+    for (int i = 0; i < 32; i++) at[i] = (uint16_t)(avx512_element(k, i) % 64);
+    idx[k] = _mm512_loadu_si512((const void *)at);
+  }
+  for (int q = 0; q < K; q += 128) {
+    __m512i v[4];
+    for (int j = 0; j < 4; j++) { /* zeros past K: the masked lanes of the last quad */
+      const int left = K - q - 32 * j;
+      const __mmask32 mk = left >= 32 ? ~(__mmask32)0 : left > 0 ? ((__mmask32)1 << left) - 1 : 0;
+      v[j] = _mm512_maskz_loadu_epi16(mk, (const void *)(src + q + 32 * j));
+    }
+    for (int k = 0; k < 4; k++) {
+      __m512i lo = _mm512_permutex2var_epi16(v[0], idx[k], v[1]); /* lanes 0-15: 4i + k < 64 */
+      __m512i hi = _mm512_permutex2var_epi16(v[2], idx[k], v[3]); /* lanes 16-31 */
+      _mm512_storeu_si512((void *)(dst + q + 32 * k),
+                          _mm512_mask_blend_epi16((__mmask32)0xFFFF0000u, lo, hi));
+    }
+  }
+}
+
 static inline float x_at(const void *x, int f32, size_t i) {
   return f32 ? ((const float *)x)[i] : bf16_value(((const uint16_t *)x)[i]);
 }
@@ -273,14 +299,7 @@ size_t afd_mxfp4_row_len(int wide, int K) {
 void afd_mxfp4_prepare_row(const void *x, int f32, int wide, int m, int K, float *xp,
                            uint16_t *xb) {
   if (wide) { /* bf16 x: position 32k + i of a quad holds element 4i + k, zero past K */
-    const uint16_t *src = (const uint16_t *)x + (size_t)m * K;
-    const size_t len = afd_mxfp4_row_len(1, K);
-    uint16_t *dst = xb + (size_t)m * len;
-    for (size_t q = 0; q < len; q += 128)
-      for (int p = 0; p < 128; p++) {
-        size_t e = q + (size_t)avx512_element(p / 32, p % 32);
-        dst[q + p] = e < (size_t)K ? src[e] : 0;
-      }
+    prepare_wide((const uint16_t *)x + (size_t)m * K, K, xb + (size_t)m * afd_mxfp4_row_len(1, K));
     return;
   }
   int vmap[64]; /* the element of a 64-weight group at each scrambled position */
