@@ -246,7 +246,15 @@ def run(args: argparse.Namespace) -> dict:
         return {"llama_server": str(server)}
     ckpt = build_checkpoint(Path(args.cache_dir) / "bench-qwen3moe-ref")
     gguf = convert(cache, args.version, ckpt)
+    import torch
+
+    from afd_cli.bench.engine import _read_bandwidth
+
+    # The box's read rate just before each measured run (the server idle): at one stream both
+    # servers are bound by it, and it moves between spells (docs/benchmarks.md).
+    read_buf = torch.ones(128 << 20)
     runs: dict[tuple[str, int], list[dict]] = {}
+    reads: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.repeat):  # alternating: a slow spell hits both servers
         for name in _SERVERS:
             proc = _start(name, args, server, gguf, ckpt, args.port)
@@ -254,6 +262,7 @@ def run(args: argparse.Namespace) -> dict:
                 for i, c in enumerate(args.concurrency):
                     # prompts never sent before to this server (each concurrency its own)
                     _drive(args.port, c, args, seed=2 * i + 1)  # warm-up at this concurrency
+                    reads.setdefault((name, c), []).append(_read_bandwidth(read_buf, 1))
                     runs.setdefault((name, c), []).append(_drive(args.port, c, args, 2 * i))
             finally:
                 _stop(proc)
@@ -269,6 +278,7 @@ def run(args: argparse.Namespace) -> dict:
                 "mean_tpot_ms": round(statistics.median(tpot), 2),
                 "p50_ttft_ms": round(statistics.median(ttft), 1),
                 "runs_tok_s": [round(v, 1) for v in tps],
+                "read_gb_s_runs": [round(v, 1) for v in reads[(name, c)]],
             }
         row["ratio"] = round(row["afd"]["output_tok_s"] / row["llama.cpp"]["output_tok_s"], 2)
         # llama.cpp's TTFT over afd's: above 1, afd answers first
