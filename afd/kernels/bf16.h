@@ -10,7 +10,7 @@
 /* Scratch that vector code reads (copies of x, activations, sums): aligned to a cache line.
  * malloc aligns to 16 bytes only (and a large block mmap'ed to a page plus 16), so a 64-byte
  * load of a row starting at a multiple of 32 bf16 values straddled two lines and cost two
- * reads of L1; on Zen 4 MXFP4's products at 4 rows of x took 1.17x as long from a buffer 16
+ * reads of L1; on Zen 4 MXFP4's products at 4 rows of x took 1.18x as long from a buffer 16
  * bytes off a line as from an aligned one, 1.34x at 8 rows (C harness, the same code). Free
  * with free(). */
 static inline void *afd_alloc64(size_t bytes) {
