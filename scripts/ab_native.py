@@ -38,11 +38,10 @@ from ab_engine import _git, _prepare  # noqa: E402  (scripts/ is not a package)
 from afd_cli.bench.engine import _cpu, _read_bandwidth  # noqa: E402
 
 
-def _load(so: Path, main: ctypes.CDLL, scratch: Path) -> ctypes.CDLL:
-    """A copy of `so` loaded beside this checkout's library (a second file, so the loader
-    does not hand back the first), with main's argument and result types on every function
-    that main has configured."""
-    copy = scratch / f"{so.parent.parent.parent.name}-{so.name}"
+def _load(so: Path, main: ctypes.CDLL, copy: Path) -> ctypes.CDLL:
+    """`so` copied to `copy` and loaded beside this checkout's library (another file, so the
+    loader does not hand back the first), with main's argument and result types on every
+    function that main has configured."""
     shutil.copy(so, copy)
     lib = ctypes.CDLL(str(copy))
     for name, fn in list(vars(main).items()):
@@ -91,7 +90,7 @@ def main() -> int:
                 trees[side] = _prepare(rev, Path(root) / side)
             libs = {
                 side: _load(next((tree / "afd" / "kernels").glob("_native*.so")), main_lib,
-                            Path(root))
+                            Path(root) / f"{side}.so")
                 for side, tree in trees.items()
             }  # fmt: skip
         finally:
