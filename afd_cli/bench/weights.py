@@ -38,6 +38,10 @@ from afd.kernels import paths  # the kernel path and its start-up measurement: n
 paths.active()
 paths.onednn_from_rows(torch.get_num_threads())
 gc.collect()
+# What the measurement freed stays in glibc's heap (tune_allocator) and loading reuses it: an
+# untrimmed baseline hid ~260 MB of the weights on an AMX box, where the measurement is largest.
+from afd.runtime import release_load_memory
+release_load_memory()
 before = rss()
 if role == "attention":
     held = AttentionModel(cfg, torch.bfloat16, progress=False)
