@@ -335,7 +335,7 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
   if (isa == ISA_AMX && !f32 && N % 16 == 0 && M >= MXFP4_AMX_FROM && afd_cpu_amx()) {
     /* tiles (mxfp4_amx.c; the caller has checked the scales) */
     uint16_t *xa = (uint16_t *)aligned_alloc(64, afd_amx_elems(M, K) * sizeof(uint16_t));
-    const size_t per = afd_mxfp4_amx_scratch(G); /* a thread's: decoded codes, then shifts */
+    const size_t per = afd_mxfp4_amx_scratch(G); /* a thread's decoded codes */
     char *sh = (char *)aligned_alloc(64, (size_t)(threads > 1 ? threads : 1) * per);
     if (!xa || !sh) {
       free(xa), free(sh), free(acc);
@@ -348,8 +348,7 @@ int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales
 #pragma omp for schedule(dynamic, 1)
       for (int n0 = 0; n0 < N; n0 += AMX_NU)
         afd_mxfp4_rows_amx(xa, blocks, scales, acc, M, N, G, n0,
-                           n0 + AMX_NU < N ? n0 + AMX_NU : N,
-                           (uint32_t *)(mine + (size_t)AMX_NU * G * 64), (uint16_t *)mine);
+                           n0 + AMX_NU < N ? n0 + AMX_NU : N, (uint16_t *)mine);
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < (int64_t)M * N; i++) ((uint16_t *)y)[i] = to_bf16(acc[i]);
     }

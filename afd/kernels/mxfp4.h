@@ -43,11 +43,10 @@ void afd_mxfp4_rows(const float *xp, const uint16_t *xb, int wide, const uint8_t
 #define MXFP4_AMX_FROM 2
 
 /* The same on AMX tiles (mxfp4_amx.c): xp is x packed by afd_amx_pack; n0, n1 multiples of 16,
- * n1 - n0 <= AMX_NU; a thread's scratch: shifts (AMX_NU G) and a (64-byte aligned,
- * AMX_NU G 32 bf16: afd_mxfp4_amx_scratch bytes for both); only where afd_cpu_amx() and every
- * scale byte of rows n0..n1 is 2..252. */
+ * n1 - n0 <= AMX_NU; a: a thread's scratch for the decoded codes (64-byte aligned,
+ * afd_mxfp4_amx_scratch bytes: AMX_NU G 32 bf16); only where afd_cpu_amx() and every scale
+ * byte of rows n0..n1 is 2..252. */
 void afd_mxfp4_rows_amx(const uint16_t *xp, const uint8_t *blocks, const uint8_t *scales,
-                        float *acc, int M, int N, int G, int n0, int n1, uint32_t *shifts,
-                        uint16_t *a);
-static inline size_t afd_mxfp4_amx_scratch(int G) { return (size_t)AMX_NU * G * (64 + 4); }
+                        float *acc, int M, int N, int G, int n0, int n1, uint16_t *a);
+static inline size_t afd_mxfp4_amx_scratch(int G) { return (size_t)AMX_NU * G * 64; }
 #endif

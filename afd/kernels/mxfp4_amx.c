@@ -21,33 +21,39 @@
 #include "bf16.h"
 #include "mxfp4.h"
 
-#define NONZERO 0xFEFEFEFEu /* AFD_E2M1_BF16's entries other than +0 and -0 */
+/* AFD_E2M1_BF16 with scale byte e folded in, for every byte: entry i's exponent raised by e -
+ * 127 (the 16-bit add wraps as the masked add of a shift did), +0 and -0 left as they are.
+ * A block's table is then one load instead of a broadcast, a copy and a masked add (the decode
+ * loop's vector ports are its bound on the tiles' lowered clock). Bytes outside 2..252 give
+ * garbage that no caller reads (MXFP4.foldable). Filled once when the library loads. */
+static uint16_t SCALED[256][32] __attribute__((aligned(64)));
 
-/* The exponent shift of scale byte e as a bf16 bit pattern's increment, in both halves of a
- * dword (so a broadcast of it is a plain load, not a shuffle). */
-static inline uint32_t shift_of(uint8_t e) {
-  uint32_t w = (uint16_t)(((int)e - 127) * 128);
-  return w | w << 16;
+__attribute__((constructor)) static void fill_scaled(void) {
+  for (int e = 0; e < 256; e++) {
+    const uint16_t shift = (uint16_t)((e - 127) * 128);
+    for (int i = 0; i < 32; i++) {
+      const uint16_t v = AFD_E2M1_BF16[i];
+      SCALED[e][i] = (v & 0x7fff) ? (uint16_t)(v + shift) : v;
+    }
+  }
 }
 
-/* 16 weight rows (codes: the first row's blocks; shifts [16][G]: shift_of each row's scales)
- * -> out [G][16][32] bf16, scaled: block column s is the A tile at out + s * 512. The codes
- * are read front to back (the 16 rows are one run of memory); two shuffles per 32 weights
- * (the widening and vpermw). */
-static AMX void decode_group(const uint8_t *codes, const uint32_t *shifts, int G, uint16_t *out) {
-  const __m512i table = _mm512_load_si512((const void *)AFD_E2M1_BF16);
+/* 16 weight rows (codes: the first row's blocks; scales [16][G]: their scale bytes) -> out
+ * [G][16][32] bf16, scaled: block column s is the A tile at out + s * 512. The codes are read
+ * front to back (the 16 rows are one run of memory); two shuffles per 32 weights (the widening
+ * and vpermw). */
+static AMX void decode_group(const uint8_t *codes, const uint8_t *scales, int G, uint16_t *out) {
   for (int r = 0; r < 16; r++)
     for (int s = 0; s < G; s++) {
-      /* byte j's low nibble is element 2j, its high nibble 2j + 1: one dword per byte; with
-       * the dword shifted up 12 or-ed in, its low word still has the low nibble in bits 0-3
-       * (vpermw reads bits 0-4; the table repeats for bit 4) and its high word is the high
-       * nibble */
+      /* byte j's low nibble is element 2j, its high nibble 2j + 1: one dword per byte; times
+       * 4097 (the dword plus itself shifted up 12, one vpmaddwd: the two never overlap) its
+       * low word still has the low nibble in bits 0-3 (vpermw reads bits 0-4; the table
+       * repeats for bit 4) and its high word is the high nibble */
       const uint8_t *b = codes + ((size_t)r * G + s) * 16;
       if (s % 4 == 0) _mm_prefetch((const char *)b + MXFP4_AHEAD, _MM_HINT_T0);
       __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-      __m512i idx = _mm512_or_si512(d, _mm512_slli_epi32(d, 12));
-      __m512i shift = _mm512_set1_epi32((int)shifts[(size_t)r * G + s]);
-      __m512i scaled = _mm512_mask_add_epi16(table, NONZERO, table, shift);
+      __m512i idx = _mm512_madd_epi16(d, _mm512_set1_epi32(4097));
+      __m512i scaled = _mm512_load_si512((const void *)SCALED[scales[(size_t)r * G + s]]);
       _mm512_store_si512((void *)(out + ((size_t)s * 16 + r) * 32),
                          _mm512_permutexvar_epi16(idx, scaled));
     }
@@ -68,8 +74,8 @@ static AMX void put_f32(const float *c, float *acc, int M, int N, int mb, int n)
   } while (0)
 
 /* acc[m * N + n] = x[m] . W[n] in fp32 for the M rows of x (xp: afd_amx_pack's layout of x
- * [M, 32 G]) and n in n0..n1, both multiples of 16, n1 - n0 <= AMX_NU; shifts: scratch of
- * AMX_NU G, a: of AMX_NU G 32 bf16, both this thread's, a 64-byte aligned. Call only where
+ * [M, 32 G]) and n in n0..n1, both multiples of 16, n1 - n0 <= AMX_NU; a: scratch of
+ * AMX_NU G 32 bf16, this thread's, 64-byte aligned. Call only where
  * afd_cpu_amx() is true and every scale byte of these rows is 2..252.
  *
  * The rows' codes are decoded first (decode_group, into a, read by the tiles from L1 or L2),
@@ -77,17 +83,15 @@ static AMX void put_f32(const float *c, float *acc, int M, int N, int mb, int n)
  * block columns), four groups of 16 weight rows against one block of x, or two groups against
  * two blocks. */
 AMX void afd_mxfp4_rows_amx(const uint16_t *xp, const uint8_t *blocks, const uint8_t *scales,
-                            float *acc, int M, int N, int G, int n0, int n1, uint32_t *shifts,
-                            uint16_t *a) {
+                            float *acc, int M, int N, int G, int n0, int n1, uint16_t *a) {
   const int MB = (M + 15) / 16, groups = (n1 - n0) / 16;
   const size_t xblock = afd_amx_elems(1, 32 * G), ablock = (size_t)G * 512;
   float c[16 * 16] __attribute__((aligned(64)));
   const char *codes = (const char *)(blocks + (size_t)n0 * G * 16);
   const size_t bytes = (size_t)groups * 16 * G * 16; /* the unit's codes */
   for (size_t i = 0; i < bytes && i < MXFP4_AHEAD; i += 64) _mm_prefetch(codes + i, _MM_HINT_T0);
-  for (int i = 0; i < 16 * groups * G; i++) shifts[i] = shift_of(scales[(size_t)n0 * G + i]);
   for (int g = 0; g < groups; g++)
-    decode_group(blocks + (size_t)(n0 + 16 * g) * G * 16, shifts + (size_t)g * 16 * G, G,
+    decode_group(blocks + (size_t)(n0 + 16 * g) * G * 16, scales + (size_t)(n0 + 16 * g) * G, G,
                  a + g * ablock);
   afd_amx_configure();
   int mb = 0;

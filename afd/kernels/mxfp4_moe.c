@@ -69,7 +69,7 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
   size_t *bk = amx ? malloc((size_t)(E + 1) * sizeof(size_t)) : NULL;
   uint16_t *xpk = NULL, *apk = NULL;
   const int G = G13 > G2 ? G13 : G2, nt = threads > 1 ? threads : 1;
-  const size_t per = afd_mxfp4_amx_scratch(G); /* a thread's: decoded codes, then shifts */
+  const size_t per = afd_mxfp4_amx_scratch(G); /* a thread's decoded codes */
   char *sh = amx ? aligned_alloc(64, (size_t)nt * per) : NULL;
   if (bk) {
     bk[0] = 0;
@@ -92,7 +92,6 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
   {
     char *mine = sh ? sh + (size_t)(t > 1 ? omp_get_thread_num() : 0) * per : NULL;
     uint16_t *mine_a = (uint16_t *)mine;
-    uint32_t *mine_sh = mine ? (uint32_t *)(mine + (size_t)AMX_NU * G * 64) : NULL;
     /* the copies, packs and the sum on every thread too: serial, they idled the other core */
 #pragma omp for schedule(static)
     for (int p = 0; p < P; p++) memcpy(xs + (size_t)p * H, x + tokens[p] * H, (size_t)H * 2);
@@ -114,7 +113,7 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
       int n0 = u % u13 * nu, n1 = n0 + nu < 2 * I ? n0 + nu : 2 * I;
       if (amx)
         afd_mxfp4_rows_amx(xpk + bk[e] * 16 * H, b13[e], s13[e], gu + (size_t)p0 * 2 * I, n,
-                           2 * I, G13, n0, n1, mine_sh, mine_a);
+                           2 * I, G13, n0, n1, mine_a);
       else
         afd_mxfp4_rows(xp ? xp + p0 * nx : NULL, xb ? xb + p0 * nx : NULL, wide, b13[e],
                        s13[e], gu + (size_t)p0 * 2 * I, n, 2 * I, G13, n0, n1);
@@ -139,7 +138,7 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
       int n0 = u % u2 * nu, n1 = n0 + nu < H ? n0 + nu : H;
       if (amx)
         afd_mxfp4_rows_amx(apk + bk[e] * 16 * I, b2[e], s2[e], ya + (size_t)p0 * H, n, H, G2,
-                           n0, n1, mine_sh, mine_a);
+                           n0, n1, mine_a);
       else
         afd_mxfp4_rows(ap ? ap + p0 * na : NULL, ab ? ab + p0 * na : NULL, wide, b2[e], s2[e],
                        ya + (size_t)p0 * H, n, H, G2, n0, n1);
