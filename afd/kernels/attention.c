@@ -179,41 +179,61 @@ static void weighted_sum(const float *p, const float *zeros, const uint16_t *cac
 /* Rows of K (and twice as many of V) each decode task fetches before it computes */
 #define PREFETCH_ROWS 16
 
-/* q [B, kvh * g, D], k/v cache [kvh, NB, bs, D], blocks [B, nb] int64, lens [B] int64,
- * out [B, kvh * g, D]; all bf16 but the indices. sinks: NULL or [kvh * g] float, a sink logit
- * per query head; window > 0: each row attends to its last `window` positions only. isa:
- * ISA_AVX2, or ISA_AVX512 / ISA_AMX for the AVX-512 BF16 products (attention512.c) where D % 32
- * == 0 (the AVX2 ones otherwise). Returns 0, or -1 when D is not a multiple of 8, a length
- * exceeds the block table, or memory is short. */
+/* q [B, kvh * g, D], k cache [kvh, NB, bs, D], blocks [B, nb] int64, lens [B] int64,
+ * out [B, kvh * g, Dv]; all bf16 but the indices. v cache: rows of D values at K's offsets,
+ * of which the first Dv <= D are V (Dv == D: a cache of its own; Dv < D: MLA, whose V is the
+ * latent, K's leading columns, v_cache == k_cache). sinks: NULL or [kvh * g] float, a sink
+ * logit per query head; window > 0: each row attends to its last `window` positions only.
+ * isa: ISA_AVX2, or ISA_AVX512 / ISA_AMX for the AVX-512 BF16 products (attention512.c) where
+ * D (scores) and Dv (values) are multiples of 32 (the AVX2 ones otherwise). Returns 0, or -1
+ * when D or Dv is not a multiple of 8 or Dv > D, a length exceeds the block table, or memory
+ * is short.
+ *
+ * A task is a sequence's K/V head and a group of its query heads: all g of them, unless the
+ * batch has fewer (sequence, K/V head) pairs than threads (one sequence of an MLA or MFA model,
+ * whose one K/V head would leave every thread but one idle), then groups of 4 or more heads,
+ * each task reading the head's K and V for its own group. A head's arithmetic is the same in
+ * any group, so the bits do not depend on the batch or the threads. */
 int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
                                   const uint16_t *v_cache, const int64_t *blocks,
                                   const int64_t *lens, uint16_t *out, int B, int kvh, int g, int D,
-                                  int NB, int bs, int nb, float scale, const float *sinks,
+                                  int Dv, int NB, int bs, int nb, float scale, const float *sinks,
                                   int window, int threads, int isa) {
-  if (D % 8 != 0 || B <= 0 || g <= 0) return -1;
-  const int wide = isa != ISA_AVX2 && D % 32 == 0;
+  if (D % 8 != 0 || Dv % 8 != 0 || Dv > D || Dv <= 0 || B <= 0 || g <= 0) return -1;
+  const int wide_k = isa != ISA_AVX2 && D % 32 == 0, wide_v = isa != ISA_AVX2 && Dv % 32 == 0;
   for (int b = 0; b < B; b++)
     if (lens[b] < 1 || lens[b] > (int64_t)nb * bs) return -1;
   int failed = 0, t = threads > 1 ? threads : 1;
+  /* query heads a task: all g, or (fewer pairs than threads) the fewest multiple of 4 that
+   * gives every thread a task */
+  int gs = g;
+  if (B * kvh < t && g > 4) {
+    int want = (t + B * kvh - 1) / (B * kvh);
+    gs = (g + want - 1) / want;
+    gs = (gs + 3) / 4 * 4;
+    if (gs > g) gs = g;
+  }
+  const int G = (g + gs - 1) / gs;
 #pragma omp parallel for num_threads(t) schedule(dynamic, 1) if (t > 1)
-  for (int task = 0; task < B * kvh; task++) {
-    int b = task / kvh, h = task % kvh, len = (int)lens[b];
+  for (int task = 0; task < B * kvh * G; task++) {
+    int b = task / (kvh * G), h = task / G % kvh, j0 = task % G * gs, len = (int)lens[b];
+    const int gj = g - j0 < gs ? g - j0 : gs; /* this task's query heads: j0 .. j0 + gj - 1 */
     int start = window > 0 && len > window ? len - window : 0; /* first visible position */
     len -= start;
-    float *qf = (float *)afd_alloc64((size_t)g * D * sizeof(float));
-    float *s = (float *)afd_alloc64(((size_t)g * len + 8) * sizeof(float));
+    float *qf = (float *)afd_alloc64((size_t)gj * D * sizeof(float));
+    float *s = (float *)afd_alloc64(((size_t)gj * len + 8) * sizeof(float));
     float *zeros = (float *)calloc((size_t)len, sizeof(float));
     float *kt = (float *)afd_alloc64((size_t)8 * D * sizeof(float));
     int64_t *row = (int64_t *)malloc((size_t)len * sizeof(int64_t));
     /* AVX-512: D zeros for the rows past len, and the probabilities as bf16 pairs */
-    uint16_t *zrow = wide ? (uint16_t *)calloc((size_t)D, sizeof(uint16_t)) : NULL;
-    uint16_t *pb =
-        wide ? (uint16_t *)afd_alloc64(((size_t)g * (len + 1) + 2) * sizeof(uint16_t)) : NULL;
-    if (!qf || !s || !zeros || !kt || !row || (wide && (!zrow || !pb))) {
+    uint16_t *zrow = wide_k || wide_v ? (uint16_t *)calloc((size_t)D, sizeof(uint16_t)) : NULL;
+    uint16_t *pb = wide_v ? (uint16_t *)afd_alloc64(((size_t)gj * (len + 1) + 2) * sizeof(uint16_t))
+                          : NULL;
+    if (!qf || !s || !zeros || !kt || !row || ((wide_k || wide_v) && !zrow) || (wide_v && !pb)) {
       failed = 1;
     } else {
-      const uint16_t *qb = q + ((size_t)b * kvh * g + (size_t)h * g) * D;
-      for (int i = 0; i < g * D; i += 8) _mm256_storeu_ps(qf + i, load_bf16(qb + i));
+      const uint16_t *qb = q + ((size_t)b * kvh * g + (size_t)h * g + j0) * D;
+      for (int i = 0; i < gj * D; i += 8) _mm256_storeu_ps(qf + i, load_bf16(qb + i));
       /* element offset of position l's row for this head, the same in the K and V caches */
       for (int l = 0; l < len; l++) {
         int pos = start + l;
@@ -226,19 +246,20 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
       for (int l = 0; l < 2 * PREFETCH_ROWS && l < len; l++)
         for (int o = 0; o < D * 2; o += 64) {
           if (l < PREFETCH_ROWS) _mm_prefetch((const char *)(k_cache + row[l]) + o, _MM_HINT_T0);
-          _mm_prefetch((const char *)(v_cache + row[l]) + o, _MM_HINT_T1);
+          if (o < Dv * 2) _mm_prefetch((const char *)(v_cache + row[l]) + o, _MM_HINT_T1);
         }
-      if (wide)
-        afd_attn512_scores(qb, k_cache, row, len, g, D, scale, zrow, s);
+      if (wide_k)
+        afd_attn512_scores(qb, k_cache, row, len, gj, D, scale, zrow, s);
       else
-        scores(qf, k_cache, row, len, g, D, scale, s, kt);
-      softmax_rows(s, len, g, sinks ? sinks + (size_t)h * g : NULL, isa != ISA_AVX2);
-      uint16_t *ob = out + ((size_t)b * kvh * g + (size_t)h * g) * D;
-      if (wide)
-        afd_attn512_values(s, len, g, D, v_cache, row, zrow, pb, ob);
+        scores(qf, k_cache, row, len, gj, D, scale, s, kt);
+      softmax_rows(s, len, gj, sinks ? sinks + (size_t)h * g + j0 : NULL, isa != ISA_AVX2);
+      /* the values read each row's first Dv values (row offsets are in units of D) */
+      uint16_t *ob = out + ((size_t)b * kvh * g + (size_t)h * g + j0) * Dv;
+      if (wide_v)
+        afd_attn512_values(s, len, gj, Dv, v_cache, row, zrow, pb, ob);
       else
-        for (int j0 = 0; j0 < g; j0 += 4)
-          weighted_sum(s, zeros, v_cache, row, len, g, j0, D, ob + (size_t)j0 * D);
+        for (int j = 0; j < gj; j += 4)
+          weighted_sum(s, zeros, v_cache, row, len, gj, j, Dv, ob + (size_t)j * Dv);
     }
     free(qf), free(s), free(zeros), free(kt), free(row), free(zrow), free(pb);
   }
@@ -249,8 +270,8 @@ int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const 
                               const int64_t *blocks, const int64_t *lens, uint16_t *out, int B,
                               int kvh, int g, int D, int NB, int bs, int nb, float scale,
                               int threads) {
-  return afd_bf16_decode_attention_ext(q, k_cache, v_cache, blocks, lens, out, B, kvh, g, D, NB,
-                                       bs, nb, scale, NULL, 0, threads, ISA_AVX2);
+  return afd_bf16_decode_attention_ext(q, k_cache, v_cache, blocks, lens, out, B, kvh, g, D, D,
+                                       NB, bs, nb, scale, NULL, 0, threads, ISA_AVX2);
 }
 
 /* The softmax of a prefill's scores, between the torch path's two bmms (services/attention/

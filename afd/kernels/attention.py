@@ -12,19 +12,26 @@ from afd.kernels import gemm, paths
 def decode_attention(
     q: torch.Tensor,  # [B, nh, D] bf16: one query token per sequence, after RoPE
     k_cache: torch.Tensor,  # [kvh, NB, bs, D] bf16, holding this step's keys
-    v_cache: torch.Tensor,  # [kvh, NB, bs, D] bf16
+    # [kvh, NB, bs, Dv] bf16: a cache of its own (Dv == D), or K's leading Dv columns (MLA's
+    # latent: a view of k_cache, its rows D apart)
+    v_cache: torch.Tensor,
     blocks: torch.Tensor,  # [B, nb] long: block table per sequence, padded
     lens: torch.Tensor,  # [B] long: positions 0..len-1 of each sequence are attended
     scale: float,
     sinks: torch.Tensor | None = None,  # [nh] float32: a logit per head that takes no value
     window: int = 0,  # > 0: only each sequence's last `window` positions are attended
-) -> torch.Tensor:  # [B, nh * D] bf16
+) -> torch.Tensor:  # [B, nh * Dv] bf16
     B, nh, D = q.shape
     kvh, NB, bs, _ = k_cache.shape
+    Dv = v_cache.shape[-1]
+    if not k_cache.is_contiguous() or v_cache.stride() != k_cache.stride():
+        raise ValueError("decode_attention: V must be a cache shaped as K, or K's leading columns")
+    if Dv != D and v_cache.data_ptr() != k_cache.data_ptr():
+        raise ValueError(f"decode_attention: V of width {Dv} must be K's leading columns")
     q = q.contiguous()
     blocks = blocks.contiguous()
     lens = lens.contiguous()
-    out = torch.empty(B, nh * D, dtype=torch.bfloat16)
+    out = torch.empty(B, nh * Dv, dtype=torch.bfloat16)
     sinks = None if sinks is None else sinks.float().contiguous()
     rc = gemm._lib().afd_bf16_decode_attention_ext(
         q.data_ptr(),
@@ -37,6 +44,7 @@ def decode_attention(
         kvh,
         nh // kvh,
         D,
+        Dv,
         NB,
         bs,
         blocks.shape[1],

@@ -213,7 +213,7 @@ int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const 
 int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
                                   const uint16_t *v_cache, const int64_t *blocks,
                                   const int64_t *lens, uint16_t *out, int B, int kvh, int g, int D,
-                                  int NB, int bs, int nb, float scale, const float *sinks,
+                                  int Dv, int NB, int bs, int nb, float scale, const float *sinks,
                                   int window, int threads, int isa);
 
 /* The sums of 8 vectors, one lane each: [sum(a0), ..., sum(a7)]. */

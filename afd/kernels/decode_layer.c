@@ -193,7 +193,7 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
     for (size_t o = 0; o < (size_t)E * H * sizeof(uint16_t); o += 64)
       _mm_prefetch((const char *)w_router + o, _MM_HINT_T1);
   if (afd_bf16_decode_attention_ext(q, k_cache, v_cache, blocks, lens, att, T, kvh, nh / kvh, D,
-                                    NB, bs, nb, scale, sinks, window, threads, isa))
+                                    D, NB, bs, nb, scale, sinks, window, threads, isa))
     goto done;
   if (GEMM(att, w_o, xn, T, H, Q)) goto done; /* xn reused: o_proj out */
   if (b_o) add_bias(xn, b_o, T, H);

@@ -55,7 +55,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_moe_ext.restype = i
     lib.afd_bf16_decode_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
     lib.afd_bf16_decode_attention.restype = i
-    ext = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, p, i, i, i]
+    ext = [p, p, p, p, p, p, i, i, i, i, i, i, i, i, f, p, i, i, i]
     lib.afd_bf16_decode_attention_ext.argtypes = ext
     lib.afd_bf16_decode_attention_ext.restype = i
     lib.afd_bf16_prefill_softmax.argtypes = [p, i, i, i, i, p, p, f, p, p, i, i]

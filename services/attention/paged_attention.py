@@ -65,10 +65,12 @@ def paged_attention(
     Dv = v_cache.shape[-1]
     out = torch.empty(T, nh * Dv, dtype=q.dtype, device=q.device)
     nd = meta.num_decode
-    fused = native() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
-    fused = fused and Dv == D and k_cache.is_contiguous() and v_cache.is_contiguous()
-    fused = fused and k_cache.device.type == "cpu"
-    if nd and fused:
+    native_bf16 = native() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
+    native_bf16 = native_bf16 and k_cache.is_contiguous() and k_cache.device.type == "cpu"
+    fused = native_bf16 and Dv == D and v_cache.is_contiguous()
+    # decode also reads MLA's V (the latent, K's leading columns) in place
+    latent_v = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
+    if nd and (fused or (native_bf16 and latent_v and Dv % 8 == 0)):
         lens = meta.decode_lens
         out[:nd] = decode_attention(
             q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale, sinks, window

@@ -292,6 +292,56 @@ def test_decode_attention_matches_the_torch_path(
 
 
 @needs_library
+@pytest.mark.parametrize("d,dv", [(288, 256), (72, 64), (96, 40)], ids=["wide", "avx2", "mixed"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_reads_mla_values_from_the_latent(d, dv, threads, native_path):
+    """MLA's decode: one K/V head (the latent and its rotary part, D wide), 16 query heads, V
+    the latent's first Dv columns of the same rows (a view of K); against the torch path, which
+    gathers K once and takes V from it. One sequence on two threads splits its query heads
+    between two tasks, three sequences do not: each sequence alone gives the batch's bits (a
+    head's arithmetic does not depend on its group). D and Dv multiples of 32 take AVX-512
+    BF16's products where the path has them, the others AVX2's; "mixed": the scores on one and
+    the values on the other."""
+    from afd.kernels.attention import decode_attention
+    from services.attention.paged_attention import _attend
+
+    gen = torch.Generator().manual_seed(d + dv)
+    bs, nh, lens = 16, 16, torch.tensor([300, 1, 47])
+    nb = -(-int(lens.max()) // bs)
+    k_cache = torch.randn(1, 70, bs, d, generator=gen).to(torch.bfloat16)
+    v_cache = k_cache[..., :dv]
+    blocks = torch.randperm(70, generator=gen)[: len(lens) * nb].view(len(lens), nb)
+    q = torch.randn(len(lens), nh, d, generator=gen).to(torch.bfloat16)
+    bias = torch.full((len(lens), 1, nb * bs), float("-inf"))
+    for i, n in enumerate(lens.tolist()):
+        bias[i, :, :n] = 0.0
+    scale = d**-0.5
+    ref = _attend(q.unsqueeze(1), k_cache, v_cache, blocks, bias, scale).reshape(len(lens), -1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = decode_attention(q, k_cache, v_cache, blocks, lens, scale)
+        alone = [decode_attention(q[i : i + 1], k_cache, v_cache, blocks[i : i + 1],
+                                  lens[i : i + 1], scale) for i in range(len(lens))]  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == (len(lens), nh * dv)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2**-9)
+    assert (out == ref).float().mean() > 0.98
+    assert torch.equal(out.view(torch.int16), torch.cat(alone).view(torch.int16))
+
+
+def test_decode_attention_refuses_a_v_that_is_not_k_s_leading_columns():
+    from afd.kernels.attention import decode_attention
+
+    k = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
+    v = torch.zeros(1, 2, 16, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="leading columns"):
+        decode_attention(torch.zeros(1, 1, 64, dtype=torch.bfloat16), k, v,
+                         torch.zeros(1, 2, dtype=torch.long), torch.tensor([3]), 1.0)  # fmt: skip
+
+
+@needs_library
 @pytest.mark.skipif(len(kernels.NATIVE) < 2, reason="one native path here: nothing to compare")
 def test_decode_attention_softmax_is_the_same_bits_on_every_path():
     """Where D % 32 != 0 both paths take the AVX2 products, so only the softmax differs in how
