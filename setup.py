@@ -56,6 +56,7 @@ def _kernels() -> list[Extension]:
                     "moe",
                     "attention",
                     "attention512",
+                    "attention_amx",
                     "norm_rope",
                     "decode_layer",
                     "decode_stack",

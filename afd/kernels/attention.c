@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "attention512.h"
+#include "attention_amx.h"
 #include "bf16.h"
 
 /* Rows sit in 16-position blocks scattered over the pool, so the hardware prefetcher sees
@@ -229,7 +230,13 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
     uint16_t *zrow = wide_k || wide_v ? (uint16_t *)calloc((size_t)D, sizeof(uint16_t)) : NULL;
     uint16_t *pb = wide_v ? (uint16_t *)afd_alloc64(((size_t)gj * (len + 1) + 2) * sizeof(uint16_t))
                           : NULL;
-    if (!qf || !s || !zeros || !kt || !row || ((wide_k || wide_v) && !zrow) || (wide_v && !pb)) {
+    /* the scores on AMX tiles: the query heads are the tile's columns, so from 8 of them a
+     * position's products cost a fraction of vdpbf16ps' (MLA: 16 to 128 heads). Chosen
+     * by g, not by this task's group, so a head's sums do not depend on the batch. */
+    const int tiles = wide_k && isa == ISA_AMX && g >= 8 && afd_cpu_amx();
+    void *tile_scratch = tiles ? afd_alloc64(AFD_ATTN_AMX_SCRATCH(gj, D)) : NULL;
+    if (!qf || !s || !zeros || !kt || !row || ((wide_k || wide_v) && !zrow) || (wide_v && !pb) ||
+        (tiles && !tile_scratch)) {
       failed = 1;
     } else {
       const uint16_t *qb = q + ((size_t)b * kvh * g + (size_t)h * g + j0) * D;
@@ -248,7 +255,9 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
           if (l < PREFETCH_ROWS) _mm_prefetch((const char *)(k_cache + row[l]) + o, _MM_HINT_T0);
           if (o < Dv * 2) _mm_prefetch((const char *)(v_cache + row[l]) + o, _MM_HINT_T1);
         }
-      if (wide_k)
+      if (tiles)
+        afd_attn_amx_scores(qb, k_cache, row, len, gj, D, scale, s, tile_scratch);
+      else if (wide_k)
         afd_attn512_scores(qb, k_cache, row, len, gj, D, scale, zrow, s);
       else
         scores(qf, k_cache, row, len, gj, D, scale, s, kt);
@@ -261,7 +270,7 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
         for (int j = 0; j < gj; j += 4)
           weighted_sum(s, zeros, v_cache, row, len, gj, j, Dv, ob + (size_t)j * Dv);
     }
-    free(qf), free(s), free(zeros), free(kt), free(row), free(zrow), free(pb);
+    free(qf), free(s), free(zeros), free(kt), free(row), free(zrow), free(pb), free(tile_scratch);
   }
   return failed ? -1 : 0;
 }

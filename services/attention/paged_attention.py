@@ -9,7 +9,7 @@ from functools import cached_property
 
 import torch
 
-from afd.kernels import cuda_attention
+from afd.kernels import cuda_attention, paths
 from afd.kernels.attention import decode_attention, prefill_softmax
 from afd.ops import bmm, native
 from services.attention.kv_cache import gather
@@ -68,9 +68,11 @@ def paged_attention(
     native_bf16 = native() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
     native_bf16 = native_bf16 and k_cache.is_contiguous() and k_cache.device.type == "cpu"
     fused = native_bf16 and Dv == D and v_cache.is_contiguous()
-    # decode also reads MLA's V (the latent, K's leading columns) in place
+    # decode also reads MLA's V (the latent, K's leading columns) in place, up to a number of
+    # query heads a K/V head
     latent_v = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
-    if nd and (fused or (native_bf16 and latent_v and Dv % 8 == 0)):
+    latent_v = latent_v and Dv % 8 == 0 and nh // k_cache.shape[0] <= _latent_heads()
+    if nd and (fused or (native_bf16 and latent_v)):
         lens = meta.decode_lens
         out[:nd] = decode_attention(
             q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale, sinks, window
@@ -99,6 +101,16 @@ def paged_attention(
                     visible)  # fmt: skip
         out[rows] = o.reshape(p.q_len, -1)
     return out
+
+
+def _latent_heads() -> int:
+    """The most query heads a K/V head for which MLA's decode takes the native kernel: its
+    values pass reads the latent once for every 4 heads, so with many heads torch's bmm of
+    the gathered cache is faster."""
+    # One sequence of 4,096 positions, D 576, Dv 512, 2 threads, Intel Xeon, native over torch
+    # a layer: amx (scores on tiles) 3.1x at 16 heads, 2.0x at 32, 1.30x at 64, 0.85-0.93x at
+    # 128; avx512bf16 2.85x, 1.45x, 1.04x at 16, 32, 64; avx2 1.82x, 1.15x, 0.69x.
+    return 64 if paths.active().name == "amx" else 32
 
 
 def _windowed(bias: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:

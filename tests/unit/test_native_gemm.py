@@ -292,21 +292,26 @@ def test_decode_attention_matches_the_torch_path(
 
 
 @needs_library
-@pytest.mark.parametrize("d,dv", [(288, 256), (72, 64), (96, 40)], ids=["wide", "avx2", "mixed"])
+@pytest.mark.parametrize(
+    "d,dv,nh",
+    [(288, 256, 16), (576, 512, 72), (72, 64, 16), (96, 40, 16)],
+    ids=["wide", "wide-72-heads", "avx2", "mixed"],
+)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_reads_mla_values_from_the_latent(d, dv, threads, native_path):
-    """MLA's decode: one K/V head (the latent and its rotary part, D wide), 16 query heads, V
+def test_decode_attention_reads_mla_values_from_the_latent(d, dv, nh, threads, native_path):
+    """MLA's decode: one K/V head (the latent and its rotary part, D wide), nh query heads, V
     the latent's first Dv columns of the same rows (a view of K); against the torch path, which
     gathers K once and takes V from it. One sequence on two threads splits its query heads
     between two tasks, three sequences do not: each sequence alone gives the batch's bits (a
     head's arithmetic does not depend on its group). D and Dv multiples of 32 take AVX-512
     BF16's products where the path has them, the others AVX2's; "mixed": the scores on one and
-    the values on the other."""
+    the values on the other. On AMX the scores take the tiles, 16 heads a tile and up to 4
+    tiles at once (72 heads: 5 tiles, the last one half full)."""
     from afd.kernels.attention import decode_attention
     from services.attention.paged_attention import _attend
 
     gen = torch.Generator().manual_seed(d + dv)
-    bs, nh, lens = 16, 16, torch.tensor([300, 1, 47])
+    bs, lens = 16, torch.tensor([300, 1, 47])
     nb = -(-int(lens.max()) // bs)
     k_cache = torch.randn(1, 70, bs, d, generator=gen).to(torch.bfloat16)
     v_cache = k_cache[..., :dv]
