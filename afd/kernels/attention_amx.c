@@ -1,14 +1,14 @@
 /* Paged decode attention's scores on AMX tiles (attention.c calls it per sequence, K/V head
- * and group of query heads on the amx path, where a K/V head has 8 to 16 query heads):
- * s[j, l] = bf16(q_j . k_l) * scale, 16 positions a tile product.
+ * and group of query heads on the amx path, where a K/V head has 8 query heads or more):
+ * s[j, l] = bf16(q_j . k_l) * scale, 16 positions and 16 heads a tile product.
  *
  * One TDPBF16PS takes 16 positions' K rows (32 values of D each: the A operand, row-major as
  * the cache holds them) against every query head at once (the B operand: q with pairs of D
  * interleaved, a column per head, packed once per call), so a position costs D / 32 tile
  * products shared by all the heads, where attention512.c spends D / 32 vdpbf16ps and a share
- * of a 16-way sum tree per head. MLA (16 heads of 288 values a K/V head) is bound by those
- * products; GQA's 4 heads of 64 are bound by reading K and V, and there the tiles were no
- * faster in the engine (docs/benchmarks.md), hence the 8-head floor.
+ * of a 16-way sum tree per head. MLA (16 to 128 heads of 288 to 576 values a K/V head) is
+ * bound by those products; GQA's 4 heads of 64 are bound by reading K and V, and there the
+ * tiles were no faster in the engine (docs/benchmarks.md), hence the 8-head floor.
  *
  * The sums are the tile's: each pair's products added in fp32, in the tile's order, so a score
  * may differ from attention512.c's in its last fp32 bits and, rarely, after its rounding to
