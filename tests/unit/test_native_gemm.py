@@ -336,6 +336,37 @@ def test_decode_attention_reads_mla_values_from_the_latent(d, dv, nh, threads, n
     assert torch.equal(out.view(torch.int16), torch.cat(alone).view(torch.int16))
 
 
+@needs_library
+def test_mla_decode_takes_the_native_kernel_up_to_its_head_count(native_path, monkeypatch):
+    """paged_attention on MLA's cache (V a view of K's leading columns): up to _latent_heads()
+    query heads a K/V head the decode calls the native kernel; past it, torch's gathered
+    batched matmuls (the same bits as _attend). The two mostly agree to the bit, so the calls
+    are what is checked."""
+    from services.attention import paged_attention as pa
+
+    calls, real = [], pa.decode_attention
+
+    def native(*args, **kwargs):
+        calls.append(args[0].shape[1])  # q [B, nh, D]: its heads
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pa, "decode_attention", native)
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(1, 8, 16, 72, generator=gen).to(torch.bfloat16)
+    v_cache = k_cache[..., :64]
+    blocks, lens = torch.tensor([[3, 1, 6]]), torch.tensor([40])
+    meta = pa.AttnMeta(positions=lens - 1, slots=lens - 1, num_decode=1, decode_blocks=blocks,
+                       prefills=(), decode_lens=lens, block_size=16)  # fmt: skip
+    limit = pa._latent_heads()
+    for nh in (limit, limit + 4):
+        q = torch.randn(1, nh, 72, generator=gen).to(torch.bfloat16)
+        got = pa.paged_attention(q, k_cache, v_cache, meta, 0.1)
+        if nh > limit:
+            want = pa._attend(q.unsqueeze(1), k_cache, v_cache, blocks, meta.decode_bias, 0.1)
+            assert torch.equal(got.view(torch.int16), want.reshape(1, -1).view(torch.int16))
+    assert calls == [limit]
+
+
 def test_decode_attention_refuses_a_v_that_is_not_k_s_leading_columns():
     from afd.kernels.attention import decode_attention
 
