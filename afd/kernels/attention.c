@@ -192,8 +192,8 @@ static void weighted_sum(const float *p, const float *zeros, const uint16_t *cac
  *
  * A task is a sequence's K/V head and a group of its query heads: all g of them, unless the
  * batch has fewer (sequence, K/V head) pairs than threads (one sequence of an MLA or MFA model,
- * whose one K/V head would leave every thread but one idle), then groups of 4 or more heads,
- * each task reading the head's K and V for its own group. A head's arithmetic is the same in
+ * whose one K/V head would leave every thread but one idle), then groups of a multiple of 4
+ * heads (the last may hold fewer), each task reading the head's K and V for its own group. A head's arithmetic is the same in
  * any group, so the bits do not depend on the batch or the threads. */
 int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
                                   const uint16_t *v_cache, const int64_t *blocks,
