@@ -235,8 +235,12 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
      * by g, not by this task's group, so a head's sums do not depend on the batch. */
     const int tiles = wide_k && isa == ISA_AMX && g >= 8 && afd_cpu_amx();
     void *tile_scratch = tiles ? afd_alloc64(AFD_ATTN_AMX_SCRATCH(gj, D)) : NULL;
+    /* and the values: the heads are the A operand's rows, so V is read once for 16 of them
+     * (attention512.c reads it once for every 4) */
+    const int vtiles = wide_v && isa == ISA_AMX && g >= 8 && afd_cpu_amx();
+    void *vtile_scratch = vtiles ? afd_alloc64(AFD_ATTN_AMX_VALUES_SCRATCH(gj, len, Dv)) : NULL;
     if (!qf || !s || !zeros || !kt || !row || ((wide_k || wide_v) && !zrow) || (wide_v && !pb) ||
-        (tiles && !tile_scratch)) {
+        (tiles && !tile_scratch) || (vtiles && !vtile_scratch)) {
       failed = 1;
     } else {
       const uint16_t *qb = q + ((size_t)b * kvh * g + (size_t)h * g + j0) * D;
@@ -264,13 +268,16 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
       softmax_rows(s, len, gj, sinks ? sinks + (size_t)h * g + j0 : NULL, isa != ISA_AVX2);
       /* the values read each row's first Dv values (row offsets are in units of D) */
       uint16_t *ob = out + ((size_t)b * kvh * g + (size_t)h * g + j0) * Dv;
-      if (wide_v)
+      if (vtiles)
+        afd_attn_amx_values(s, len, gj, Dv, v_cache, row, ob, vtile_scratch);
+      else if (wide_v)
         afd_attn512_values(s, len, gj, Dv, v_cache, row, zrow, pb, ob);
       else
         for (int j = 0; j < gj; j += 4)
           weighted_sum(s, zeros, v_cache, row, len, gj, j, Dv, ob + (size_t)j * Dv);
     }
     free(qf), free(s), free(zeros), free(kt), free(row), free(zrow), free(pb), free(tile_scratch);
+    free(vtile_scratch);
   }
   return failed ? -1 : 0;
 }

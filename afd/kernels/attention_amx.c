@@ -18,10 +18,14 @@
 
 #include "amx.h"
 #include "attention_amx.h"
+#include "bf16_512.h"
 
 /* The K rows of the tile K_AHEAD_AMX tiles on are fetched into L1 as a tile is multiplied
  * (without, the tile loads waited on every row; into L2 they still did, Intel Xeon harness) */
 #define K_AHEAD_AMX 2
+
+/* The values pass fetches V rows this many position pairs ahead as it packs them, into L1 */
+#define V_AHEAD_AMX 16
 
 /* q [g, D] as B operands, one 1 KiB tile per 16 heads and 32 values of D: tile (t, c), row
  * p, column n holds q[16t + n][32c + 2p], q[16t + n][32c + 2p + 1] (zeros past head g). */
@@ -111,4 +115,106 @@ AMX void afd_attn_amx_scores(const uint16_t *q, const uint16_t *cache, const int
     }
   }
   _tile_release();
+}
+
+/* Word i of the interleave of two 32-value rows a, b: a[i / 2] where i is even, b[i / 2] where
+ * odd, for columns 0..15 (LO) and 16..31 (HI); indices past 31 pick from b. */
+static const uint16_t INTERLEAVE[64] = {
+    0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+    11, 43, 12, 44, 13, 45, 14, 46, 15, 47, 16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
+    22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+/* The V rows of positions l0 .. l0 + n - 1 as B operands: tile (s, t) (1 KiB at vp + (s T + t)
+ * KiB, T = Dv / 16) holds positions l0 + 32s .. + 31 and columns 16t .. 16t + 15, its row r
+ * the pair l0 + 32s + 2r, + 1: column k holds v[2r][16t + k] and v[2r + 1][16t + k], the pair a
+ * TDPBF16PS multiplies with a head's two probabilities. Pairs past n are zeros (a zero
+ * probability times whatever V held could be NaN). */
+static AMX void pack_v(const uint16_t *cache, const int64_t *row, int l0, int n, int len, int Dv,
+                       uint32_t *vp) {
+  const int T = Dv / 16, S = (n + 31) / 32;
+  const __m512i lo = _mm512_loadu_si512((const void *)INTERLEAVE);
+  const __m512i hi = _mm512_loadu_si512((const void *)(INTERLEAVE + 32));
+  const __m512i zero = _mm512_setzero_si512();
+  for (int q = 0; q < 16 * S; q++) {
+    const int l = l0 + 2 * q;
+    const uint16_t *r0 = 2 * q < n ? cache + row[l] : NULL;
+    const uint16_t *r1 = 2 * q + 1 < n ? cache + row[l + 1] : NULL;
+    for (int a = 2 * V_AHEAD_AMX; a < 2 * V_AHEAD_AMX + 2; a++) /* the rows ahead, every line */
+      if (l + a < len)
+        for (int d = 0; d < Dv; d += 32)
+          _mm_prefetch((const char *)(cache + row[l + a] + d), _MM_HINT_T0);
+    uint32_t *dst = vp + (size_t)(q / 16) * T * 256 + (q % 16) * 16;
+    for (int c = 0; c < Dv / 32; c++) {
+      __m512i a = r0 ? _mm512_loadu_si512((const void *)(r0 + 32 * c)) : zero;
+      __m512i b = r1 ? _mm512_loadu_si512((const void *)(r1 + 32 * c)) : zero;
+      _mm512_store_si512((void *)(dst + (size_t)(2 * c) * 256), _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_store_si512((void *)(dst + (size_t)(2 * c + 1) * 256),
+                         _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+AMX void afd_attn_amx_values(const float *p, int len, int g, int Dv, const uint16_t *cache,
+                             const int64_t *row, uint16_t *out, void *scratch) {
+  const int H = (g + 15) / 16, P = (len + 31) / 32 * 32, T = Dv / 16;
+  /* the probabilities as bf16 A operands [16 H, P]: zeros past len and past head g */
+  uint16_t *pb = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+  uint32_t *vp = (uint32_t *)(pb + (size_t)16 * H * P); /* a chunk of V, packed */
+  float *acc = (float *)(vp + (size_t)AFD_ATTN_AMX_CHUNK * Dv / 2); /* [16 H, Dv] sums */
+  for (int j = 0; j < 16 * H; j++) { /* p holds bf16 values already: their top halves, exactly */
+    const uint32_t *pj = (const uint32_t *)(p + (size_t)j * len);
+    uint16_t *bj = pb + (size_t)j * P;
+    int l = 0;
+    if (j < g)
+      for (; l < len; l++) bj[l] = (uint16_t)(pj[l] >> 16);
+    memset(bj + l, 0, (size_t)(P - l) * sizeof(uint16_t));
+  }
+  afd_amx_configure();
+  for (int l0 = 0; l0 < len; l0 += AFD_ATTN_AMX_CHUNK) {
+    const int n = len - l0 < AFD_ATTN_AMX_CHUNK ? len - l0 : AFD_ATTN_AMX_CHUNK;
+    const int S = (n + 31) / 32;
+    pack_v(cache, row, l0, n, len, Dv, vp);
+    /* 2 x 2 tiles of sums (tmm0-3: heads 16t.., 16(t + 1).., columns 16c.., 16(c + 1)..),
+     * carried from chunk to chunk in acc (stored and loaded exactly, in fp32) */
+    for (int t = 0; t < H; t += 2) {
+      const int two = t + 1 < H;
+      const uint16_t *a0 = pb + (size_t)16 * t * P + l0, *a1 = a0 + (size_t)16 * P;
+      for (int c = 0; c < T; c += 2) {
+        float *s0 = acc + (size_t)16 * t * Dv + 16 * c, *s1 = s0 + (size_t)16 * Dv;
+        if (l0 == 0) {
+          afd_amx_zero_sums();
+        } else {
+          _tile_loadd(0, s0, Dv * 4);
+          _tile_loadd(1, s0 + 16, Dv * 4);
+          if (two) {
+            _tile_loadd(2, s1, Dv * 4);
+            _tile_loadd(3, s1 + 16, Dv * 4);
+          }
+        }
+        for (int s = 0; s < S; s++) {
+          const uint32_t *b = vp + ((size_t)s * T + c) * 256;
+          _tile_loadd(6, b, 64);
+          _tile_loadd(7, b + 256, 64);
+          _tile_loadd(4, a0 + 32 * s, P * 2);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, a1 + 32 * s, P * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, s0, Dv * 4);
+        _tile_stored(1, s0 + 16, Dv * 4);
+        if (two) {
+          _tile_stored(2, s1, Dv * 4);
+          _tile_stored(3, s1 + 16, Dv * 4);
+        }
+      }
+    }
+  }
+  _tile_release();
+  for (int j = 0; j < g; j++)
+    for (int d = 0; d < Dv; d += 16)
+      store16(out + (size_t)j * Dv + d, round16(_mm512_loadu_ps(acc + (size_t)j * Dv + d)));
 }

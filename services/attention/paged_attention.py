@@ -71,7 +71,8 @@ def paged_attention(
     # decode also reads MLA's V (the latent, K's leading columns) in place, up to a number of
     # query heads a K/V head
     latent_v = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
-    latent_v = latent_v and Dv % 8 == 0 and nh // k_cache.shape[0] <= _latent_heads()
+    most = _latent_heads()
+    latent_v = latent_v and Dv % 8 == 0 and (most is None or nh // k_cache.shape[0] <= most)
     if nd and (fused or (native_bf16 and latent_v)):
         lens = meta.decode_lens
         out[:nd] = decode_attention(
@@ -103,14 +104,15 @@ def paged_attention(
     return out
 
 
-def _latent_heads() -> int:
-    """The most query heads a K/V head for which MLA's decode takes the native kernel: its
-    values pass reads the latent once for every 4 heads, so with many heads torch's bmm of
-    the gathered cache is faster."""
-    # One sequence of 4,096 positions, D 576, Dv 512, 2 threads, Intel Xeon, native over torch
-    # a layer: amx (scores on tiles) 3.1x at 16 heads, 2.0x at 32, 1.30x at 64, 0.85-0.93x at
-    # 128; avx512bf16 2.85x, 1.45x, 1.04x at 16, 32, 64; avx2 1.82x, 1.15x, 0.69x.
-    return 64 if paths.active().name == "amx" else 32
+def _latent_heads() -> int | None:
+    """The most query heads a K/V head for which MLA's decode takes the native kernel (None:
+    any number). Off AMX its values pass reads the latent once for every 4 heads, so with many
+    heads torch's bmm of the gathered cache is faster; on AMX the tiles read it once for every
+    16 heads, and the native kernel was the faster at every head count measured."""
+    # scripts/bench_decode_attention.py, Intel Xeon, 2 threads, native over torch a layer: amx
+    # 1.44-1.72x at 8 to 128 heads (D 576, 4,096 positions), 1.31-1.56x at 256, 1.4-5.6x from
+    # 64 to 16,384 positions. Off AMX (measured earlier, docs/benchmarks.md) 32 heads.
+    return None if paths.active().name == "amx" else 32
 
 
 def _windowed(bias: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:

@@ -339,9 +339,9 @@ def test_decode_attention_reads_mla_values_from_the_latent(d, dv, nh, threads, n
 @needs_library
 def test_mla_decode_takes_the_native_kernel_up_to_its_head_count(native_path, monkeypatch):
     """paged_attention on MLA's cache (V a view of K's leading columns): up to _latent_heads()
-    query heads a K/V head the decode calls the native kernel; past it, torch's gathered
-    batched matmuls (the same bits as _attend). The two mostly agree to the bit, so the calls
-    are what is checked."""
+    query heads a K/V head the decode calls the native kernel (on amx at any count); past it,
+    torch's gathered batched matmuls (the same bits as _attend). The two mostly agree to the
+    bit, so the calls are what is checked."""
     from services.attention import paged_attention as pa
 
     calls, real = [], pa.decode_attention
@@ -358,6 +358,12 @@ def test_mla_decode_takes_the_native_kernel_up_to_its_head_count(native_path, mo
     meta = pa.AttnMeta(positions=lens - 1, slots=lens - 1, num_decode=1, decode_blocks=blocks,
                        prefills=(), decode_lens=lens, block_size=16)  # fmt: skip
     limit = pa._latent_heads()
+    if limit is None:  # amx: every head count, DeepSeek-V3's 128 and more
+        for nh in (16, 128, 256):
+            pa.paged_attention(torch.randn(1, nh, 72, generator=gen).bfloat16(), k_cache,
+                               v_cache, meta, 0.1)  # fmt: skip
+        assert calls == [16, 128, 256]
+        return
     for nh in (limit, limit + 4):
         q = torch.randn(1, nh, 72, generator=gen).to(torch.bfloat16)
         got = pa.paged_attention(q, k_cache, v_cache, meta, 0.1)
