@@ -23,6 +23,7 @@
 #include "attention512.h"
 #include "attention_amx.h"
 #include "bf16.h"
+#include "softmax.h"
 
 /* Rows sit in 16-position blocks scattered over the pool, so the hardware prefetcher sees
  * only short runs: ask for K rows two 8-position groups ahead. V is asked for later, in
@@ -87,53 +88,14 @@ static void scores(const float *qf, const uint16_t *cache,
 
 /* s[j, :len] <- bf16(softmax(s[j, :len])), in place; s rows are padded to a multiple of 8.
  * sink (or NULL): a logit per query head that joins each softmax's max and denominator and
- * takes no value (gpt-oss), as the torch path's extra column does. wide: the exp and the
- * division 16 lanes at a time (attention512.c; the same bits), on the AVX-512 paths. */
+ * takes no value (gpt-oss), as the torch path's extra column does. wide: softmax.h's. */
 static void softmax_rows(float *s, int len, int g, const float *sink, int wide) {
   for (int j = 0; j < g; j++) {
-    float *sj = s + (size_t)j * len, m = sj[0], sum = 0.0f;
-    int l = 1;
-    if (len >= 33) { /* 4 x 8 lanes: max_ps(x, m) is x > m ? x : m, the scalar loop's step */
-      __m256 m0 = _mm256_set1_ps(m), m1 = m0, m2 = m0, m3 = m0;
-      for (; l + 32 <= len; l += 32) {
-        m0 = _mm256_max_ps(_mm256_loadu_ps(sj + l), m0);
-        m1 = _mm256_max_ps(_mm256_loadu_ps(sj + l + 8), m1);
-        m2 = _mm256_max_ps(_mm256_loadu_ps(sj + l + 16), m2);
-        m3 = _mm256_max_ps(_mm256_loadu_ps(sj + l + 24), m3);
-      }
-      float t[32];
-      _mm256_storeu_ps(t, m0), _mm256_storeu_ps(t + 8, m1);
-      _mm256_storeu_ps(t + 16, m2), _mm256_storeu_ps(t + 24, m3);
-      for (int i = 0; i < 32; i++) m = t[i] > m ? t[i] : m;
-    }
-    for (; l < len; l++) m = sj[l] > m ? sj[l] : m;
+    float *sj = s + (size_t)j * len, m = softmax_max(sj, len);
     if (sink) m = sink[j] > m ? sink[j] : m;
-    const __m256 vm = _mm256_set1_ps(m);
-    float acc8[8] = {0};
-    l = wide ? afd_softmax512_exp_sum(sj, len, m, acc8) : 0;
-    __m256 acc = _mm256_loadu_ps(acc8);
-    for (; l + 8 <= len; l += 8) {
-      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + l), vm));
-      _mm256_storeu_ps(sj + l, e);
-      acc = _mm256_add_ps(acc, e);
-    }
-    if (l < len) { /* the tail through a padded copy: the same exp as the full vectors */
-      float tmp[8] = {0};
-      for (int i = l; i < len; i++) tmp[i - l] = sj[i] - m;
-      _mm256_storeu_ps(tmp, exp8(_mm256_loadu_ps(tmp)));
-      for (int i = l; i < len; i++) sj[i] = tmp[i - l];
-    }
-    sum = hsum(acc);
-    for (int i = l; i < len; i++) sum += sj[i];
-    if (sink) { /* the same exp as the scores' */
-      float tmp[8] = {sink[j] - m};
-      _mm256_storeu_ps(tmp, exp8(_mm256_loadu_ps(tmp)));
-      sum += tmp[0];
-    }
-    const __m256 vs = _mm256_set1_ps(sum);
-    for (l = wide ? afd_softmax512_normalize(sj, len, sum) : 0; l + 8 <= len; l += 8)
-      _mm256_storeu_ps(sj + l, round8(_mm256_div_ps(_mm256_loadu_ps(sj + l), vs)));
-    for (; l < len; l++) sj[l] = bf16_round(sj[l] / sum);
+    float sum = softmax_exp_sum(sj, len, m, wide);
+    if (sink) sum += softmax_exp1(sink[j] - m);
+    softmax_normalize(sj, len, sum, wide);
   }
 }
 
@@ -204,6 +166,13 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
   const int wide_k = isa != ISA_AVX2 && D % 32 == 0, wide_v = isa != ISA_AVX2 && Dv % 32 == 0;
   for (int b = 0; b < B; b++)
     if (lens[b] < 1 || lens[b] > (int64_t)nb * bs) return -1;
+  /* on AMX tiles from 8 query heads a K/V head: the query heads are the scores' tile columns
+   * and the values' tile rows, so a position's products cost a fraction of vdpbf16ps' (MLA:
+   * 16 to 128 heads), and the work splits by position too (attention_amx.h). Chosen by g, so
+   * a head's arithmetic does not depend on the batch. */
+  if (isa == ISA_AMX && g >= 8 && D % 32 == 0 && Dv % 32 == 0 && afd_cpu_amx())
+    return afd_attn_amx_decode(q, k_cache, v_cache, blocks, lens, out, B, kvh, g, D, Dv, NB, bs,
+                               nb, scale, sinks, window, threads);
   int failed = 0, t = threads > 1 ? threads : 1;
   /* query heads a task: all g, or (fewer pairs than threads) the fewest multiple of 4 that
    * gives every thread a task */
@@ -230,17 +199,7 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
     uint16_t *zrow = wide_k || wide_v ? (uint16_t *)calloc((size_t)D, sizeof(uint16_t)) : NULL;
     uint16_t *pb = wide_v ? (uint16_t *)afd_alloc64(((size_t)gj * (len + 1) + 2) * sizeof(uint16_t))
                           : NULL;
-    /* the scores on AMX tiles: the query heads are the tile's columns, so from 8 of them a
-     * position's products cost a fraction of vdpbf16ps' (MLA: 16 to 128 heads). Chosen
-     * by g, not by this task's group, so a head's sums do not depend on the batch. */
-    const int tiles = wide_k && isa == ISA_AMX && g >= 8 && afd_cpu_amx();
-    void *tile_scratch = tiles ? afd_alloc64(AFD_ATTN_AMX_SCRATCH(gj, D)) : NULL;
-    /* and the values: the heads are the A operand's rows, so V is read once for 16 of them
-     * (attention512.c reads it once for every 4) */
-    const int vtiles = wide_v && isa == ISA_AMX && g >= 8 && afd_cpu_amx();
-    void *vtile_scratch = vtiles ? afd_alloc64(AFD_ATTN_AMX_VALUES_SCRATCH(gj, len, Dv)) : NULL;
-    if (!qf || !s || !zeros || !kt || !row || ((wide_k || wide_v) && !zrow) || (wide_v && !pb) ||
-        (tiles && !tile_scratch) || (vtiles && !vtile_scratch)) {
+    if (!qf || !s || !zeros || !kt || !row || ((wide_k || wide_v) && !zrow) || (wide_v && !pb)) {
       failed = 1;
     } else {
       const uint16_t *qb = q + ((size_t)b * kvh * g + (size_t)h * g + j0) * D;
@@ -259,25 +218,20 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
           if (l < PREFETCH_ROWS) _mm_prefetch((const char *)(k_cache + row[l]) + o, _MM_HINT_T0);
           if (o < Dv * 2) _mm_prefetch((const char *)(v_cache + row[l]) + o, _MM_HINT_T1);
         }
-      if (tiles)
-        afd_attn_amx_scores(qb, k_cache, row, len, gj, D, scale, s, tile_scratch);
-      else if (wide_k)
+      if (wide_k)
         afd_attn512_scores(qb, k_cache, row, len, gj, D, scale, zrow, s);
       else
         scores(qf, k_cache, row, len, gj, D, scale, s, kt);
       softmax_rows(s, len, gj, sinks ? sinks + (size_t)h * g + j0 : NULL, isa != ISA_AVX2);
       /* the values read each row's first Dv values (row offsets are in units of D) */
       uint16_t *ob = out + ((size_t)b * kvh * g + (size_t)h * g + j0) * Dv;
-      if (vtiles)
-        afd_attn_amx_values(s, len, gj, Dv, v_cache, row, ob, vtile_scratch);
-      else if (wide_v)
+      if (wide_v)
         afd_attn512_values(s, len, gj, Dv, v_cache, row, zrow, pb, ob);
       else
         for (int j = 0; j < gj; j += 4)
           weighted_sum(s, zeros, v_cache, row, len, gj, j, Dv, ob + (size_t)j * Dv);
     }
-    free(qf), free(s), free(zeros), free(kt), free(row), free(zrow), free(pb), free(tile_scratch);
-    free(vtile_scratch);
+    free(qf), free(s), free(zeros), free(kt), free(row), free(zrow), free(pb);
   }
   return failed ? -1 : 0;
 }

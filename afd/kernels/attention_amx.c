@@ -14,11 +14,26 @@
  * may differ from attention512.c's in its last fp32 bits and, rarely, after its rounding to
  * bf16 (summation order only, as between the other paths). A head's sums do not depend on
  * its column or on the other heads. The rounding and the scale are the other paths' steps. */
+#include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "amx.h"
 #include "attention_amx.h"
 #include "bf16_512.h"
+#include "softmax.h"
+
+/* Bytes of scratch the scores need for g heads (64-byte aligned). */
+#define SCORES_SCRATCH(g, D) ((((size_t)(g) + 15) / 16 * ((size_t)(D) / 32) + 5) * 1024)
+
+/* Positions a values pass packs at a time (a multiple of 32): their V rows, pairs interleaved,
+ * stay in L2 while every head's tiles read them. */
+#define VCHUNK 256
+
+/* Bytes of scratch the values need for g heads, len positions and Dv columns. */
+#define VALUES_SCRATCH(g, len, Dv)                                                             \
+  ((((size_t)(g) + 15) / 16 * 16 * (((size_t)(len) + 31) / 32 * 32) * 2 +                     \
+    (size_t)VCHUNK * (Dv) * 2 + ((size_t)(g) + 15) / 16 * 16 * (Dv) * 4 + 3 * 64))
 
 /* The K rows of the tile K_AHEAD_AMX tiles on are fetched into L1 as a tile is multiplied
  * (without, the tile loads waited on every row; into L2 they still did, Intel Xeon harness) */
@@ -56,8 +71,8 @@ static inline AMX void load_k(const uint16_t *cache, const int64_t *row, int l0,
   _tile_loadd(4, rows, 64);
 }
 
-AMX void afd_attn_amx_scores(const uint16_t *q, const uint16_t *cache, const int64_t *row,
-                             int len, int g, int D, float scale, float *s, void *scratch) {
+static AMX void scores(const uint16_t *q, const uint16_t *cache, const int64_t *row, int len,
+                       int g, int D, float scale, float *s, int ld, void *scratch) {
   const int C = D / 32, H = (g + 15) / 16;
   uint32_t *qp = (uint32_t *)scratch;                             /* H C KiB: q packed */
   uint16_t *rows = (uint16_t *)((char *)scratch + H * C * 1024); /* 1 KiB: K rows copied */
@@ -110,7 +125,7 @@ AMX void afd_attn_amx_scores(const uint16_t *q, const uint16_t *cache, const int
         __m256 lo = _mm256_mul_ps(round8(_mm512_castps512_ps256(r)), vscale);
         __m256 hi = _mm256_mul_ps(round8(_mm512_extractf32x8_ps(r, 1)), vscale);
         __m512 out = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
-        _mm512_mask_storeu_ps(s + (size_t)j * len + l0, (__mmask16)((1u << n) - 1), out);
+        _mm512_mask_storeu_ps(s + (size_t)j * ld + l0, (__mmask16)((1u << n) - 1), out);
       }
     }
   }
@@ -154,15 +169,15 @@ static AMX void pack_v(const uint16_t *cache, const int64_t *row, int l0, int n,
   }
 }
 
-AMX void afd_attn_amx_values(const float *p, int len, int g, int Dv, const uint16_t *cache,
-                             const int64_t *row, uint16_t *out, void *scratch) {
+static AMX void values(const float *p, int ld, int len, int g, int Dv, const uint16_t *cache,
+                       const int64_t *row, float *out, void *scratch) {
   const int H = (g + 15) / 16, P = (len + 31) / 32 * 32, T = Dv / 16;
   /* the probabilities as bf16 A operands [16 H, P]: zeros past len and past head g */
   uint16_t *pb = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
   uint32_t *vp = (uint32_t *)(pb + (size_t)16 * H * P); /* a chunk of V, packed */
-  float *acc = (float *)(vp + (size_t)AFD_ATTN_AMX_CHUNK * Dv / 2); /* [16 H, Dv] sums */
+  float *acc = (float *)(vp + (size_t)VCHUNK * Dv / 2); /* [16 H, Dv] sums */
   for (int j = 0; j < 16 * H; j++) { /* p holds bf16 values already: their top halves, exactly */
-    const uint32_t *pj = (const uint32_t *)(p + (size_t)j * len);
+    const uint32_t *pj = (const uint32_t *)(p + (size_t)j * ld);
     uint16_t *bj = pb + (size_t)j * P;
     int l = 0;
     if (j < g)
@@ -170,8 +185,8 @@ AMX void afd_attn_amx_values(const float *p, int len, int g, int Dv, const uint1
     memset(bj + l, 0, (size_t)(P - l) * sizeof(uint16_t));
   }
   afd_amx_configure();
-  for (int l0 = 0; l0 < len; l0 += AFD_ATTN_AMX_CHUNK) {
-    const int n = len - l0 < AFD_ATTN_AMX_CHUNK ? len - l0 : AFD_ATTN_AMX_CHUNK;
+  for (int l0 = 0; l0 < len; l0 += VCHUNK) {
+    const int n = len - l0 < VCHUNK ? len - l0 : VCHUNK;
     const int S = (n + 31) / 32;
     pack_v(cache, row, l0, n, len, Dv, vp);
     /* 2 x 2 tiles of sums (tmm0-3: heads 16t.., 16(t + 1).., columns 16c.., 16(c + 1)..),
@@ -214,7 +229,200 @@ AMX void afd_attn_amx_values(const float *p, int len, int g, int Dv, const uint1
     }
   }
   _tile_release();
-  for (int j = 0; j < g; j++)
-    for (int d = 0; d < Dv; d += 16)
-      store16(out + (size_t)j * Dv + d, round16(_mm512_loadu_ps(acc + (size_t)j * Dv + d)));
+  memcpy(out, acc, (size_t)g * Dv * sizeof(float));
+}
+
+/* Positions a work item covers: a row's softmax sum and its values are summed a chunk at a
+ * time, and the chunks' sums then added in order, so the bits depend on this, never on the
+ * threads (a multiple of VCHUNK). */
+#define SPLIT 1024
+
+/* out [n] <- bf16(p[0] + p[1] + ... + p[C - 1]) for C chunks' values p [C, n], n % 16 == 0 */
+static AVX512 void sum_chunks(const float *p, int C, int n, uint16_t *out) {
+  for (int i = 0; i < n; i += 16) {
+    __m512 acc = _mm512_loadu_ps(p + i);
+    for (int k = 1; k < C; k++) acc = _mm512_add_ps(acc, _mm512_loadu_ps(p + (size_t)k * n + i));
+    store16(out + i, round16(acc));
+  }
+}
+
+/* The largest of a row's chunk maxima (and its sink), as one pass over the row finds it. */
+static inline float row_max(const float *mx, int C, const float *sink) {
+  float m = mx[0];
+  for (int c = 1; c < C; c++) m = mx[c] > m ? mx[c] : m;
+  if (sink) m = *sink > m ? *sink : m;
+  return m;
+}
+
+/* One decode call's shape and buffers. Per sequence b: its first visible position, visible
+ * length and chunks, and where its scores (then probabilities, [kvh, g, len]), row offsets,
+ * chunk maxima and sums ([kvh, g, chunks]) and chunk values ([kvh, chunks, g, Dv]) lie. */
+typedef struct {
+  const uint16_t *q, *k_cache, *v_cache;
+  const float *sinks;
+  int kvh, g, D, Dv;
+  size_t head; /* a K/V head's share of a cache, in elements */
+  float scale;
+  int *first, *len, *chunks;
+  size_t *soff, *roff, *moff, *poff;
+  float *s, *mx, *sm, *part;
+  int64_t *rows; /* each sequence's row offsets in head 0's share */
+} decode_t;
+
+/* Chunk c of sequence b, K/V head h, query heads j0 .. j0 + gj - 1: each step below. */
+typedef struct {
+  int C, L, l0, n;
+  float *s;                /* head j0's row of scores or probabilities */
+  float *mx, *sm;          /* head j0's chunk maxima and sums [C] */
+  const float *sink;       /* head j0's sink, or NULL */
+  const int64_t *rows;     /* the chunk's row offsets */
+} chunk_t;
+
+static chunk_t chunk(const decode_t *d, int b, int h, int c, int j0) {
+  chunk_t k;
+  k.C = d->chunks[b], k.L = d->len[b], k.l0 = c * SPLIT;
+  k.n = k.L - k.l0 < SPLIT ? k.L - k.l0 : SPLIT;
+  k.s = d->s + d->soff[b] + ((size_t)h * d->g + j0) * k.L;
+  k.mx = d->mx + d->moff[b] + ((size_t)h * d->g + j0) * k.C;
+  k.sm = d->sm + d->moff[b] + ((size_t)h * d->g + j0) * k.C;
+  k.sink = d->sinks ? d->sinks + (size_t)h * d->g + j0 : NULL;
+  k.rows = d->rows + d->roff[b] + k.l0;
+  return k;
+}
+
+/* the chunk's scores and each row's max over them */
+static void step_scores(const decode_t *d, int b, int h, int c, int j0, int gj, void *ts) {
+  const chunk_t k = chunk(d, b, h, c, j0);
+  scores(d->q + (((size_t)b * d->kvh + h) * d->g + j0) * d->D, d->k_cache + h * d->head, k.rows,
+         k.n, gj, d->D, d->scale, k.s + k.l0, k.L, ts);
+  for (int j = 0; j < gj; j++) k.mx[(size_t)j * k.C + c] = softmax_max(k.s + (size_t)j * k.L + k.l0, k.n);
+}
+
+/* exp(s - the row's max over every chunk) and the chunk's sum */
+static void step_exp(const decode_t *d, int b, int h, int c, int j0, int gj) {
+  const chunk_t k = chunk(d, b, h, c, j0);
+  for (int j = 0; j < gj; j++) {
+    const float m = row_max(k.mx + (size_t)j * k.C, k.C, k.sink ? k.sink + j : NULL);
+    k.sm[(size_t)j * k.C + c] = softmax_exp_sum(k.s + (size_t)j * k.L + k.l0, k.n, m, 1);
+  }
+}
+
+/* the chunk's probabilities (the chunks' sums added in order, then the sink's share) and its
+ * values, in fp32 */
+static void step_values(const decode_t *d, int b, int h, int c, int j0, int gj, void *vs) {
+  const chunk_t k = chunk(d, b, h, c, j0);
+  for (int j = 0; j < gj; j++) {
+    const float *smj = k.sm + (size_t)j * k.C;
+    float sum = smj[0];
+    for (int i = 1; i < k.C; i++) sum += smj[i];
+    if (k.sink) sum += softmax_exp1(k.sink[j] - row_max(k.mx + (size_t)j * k.C, k.C, k.sink + j));
+    softmax_normalize(k.s + (size_t)j * k.L + k.l0, k.n, sum, 1);
+  }
+  values(k.s + k.l0, k.L, k.n, gj, d->Dv, d->v_cache + h * d->head, k.rows,
+         d->part + d->poff[b] + (((size_t)h * k.C + c) * d->g + j0) * d->Dv, vs);
+}
+
+/* out for sequence b, K/V head h: bf16(the chunks' values added in order) */
+static void step_out(const decode_t *d, int b, int h, uint16_t *out) {
+  const int C = d->chunks[b], n = d->g * d->Dv;
+  sum_chunks(d->part + d->poff[b] + (size_t)h * C * n, C, n, out + ((size_t)b * d->kvh + h) * n);
+}
+
+int afd_attn_amx_decode(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                        const int64_t *blocks, const int64_t *lens, uint16_t *out, int B,
+                        int kvh, int g, int D, int Dv, int NB, int bs, int nb, float scale,
+                        const float *sinks, int window, int threads) {
+  const int t = threads > 1 ? threads : 1;
+  decode_t d = {.q = q, .k_cache = k_cache, .v_cache = v_cache, .sinks = sinks, .kvh = kvh,
+                .g = g, .D = D, .Dv = Dv, .head = (size_t)NB * bs * D, .scale = scale};
+  d.first = malloc(B * sizeof(int)), d.len = malloc(B * sizeof(int));
+  d.chunks = malloc(B * sizeof(int));
+  d.soff = malloc(B * sizeof(size_t)), d.roff = malloc(B * sizeof(size_t));
+  d.moff = malloc(B * sizeof(size_t)), d.poff = malloc(B * sizeof(size_t));
+  int failed = !d.first || !d.len || !d.chunks || !d.soff || !d.roff || !d.moff || !d.poff;
+  int N = 0; /* units: (sequence, K/V head, chunk) */
+  size_t S = 0, R = 0, M = 0, P = 0;
+  for (int b = 0; b < B && !failed; b++) {
+    d.first[b] = window > 0 && lens[b] > window ? (int)lens[b] - window : 0;
+    d.len[b] = (int)lens[b] - d.first[b];
+    d.chunks[b] = (d.len[b] + SPLIT - 1) / SPLIT;
+    d.soff[b] = S, d.roff[b] = R, d.moff[b] = M, d.poff[b] = P;
+    S += (size_t)kvh * g * d.len[b], R += d.len[b], M += (size_t)kvh * g * d.chunks[b];
+    P += (size_t)kvh * d.chunks[b] * g * Dv, N += kvh * d.chunks[b];
+  }
+  /* With a (sequence, K/V head) pair for every thread, a task is a pair and runs its chunks in
+   * turn, its scores still in L2 for the softmax and the values. With fewer, the work splits by
+   * chunk, each step for every chunk before the next step (it needs every chunk's max, then
+   * every chunk's sum), and where there are fewer chunks than threads by query heads as well
+   * (groups of a multiple of 4; a head's arithmetic is the same in any group). The bits are
+   * the same either way. */
+  const int split = B * kvh < t;
+  int gs = g;
+  if (split && N < t && g > 4) {
+    const int want = (t + N - 1) / N;
+    gs = ((g + want - 1) / want + 3) / 4 * 4;
+    if (gs > g) gs = g;
+  }
+  const int G = (g + gs - 1) / gs;
+  int *unit = malloc((size_t)3 * (N > 0 ? N : 1) * sizeof(int)); /* (b, h, c) of each unit */
+  d.s = afd_alloc64((S + 8) * sizeof(float));
+  d.rows = malloc((R + 1) * sizeof(int64_t));
+  d.mx = malloc((M + 1) * sizeof(float)), d.sm = malloc((M + 1) * sizeof(float));
+  d.part = afd_alloc64((P + 16) * sizeof(float));
+  failed = failed || !unit || !d.s || !d.rows || !d.mx || !d.sm || !d.part;
+  for (int b = 0, u = 0; b < B && !failed; b++)
+    for (int h = 0; h < kvh; h++)
+      for (int c = 0; c < d.chunks[b]; c++, u++) unit[3 * u] = b, unit[3 * u + 1] = h, unit[3 * u + 2] = c;
+  if (!failed) {
+#pragma omp parallel num_threads(t) if (t > 1)
+    {
+      void *ts = afd_alloc64(SCORES_SCRATCH(gs, D));
+      void *vs = afd_alloc64(VALUES_SCRATCH(gs, SPLIT, Dv));
+      const int ok = ts && vs;
+      if (!ok) {
+#pragma omp atomic write
+        failed = 1;
+      }
+#pragma omp for schedule(static)
+      for (int b = 0; b < B; b++)
+        for (int l = 0; l < d.len[b]; l++) {
+          const int pos = d.first[b] + l;
+          d.rows[d.roff[b] + l] = (blocks[(size_t)b * nb + pos / bs] * bs + pos % bs) * D;
+        }
+      if (!split) {
+#pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < B * kvh; it++) {
+          const int b = it / kvh, h = it % kvh, C = d.chunks[b];
+          if (!ok) continue;
+          for (int c = 0; c < C; c++) step_scores(&d, b, h, c, 0, g, ts);
+          for (int c = 0; c < C; c++) step_exp(&d, b, h, c, 0, g);
+          for (int c = 0; c < C; c++) step_values(&d, b, h, c, 0, g, vs);
+          step_out(&d, b, h, out);
+        }
+      } else {
+        /* an item: unit it / G, its query heads from j0 = it % G * gs */
+#pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < N * G; it++) {
+          const int *u = unit + 3 * (it / G), j0 = it % G * gs;
+          if (ok) step_scores(&d, u[0], u[1], u[2], j0, g - j0 < gs ? g - j0 : gs, ts);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < N * G; it++) {
+          const int *u = unit + 3 * (it / G), j0 = it % G * gs;
+          if (ok) step_exp(&d, u[0], u[1], u[2], j0, g - j0 < gs ? g - j0 : gs);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < N * G; it++) {
+          const int *u = unit + 3 * (it / G), j0 = it % G * gs;
+          if (ok) step_values(&d, u[0], u[1], u[2], j0, g - j0 < gs ? g - j0 : gs, vs);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < B * kvh; it++) step_out(&d, it / kvh, it % kvh, out);
+      }
+      free(ts), free(vs);
+    }
+  }
+  free(d.first), free(d.len), free(d.chunks), free(d.soff), free(d.roff), free(d.moff);
+  free(d.poff), free(unit), free(d.s), free(d.rows), free(d.mx), free(d.sm), free(d.part);
+  return failed ? -1 : 0;
 }

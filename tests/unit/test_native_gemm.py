@@ -337,6 +337,56 @@ def test_decode_attention_reads_mla_values_from_the_latent(d, dv, nh, threads, n
 
 
 @needs_library
+@pytest.mark.parametrize(
+    "kvh,nh,d,dv,window,sinks",
+    [(1, 16, 576, 512, 0, False), (2, 16, 64, 64, 1500, True)],
+    ids=["mla", "gqa-window-sinks"],
+)
+def test_decode_attention_over_long_rows_is_the_same_on_any_schedule(
+    kvh, nh, d, dv, window, sinks, native_path
+):
+    """Rows longer than a chunk of positions (on AMX from 8 query heads a K/V head: 1,024, a
+    row's softmax sum and its values summed a chunk at a time and the chunks then added in
+    order): against torch's path within bf16's tolerance, and each sequence alone (a single
+    (sequence, K/V head) pair: the work split by chunk, and by query heads where chunks are
+    fewer than threads) gives the batch's bits (a task for every pair, its chunks in turn), on
+    1 and 2 threads. Lengths on both sides of a chunk's end; a window that starts mid-row."""
+    from afd.kernels.attention import decode_attention
+    from services.attention.paged_attention import _attend
+
+    gen = torch.Generator().manual_seed(nh + d)
+    bs, lens = 16, torch.tensor([2600, 1, 1030, 1024, 1025])
+    nb = -(-int(lens.max()) // bs)
+    pool = len(lens) * nb + 3
+    k_cache = torch.randn(kvh, pool, bs, d, generator=gen).to(torch.bfloat16)
+    v_cache = (
+        k_cache[..., :dv] if dv < d else torch.randn(kvh, pool, bs, d, generator=gen).bfloat16()
+    )
+    blocks = torch.randperm(pool, generator=gen)[: len(lens) * nb].view(len(lens), nb)
+    q = torch.randn(len(lens), nh, d, generator=gen).to(torch.bfloat16)
+    sink = torch.randn(nh, generator=gen) if sinks else None
+    bias = torch.full((len(lens), 1, nb * bs), float("-inf"))
+    for i, n in enumerate(lens.tolist()):
+        bias[i, :, max(0, n - window) if window else 0 : n] = 0.0
+    scale = d**-0.5
+    ref = _attend(q.unsqueeze(1), k_cache, v_cache, blocks, bias, scale, sink)
+    ref = ref.reshape(len(lens), -1)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = decode_attention(q, k_cache, v_cache, blocks, lens, scale, sink, window)
+            alone = [decode_attention(q[i : i + 1], k_cache, v_cache, blocks[i : i + 1],
+                                      lens[i : i + 1], scale, sink, window)
+                     for i in range(len(lens))]  # fmt: skip
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2**-9)
+            assert (out == ref).float().mean() > 0.98
+            assert torch.equal(out.view(torch.int16), torch.cat(alone).view(torch.int16))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_library
 def test_mla_decode_takes_the_native_kernel_up_to_its_head_count(native_path, monkeypatch):
     """paged_attention on MLA's cache (V a view of K's leading columns): up to _latent_heads()
     query heads a K/V head the decode calls the native kernel (on amx at any count); past it,
