@@ -7,18 +7,25 @@ and batched matmuls of services/attention/paged_attention.py), in one process.
 The default shape is DeepSeek-V3's latent (D 576 = 512 + 64 of RoPE, V the leading 512,
 one K/V head). Several layers' caches are read in turn so a layer's cache is not the one the
 last call left in cache. Prints JSON: per head count, the medians (us a layer) and the ratio.
+`--before LIB` also times another build's native library (an `_native*.so` from a worktree
+of an earlier revision, same signatures) in the same rounds: a kernel change's effect
+without the spread between processes. Not part of CI.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from afd.kernels import attention, paths
+from afd.kernels import attention, gemm, paths
 from services.attention import paged_attention as pa
 
 
@@ -33,6 +40,19 @@ def _time(fn, layers: int, rounds: int) -> float:
     return statistics.median(samples)
 
 
+def _load(so: Path, main: ctypes.CDLL) -> ctypes.CDLL:
+    """`so` loaded from a copy (the loader would hand back this checkout's library for the same
+    file name), with main's argument and result types."""
+    copy = Path(tempfile.mkdtemp(prefix="afd-bda-")) / "before.so"
+    shutil.copy(so, copy)
+    lib = ctypes.CDLL(str(copy))
+    for name, fn in list(vars(main).items()):
+        if isinstance(fn, ctypes._CFuncPtr):
+            other = getattr(lib, name)
+            other.argtypes, other.restype = fn.argtypes, fn.restype
+    return lib
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 32, 64, 128])
@@ -43,7 +63,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--before", help="another build's _native*.so, timed in the same rounds")
     args = ap.parse_args()
+    main_lib = gemm._lib()
+    before_lib = _load(Path(args.before), main_lib) if args.before else None
     D = args.dim
     Dv = args.v_dim or (512 if D == 576 else D)
     bs, kvh, B, L = 16, args.kv_heads, args.batch, args.positions
@@ -70,14 +93,23 @@ def main() -> None:
             return pa._attend(q.unsqueeze(1), caches[i], vs[i], blocks, bias, scale)
 
         diff = (native(0).float() - reference(0).reshape(B, -1).float()).abs().max().item()
-        a, b = [], []
+        a, b, c = [], [], []
         for _ in range(3):  # alternating
             a.append(_time(native, args.layers, args.rounds))
             b.append(_time(reference, args.layers, args.rounds))
+            if before_lib is not None:
+                gemm._lib = lambda: before_lib
+                try:
+                    c.append(_time(native, args.layers, args.rounds))
+                finally:
+                    gemm._lib = lambda: main_lib
         na, nt = statistics.median(a), statistics.median(b)
-        rows.append({"query_heads_per_kv_head": nh, "native_us": round(na, 1),
-                     "torch_us": round(nt, 1), "torch_over_native": round(nt / na, 3),
-                     "max_abs_diff": diff})  # fmt: skip
+        row = {"query_heads_per_kv_head": nh, "native_us": round(na, 1), "torch_us": round(nt, 1),
+               "torch_over_native": round(nt / na, 3), "max_abs_diff": diff}  # fmt: skip
+        if c:
+            nb_ = statistics.median(c)
+            row |= {"before_us": round(nb_, 1), "before_over_native": round(nb_ / na, 3)}
+        rows.append(row)
     print(json.dumps({"kernels": paths.active().name, "threads": torch.get_num_threads(),
                       "D": D, "Dv": Dv, "kv_heads": kvh, "batch": B, "positions": L,
                       "rows": rows}, indent=1))  # fmt: skip

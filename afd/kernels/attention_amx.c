@@ -86,12 +86,7 @@ static AMX void scores(const uint16_t *q, const uint16_t *cache, const int64_t *
      * loaded in place; otherwise (the last few positions, or blocks apart) copied first */
     int direct = n == 16;
     for (int i = 1; i < 16 && direct; i++) direct = row[l0 + i] == row[l0] + (int64_t)i * D;
-    for (int i = 0; i < 16; i++) { /* every line of those rows */
-      const int ahead = l0 + 16 * K_AHEAD_AMX + i;
-      if (ahead < len)
-        for (int d = 0; d < D; d += 32)
-          _mm_prefetch((const char *)(cache + row[ahead] + d), _MM_HINT_T0);
-    }
+    const int ahead = l0 + 16 * K_AHEAD_AMX, na = len - ahead < 16 ? len - ahead : 16;
     /* up to 4 tiles of 16 heads at a time (tmm0-3), each K tile used by all of them (a set
      * after the first reads its K rows from L1) */
     for (int t0 = 0; t0 < H; t0 += 4) {
@@ -99,6 +94,9 @@ static AMX void scores(const uint16_t *q, const uint16_t *cache, const int64_t *
       const uint32_t *qt = qp + (size_t)t0 * C * 256;
       afd_amx_zero_sums();
       for (int c = 0; c < C; c++) {
+        if (t0 == 0) /* the rows ahead, a column of lines at a time between the products */
+          for (int i = 0; i < na; i++)
+            _mm_prefetch((const char *)(cache + row[ahead + i] + 32 * c), _MM_HINT_T0);
         load_k(cache, row, l0, n, c, D, direct, rows);
         _tile_loadd(6, qt + (size_t)c * 256, 64);
         _tile_dpbf16ps(0, 4, 6);
