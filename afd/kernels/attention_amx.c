@@ -1,19 +1,29 @@
-/* Paged decode attention's scores on AMX tiles (attention.c calls it per sequence, K/V head
- * and group of query heads on the amx path, where a K/V head has 8 query heads or more):
- * s[j, l] = bf16(q_j . k_l) * scale, 16 positions and 16 heads a tile product.
+/* Paged decode attention on AMX tiles (attention.c hands it the whole call on the amx path
+ * where a K/V head has 8 query heads or more and D and Dv are multiples of 32):
+ *   scores: s[j, l] = bf16(q_j . k_l) * scale, 16 positions and 16 heads a tile product;
+ *   softmax: softmax.h's steps, the other paths' roundings;
+ *   values: o[j] = bf16(sum_l p[j, l] v_l), 16 heads and 16 columns of V a tile product.
  *
- * One TDPBF16PS takes 16 positions' K rows (32 values of D each: the A operand, row-major as
- * the cache holds them) against every query head at once (the B operand: q with pairs of D
- * interleaved, a column per head, packed once per call), so a position costs D / 32 tile
- * products shared by all the heads, where attention512.c spends D / 32 vdpbf16ps and a share
- * of a 16-way sum tree per head. MLA (16 to 128 heads of 288 to 576 values a K/V head) is
- * bound by those products; GQA's 4 heads of 64 are bound by reading K and V, and there the
- * tiles were no faster in the engine (docs/benchmarks.md), hence the 8-head floor.
+ * Scores: one TDPBF16PS takes 16 positions' K rows (32 values of D each: the A operand,
+ * row-major as the cache holds them) against every query head at once (the B operand: q with
+ * pairs of D interleaved, a column per head, packed once per call), so a position costs D / 32
+ * tile products shared by all the heads, where attention512.c spends D / 32 vdpbf16ps and a
+ * share of a 16-way sum tree per head. Values: the heads' bf16 probabilities are the A
+ * operand's rows (32 positions each), V the B operand, 256 positions at a time packed with
+ * position pairs interleaved, so V is read once for every 16 heads (attention512.c: every 4).
+ * MLA (16 to 128 heads of 288 to 576 values a K/V head) is bound by these products; GQA's 4
+ * heads of 64 are bound by reading K and V, and there the tiles were no faster in the engine
+ * (docs/benchmarks.md), hence the 8-head floor.
  *
  * The sums are the tile's: each pair's products added in fp32, in the tile's order, so a score
  * may differ from attention512.c's in its last fp32 bits and, rarely, after its rounding to
- * bf16 (summation order only, as between the other paths). A head's sums do not depend on
- * its column or on the other heads. The rounding and the scale are the other paths' steps. */
+ * bf16 (summation order only, as between the other paths); the values add a pair's products in
+ * vdpbf16ps' order. A head's sums do not depend on its column, its row or the other heads.
+ *
+ * The work: a row's softmax sum and its values are summed per chunk of SPLIT positions and the
+ * chunks then added in order, so it splits by chunk as well as by sequence and K/V head (one
+ * sequence's latent shared between threads instead of read whole by each), and the bits depend
+ * on the chunks only, never on the threads or the batch. */
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
@@ -252,9 +262,10 @@ static inline float row_max(const float *mx, int C, const float *sink) {
   return m;
 }
 
-/* One decode call's shape and buffers. Per sequence b: its first visible position, visible
- * length and chunks, and where its scores (then probabilities, [kvh, g, len]), row offsets,
- * chunk maxima and sums ([kvh, g, chunks]) and chunk values ([kvh, chunks, g, Dv]) lie. */
+/* One decode call's shape. Per sequence b: its first visible position, visible length and
+ * chunks, and where its row offsets lie in rows (offsets in a K/V head's share, the same for
+ * every head) and, where the work splits by chunk, its buffers in the call's (soff, moff, poff:
+ * bufs_t's for each K/V head in turn). */
 typedef struct {
   const uint16_t *q, *k_cache, *v_cache;
   const float *sinks;
@@ -262,43 +273,56 @@ typedef struct {
   size_t head; /* a K/V head's share of a cache, in elements */
   float scale;
   int *first, *len, *chunks;
-  size_t *soff, *roff, *moff, *poff;
-  float *s, *mx, *sm, *part;
-  int64_t *rows; /* each sequence's row offsets in head 0's share */
+  size_t *roff, *soff, *moff, *poff;
+  int64_t *rows;
+  float *s, *mx, *sm, *part; /* the call's buffers, where the work splits by chunk */
 } decode_t;
 
-/* Chunk c of sequence b, K/V head h, query heads j0 .. j0 + gj - 1: each step below. */
+/* One (sequence, K/V head)'s working memory: s [g, L] the scores, then the probabilities; mx
+ * and sm [g, C] each row's chunk maxima and sums; part [C, g, Dv] each chunk's values. */
+typedef struct {
+  float *s, *mx, *sm, *part;
+} bufs_t;
+
+static bufs_t call_bufs(const decode_t *d, int b, int h) {
+  const size_t L = d->len[b], C = d->chunks[b], g = d->g;
+  return (bufs_t){d->s + d->soff[b] + h * g * L, d->mx + d->moff[b] + h * g * C,
+                  d->sm + d->moff[b] + h * g * C, d->part + d->poff[b] + h * C * g * d->Dv};
+}
+
+/* Chunk c of sequence b, K/V head h, from query head j0: what each step below reads. */
 typedef struct {
   int C, L, l0, n;
-  float *s;                /* head j0's row of scores or probabilities */
-  float *mx, *sm;          /* head j0's chunk maxima and sums [C] */
-  const float *sink;       /* head j0's sink, or NULL */
-  const int64_t *rows;     /* the chunk's row offsets */
+  float *s;            /* head j0's row of scores or probabilities */
+  float *mx, *sm;      /* head j0's chunk maxima and sums [C] */
+  const float *sink;   /* head j0's sink, or NULL */
+  const int64_t *rows; /* the chunk's row offsets */
 } chunk_t;
 
-static chunk_t chunk(const decode_t *d, int b, int h, int c, int j0) {
+static chunk_t chunk(const decode_t *d, bufs_t w, int b, int h, int c, int j0) {
   chunk_t k;
   k.C = d->chunks[b], k.L = d->len[b], k.l0 = c * SPLIT;
   k.n = k.L - k.l0 < SPLIT ? k.L - k.l0 : SPLIT;
-  k.s = d->s + d->soff[b] + ((size_t)h * d->g + j0) * k.L;
-  k.mx = d->mx + d->moff[b] + ((size_t)h * d->g + j0) * k.C;
-  k.sm = d->sm + d->moff[b] + ((size_t)h * d->g + j0) * k.C;
+  k.s = w.s + (size_t)j0 * k.L;
+  k.mx = w.mx + (size_t)j0 * k.C, k.sm = w.sm + (size_t)j0 * k.C;
   k.sink = d->sinks ? d->sinks + (size_t)h * d->g + j0 : NULL;
   k.rows = d->rows + d->roff[b] + k.l0;
   return k;
 }
 
-/* the chunk's scores and each row's max over them */
-static void step_scores(const decode_t *d, int b, int h, int c, int j0, int gj, void *ts) {
-  const chunk_t k = chunk(d, b, h, c, j0);
+/* the chunk's scores and each row's max over them, for query heads j0 .. j0 + gj - 1 */
+static void step_scores(const decode_t *d, bufs_t w, int b, int h, int c, int j0, int gj,
+                        void *ts) {
+  const chunk_t k = chunk(d, w, b, h, c, j0);
   scores(d->q + (((size_t)b * d->kvh + h) * d->g + j0) * d->D, d->k_cache + h * d->head, k.rows,
          k.n, gj, d->D, d->scale, k.s + k.l0, k.L, ts);
-  for (int j = 0; j < gj; j++) k.mx[(size_t)j * k.C + c] = softmax_max(k.s + (size_t)j * k.L + k.l0, k.n);
+  for (int j = 0; j < gj; j++)
+    k.mx[(size_t)j * k.C + c] = softmax_max(k.s + (size_t)j * k.L + k.l0, k.n);
 }
 
 /* exp(s - the row's max over every chunk) and the chunk's sum */
-static void step_exp(const decode_t *d, int b, int h, int c, int j0, int gj) {
-  const chunk_t k = chunk(d, b, h, c, j0);
+static void step_exp(const decode_t *d, bufs_t w, int b, int h, int c, int j0, int gj) {
+  const chunk_t k = chunk(d, w, b, h, c, j0);
   for (int j = 0; j < gj; j++) {
     const float m = row_max(k.mx + (size_t)j * k.C, k.C, k.sink ? k.sink + j : NULL);
     k.sm[(size_t)j * k.C + c] = softmax_exp_sum(k.s + (size_t)j * k.L + k.l0, k.n, m, 1);
@@ -307,8 +331,9 @@ static void step_exp(const decode_t *d, int b, int h, int c, int j0, int gj) {
 
 /* the chunk's probabilities (the chunks' sums added in order, then the sink's share) and its
  * values, in fp32 */
-static void step_values(const decode_t *d, int b, int h, int c, int j0, int gj, void *vs) {
-  const chunk_t k = chunk(d, b, h, c, j0);
+static void step_values(const decode_t *d, bufs_t w, int b, int h, int c, int j0, int gj,
+                        void *vs) {
+  const chunk_t k = chunk(d, w, b, h, c, j0);
   for (int j = 0; j < gj; j++) {
     const float *smj = k.sm + (size_t)j * k.C;
     float sum = smj[0];
@@ -317,13 +342,13 @@ static void step_values(const decode_t *d, int b, int h, int c, int j0, int gj, 
     softmax_normalize(k.s + (size_t)j * k.L + k.l0, k.n, sum, 1);
   }
   values(k.s + k.l0, k.L, k.n, gj, d->Dv, d->v_cache + h * d->head, k.rows,
-         d->part + d->poff[b] + (((size_t)h * k.C + c) * d->g + j0) * d->Dv, vs);
+         w.part + ((size_t)c * d->g + j0) * d->Dv, vs);
 }
 
 /* out for sequence b, K/V head h: bf16(the chunks' values added in order) */
-static void step_out(const decode_t *d, int b, int h, uint16_t *out) {
-  const int C = d->chunks[b], n = d->g * d->Dv;
-  sum_chunks(d->part + d->poff[b] + (size_t)h * C * n, C, n, out + ((size_t)b * d->kvh + h) * n);
+static void step_out(const decode_t *d, bufs_t w, int b, int h, uint16_t *out) {
+  const int n = d->g * d->Dv;
+  sum_chunks(w.part, d->chunks[b], n, out + ((size_t)b * d->kvh + h) * n);
 }
 
 int afd_attn_amx_decode(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -335,25 +360,26 @@ int afd_attn_amx_decode(const uint16_t *q, const uint16_t *k_cache, const uint16
                 .g = g, .D = D, .Dv = Dv, .head = (size_t)NB * bs * D, .scale = scale};
   d.first = malloc(B * sizeof(int)), d.len = malloc(B * sizeof(int));
   d.chunks = malloc(B * sizeof(int));
-  d.soff = malloc(B * sizeof(size_t)), d.roff = malloc(B * sizeof(size_t));
+  d.roff = malloc(B * sizeof(size_t)), d.soff = malloc(B * sizeof(size_t));
   d.moff = malloc(B * sizeof(size_t)), d.poff = malloc(B * sizeof(size_t));
-  int failed = !d.first || !d.len || !d.chunks || !d.soff || !d.roff || !d.moff || !d.poff;
-  int N = 0; /* units: (sequence, K/V head, chunk) */
+  int failed = !d.first || !d.len || !d.chunks || !d.roff || !d.soff || !d.moff || !d.poff;
+  int N = 0, Lmax = 1, Cmax = 1; /* units: (sequence, K/V head, chunk) */
   size_t S = 0, R = 0, M = 0, P = 0;
   for (int b = 0; b < B && !failed; b++) {
     d.first[b] = window > 0 && lens[b] > window ? (int)lens[b] - window : 0;
     d.len[b] = (int)lens[b] - d.first[b];
     d.chunks[b] = (d.len[b] + SPLIT - 1) / SPLIT;
-    d.soff[b] = S, d.roff[b] = R, d.moff[b] = M, d.poff[b] = P;
-    S += (size_t)kvh * g * d.len[b], R += d.len[b], M += (size_t)kvh * g * d.chunks[b];
+    d.roff[b] = R, d.soff[b] = S, d.moff[b] = M, d.poff[b] = P;
+    R += d.len[b], S += (size_t)kvh * g * d.len[b], M += (size_t)kvh * g * d.chunks[b];
     P += (size_t)kvh * d.chunks[b] * g * Dv, N += kvh * d.chunks[b];
+    Lmax = d.len[b] > Lmax ? d.len[b] : Lmax, Cmax = d.chunks[b] > Cmax ? d.chunks[b] : Cmax;
   }
   /* With a (sequence, K/V head) pair for every thread, a task is a pair and runs its chunks in
-   * turn, its scores still in L2 for the softmax and the values. With fewer, the work splits by
-   * chunk, each step for every chunk before the next step (it needs every chunk's max, then
-   * every chunk's sum), and where there are fewer chunks than threads by query heads as well
-   * (groups of a multiple of 4; a head's arithmetic is the same in any group). The bits are
-   * the same either way. */
+   * turn in its thread's buffers (its scores still in L2 for the softmax and the values). With
+   * fewer, the work splits by chunk, each step for every chunk before the next step (it needs
+   * every chunk's max, then every chunk's sum) in buffers for the whole call, and where there
+   * are fewer chunks than threads by query heads as well (groups of a multiple of 4; a head's
+   * arithmetic is the same in any group). The bits are the same either way. */
   const int split = B * kvh < t;
   int gs = g;
   if (split && N < t && g > 4) {
@@ -363,11 +389,13 @@ int afd_attn_amx_decode(const uint16_t *q, const uint16_t *k_cache, const uint16
   }
   const int G = (g + gs - 1) / gs;
   int *unit = malloc((size_t)3 * (N > 0 ? N : 1) * sizeof(int)); /* (b, h, c) of each unit */
-  d.s = afd_alloc64((S + 8) * sizeof(float));
   d.rows = malloc((R + 1) * sizeof(int64_t));
-  d.mx = malloc((M + 1) * sizeof(float)), d.sm = malloc((M + 1) * sizeof(float));
-  d.part = afd_alloc64((P + 16) * sizeof(float));
-  failed = failed || !unit || !d.s || !d.rows || !d.mx || !d.sm || !d.part;
+  if (split) {
+    d.s = afd_alloc64((S + 8) * sizeof(float));
+    d.mx = malloc((M + 1) * sizeof(float)), d.sm = malloc((M + 1) * sizeof(float));
+    d.part = afd_alloc64((P + 16) * sizeof(float));
+  }
+  failed = failed || !unit || !d.rows || (split && (!d.s || !d.mx || !d.sm || !d.part));
   for (int b = 0, u = 0; b < B && !failed; b++)
     for (int h = 0; h < kvh; h++)
       for (int c = 0; c < d.chunks[b]; c++, u++) unit[3 * u] = b, unit[3 * u + 1] = h, unit[3 * u + 2] = c;
@@ -376,7 +404,14 @@ int afd_attn_amx_decode(const uint16_t *q, const uint16_t *k_cache, const uint16
     {
       void *ts = afd_alloc64(SCORES_SCRATCH(gs, D));
       void *vs = afd_alloc64(VALUES_SCRATCH(gs, SPLIT, Dv));
-      const int ok = ts && vs;
+      bufs_t own = {0}; /* a task's buffers, where a task is a pair */
+      if (!split) {
+        own.s = afd_alloc64(((size_t)g * Lmax + 8) * sizeof(float));
+        own.mx = malloc((size_t)g * Cmax * sizeof(float));
+        own.sm = malloc((size_t)g * Cmax * sizeof(float));
+        own.part = afd_alloc64(((size_t)Cmax * g * Dv + 16) * sizeof(float));
+      }
+      const int ok = ts && vs && (split || (own.s && own.mx && own.sm && own.part));
       if (!ok) {
 #pragma omp atomic write
         failed = 1;
@@ -392,35 +427,34 @@ int afd_attn_amx_decode(const uint16_t *q, const uint16_t *k_cache, const uint16
         for (int it = 0; it < B * kvh; it++) {
           const int b = it / kvh, h = it % kvh, C = d.chunks[b];
           if (!ok) continue;
-          for (int c = 0; c < C; c++) step_scores(&d, b, h, c, 0, g, ts);
-          for (int c = 0; c < C; c++) step_exp(&d, b, h, c, 0, g);
-          for (int c = 0; c < C; c++) step_values(&d, b, h, c, 0, g, vs);
-          step_out(&d, b, h, out);
+          for (int c = 0; c < C; c++) step_scores(&d, own, b, h, c, 0, g, ts);
+          for (int c = 0; c < C; c++) step_exp(&d, own, b, h, c, 0, g);
+          for (int c = 0; c < C; c++) step_values(&d, own, b, h, c, 0, g, vs);
+          step_out(&d, own, b, h, out);
         }
       } else {
         /* an item: unit it / G, its query heads from j0 = it % G * gs */
+#define ITEM_ARGS(it) &d, call_bufs(&d, unit[3 * ((it) / G)], unit[3 * ((it) / G) + 1]),       \
+                      unit[3 * ((it) / G)], unit[3 * ((it) / G) + 1], unit[3 * ((it) / G) + 2], \
+                      (it) % G * gs, g - (it) % G * gs < gs ? g - (it) % G * gs : gs
 #pragma omp for schedule(dynamic, 1)
-        for (int it = 0; it < N * G; it++) {
-          const int *u = unit + 3 * (it / G), j0 = it % G * gs;
-          if (ok) step_scores(&d, u[0], u[1], u[2], j0, g - j0 < gs ? g - j0 : gs, ts);
-        }
+        for (int it = 0; it < N * G; it++)
+          if (ok) step_scores(ITEM_ARGS(it), ts);
 #pragma omp for schedule(dynamic, 1)
-        for (int it = 0; it < N * G; it++) {
-          const int *u = unit + 3 * (it / G), j0 = it % G * gs;
-          if (ok) step_exp(&d, u[0], u[1], u[2], j0, g - j0 < gs ? g - j0 : gs);
-        }
+        for (int it = 0; it < N * G; it++)
+          if (ok) step_exp(ITEM_ARGS(it));
 #pragma omp for schedule(dynamic, 1)
-        for (int it = 0; it < N * G; it++) {
-          const int *u = unit + 3 * (it / G), j0 = it % G * gs;
-          if (ok) step_values(&d, u[0], u[1], u[2], j0, g - j0 < gs ? g - j0 : gs, vs);
-        }
+        for (int it = 0; it < N * G; it++)
+          if (ok) step_values(ITEM_ARGS(it), vs);
+#undef ITEM_ARGS
 #pragma omp for schedule(dynamic, 1)
-        for (int it = 0; it < B * kvh; it++) step_out(&d, it / kvh, it % kvh, out);
+        for (int it = 0; it < B * kvh; it++)
+          step_out(&d, call_bufs(&d, it / kvh, it % kvh), it / kvh, it % kvh, out);
       }
-      free(ts), free(vs);
+      free(ts), free(vs), free(own.s), free(own.mx), free(own.sm), free(own.part);
     }
   }
-  free(d.first), free(d.len), free(d.chunks), free(d.soff), free(d.roff), free(d.moff);
-  free(d.poff), free(unit), free(d.s), free(d.rows), free(d.mx), free(d.sm), free(d.part);
+  free(d.first), free(d.len), free(d.chunks), free(d.roff), free(d.soff), free(d.moff);
+  free(d.poff), free(unit), free(d.rows), free(d.s), free(d.mx), free(d.sm), free(d.part);
   return failed ? -1 : 0;
 }
