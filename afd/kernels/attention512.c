@@ -8,7 +8,7 @@
  *           (sum16) whose order is fixed, whatever the batch or the length.
  *   values: o[j] = bf16(sum_l p[j, l] v_l), 32 columns at a time: positions l and l + 1 are
  *           one vdpbf16ps operand (their V rows interleaved column by column, their two bf16
- *           probabilities broadcast as one 32-bit pair), for up to 4 query heads at once.
+ *           probabilities broadcast as one 32-bit pair), for up to 8 query heads at once.
  *
  * The results are the AVX2 code's steps with the same roundings (scores and probabilities
  * rounded to bf16, the output rounded once); only fp32 summation order differs, and, as in
@@ -99,16 +99,17 @@ static inline AVX512BF16 void store32(uint16_t *out, __m512 lo, __m512 hi) {
   store8(out + 24, round8(_mm512_extractf32x8_ps(b, 1)));
 }
 
-/* H (1..4) query heads' outputs, columns 32c..32(c + CC) - 1 (CC: 1 or 2), from their bf16
- * probabilities pb (rows of L2 values, pairs of positions as 32-bit words); H and CC constants
- * where inlined. Two 32-column chunks in one pass read a D = 64 row whole, once, in order: a
- * pass per chunk read every other line of the rows, and its loads of V waited on L2 (perf, Zen
- * 4, one sequence of 4096 positions). Each output sums the same products in the same order
- * either way. */
+/* H (1..8) query heads' outputs, columns 32c..32(c + CC) - 1 (CC: 1 or 2, H * CC <= 8), from
+ * their bf16 probabilities pb (rows of L2 values, pairs of positions as 32-bit words); H and CC
+ * constants where inlined. Two 32-column chunks in one pass read a D = 64 row whole, once, in
+ * order: a pass per chunk read every other line of the rows, and its loads of V waited on L2
+ * (perf, Zen 4, one sequence of 4096 positions). 8 heads in one pass read V once for all of
+ * them where 4 read it twice (a K/V head with 8 query heads or more: MLA, Qwen3-30B-A3B,
+ * gpt-oss). Each output sums the same products in the same order either way. */
 static inline __attribute__((always_inline)) AVX512BF16 void values_chunks(
-    const uint32_t *const pb[4], int len, int D, const uint16_t *cache, const int64_t *row,
-    const uint16_t *zero, uint16_t *const out[4], int H, int c, int CC) {
-  __m512 lo[4][2], hi[4][2];
+    const uint32_t *const pb[8], int len, int D, const uint16_t *cache, const int64_t *row,
+    const uint16_t *zero, uint16_t *const out[8], int H, int c, int CC) {
+  __m512 lo[8][2], hi[8][2];
   for (int j = 0; j < H; j++)
     for (int k = 0; k < CC; k++) lo[j][k] = hi[j][k] = _mm512_setzero_ps();
   for (int l = 0; l < len; l += 2) {
@@ -140,11 +141,12 @@ static inline __attribute__((always_inline)) AVX512BF16 void values_chunks(
 }
 
 static inline __attribute__((always_inline)) AVX512BF16 void values_heads(
-    const uint32_t *const pb[4], int len, int D, const uint16_t *cache, const int64_t *row,
-    const uint16_t *zero, uint16_t *const out[4], int H) {
+    const uint32_t *const pb[8], int len, int D, const uint16_t *cache, const int64_t *row,
+    const uint16_t *zero, uint16_t *const out[8], int H) {
   int c = 0;
-  for (; c + 2 <= D / 32; c += 2) values_chunks(pb, len, D, cache, row, zero, out, H, c, 2);
-  if (c < D / 32) values_chunks(pb, len, D, cache, row, zero, out, H, c, 1);
+  if (H <= 4)
+    for (; c + 2 <= D / 32; c += 2) values_chunks(pb, len, D, cache, row, zero, out, H, c, 2);
+  for (; c < D / 32; c++) values_chunks(pb, len, D, cache, row, zero, out, H, c, 1);
 }
 
 AVX512BF16 void afd_attn512_values(const float *p, int len, int g, int D, const uint16_t *cache,
@@ -157,11 +159,12 @@ AVX512BF16 void afd_attn512_values(const float *p, int len, int g, int D, const 
     for (int l = 0; l < len; l++) bj[l] = (uint16_t)(pj[l] >> 16);
     if (L2 > len) bj[len] = 0;
   }
-  for (int j0 = 0; j0 < g; j0 += 4) {
-    const int H = g - j0 < 4 ? g - j0 : 4;
-    const uint32_t *rows[4];
-    uint16_t *outs[4];
-    for (int j = 0; j < 4; j++) {
+  /* 8 heads a pass while 8 are left, then the rest (up to 4 a pass where fewer than 8) */
+  for (int j0 = 0; j0 < g;) {
+    const int H = g - j0 >= 8 ? 8 : g - j0 < 4 ? g - j0 : 4;
+    const uint32_t *rows[8];
+    uint16_t *outs[8];
+    for (int j = 0; j < 8; j++) {
       rows[j] = (const uint32_t *)(pb + (size_t)(j0 + (j < H ? j : 0)) * L2);
       outs[j] = out + (size_t)(j0 + (j < H ? j : 0)) * D;
     }
@@ -169,8 +172,10 @@ AVX512BF16 void afd_attn512_values(const float *p, int len, int g, int D, const 
       case 1: values_heads(rows, len, D, cache, row, zero, outs, 1); break;
       case 2: values_heads(rows, len, D, cache, row, zero, outs, 2); break;
       case 3: values_heads(rows, len, D, cache, row, zero, outs, 3); break;
-      default: values_heads(rows, len, D, cache, row, zero, outs, 4); break;
+      case 4: values_heads(rows, len, D, cache, row, zero, outs, 4); break;
+      default: values_heads(rows, len, D, cache, row, zero, outs, 8); break;
     }
+    j0 += H;
   }
 }
 

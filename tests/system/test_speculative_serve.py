@@ -82,8 +82,10 @@ def test_chat_with_logprobs_and_penalties_decodes_as_without(clients):
 
 
 def test_the_attention_servers_metrics_count_the_drafts(clients, servers):
-    """(after the tests above): drafts verified and kept, and kept by position, add up."""
-    clients["spec"].completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, **GREEDY)
+    """Drafts verified and kept, and kept by position, add up. The first test's requests,
+    whose answers keep drafts, so the test needs no other test before it."""
+    for prompt in PROMPTS:
+        clients["spec"].completions.create(model="tiny", prompt=prompt, max_tokens=32, **GREEDY)
     (url,) = [u for name, u in servers["spec"].metrics.items() if name.startswith("attention")]
     att = scrape(url)
     steps = value(att, "afd_spec_decode_num_drafts_total")
