@@ -106,9 +106,10 @@ def paged_attention(
 
 def _latent_heads() -> int | None:
     """The most query heads a K/V head for which MLA's decode takes the native kernel (None:
-    any number). Off AMX its values pass reads the latent once for every 4 heads, so with many
-    heads torch's bmm of the gathered cache is faster; on AMX the tiles read it once for every
-    16 heads, and the native kernel was the faster at every head count measured."""
+    any number). Off AMX its values pass reads the latent once for every 8 heads (4 on AVX2),
+    so with many heads torch's bmm of the gathered cache is faster; on AMX the tiles read it
+    once for every 16 heads, and the native kernel was the faster at every head count
+    measured."""
     # scripts/bench_decode_attention.py, Intel Xeon, 2 threads, native over torch a layer: amx
     # 1.44-1.72x at 8 to 128 heads (D 576, 4,096 positions), 1.31-1.56x at 256, 1.4-5.6x from
     # 64 to 16,384 positions. Off AMX (measured earlier, docs/benchmarks.md) 32 heads.
