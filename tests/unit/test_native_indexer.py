@@ -49,3 +49,41 @@ def test_a_block_outside_the_pool_is_an_error(native_path):
     blocks[0, 3] = pool.shape[0]
     with pytest.raises(RuntimeError, match="outside the pool"):
         indexer.index_scores(iq.q, iq.weights, pool, blocks, iq.scale)
+
+
+@pytest.mark.parametrize("nh", [16, 4])
+def test_the_selected_rows_are_attended_by_the_native_kernel(native_path, nh, monkeypatch):
+    """attend_selected on afd's kernels: the decode kernel reads the selected latent rows in
+    place (one-row blocks, each row's visible ones first), against the gather and batched
+    matmuls within bf16's tolerance; picks that are not visible anywhere in a row (a context
+    shorter than topk) and a row with one visible pick; each row alone gives the batch's
+    bits. 16 heads: the AMX tiles where the path has them."""
+    g = torch.Generator().manual_seed(nh)
+    D, dv, rows, n, k = 288, 256, 600, 5, 40
+    pool = torch.randn(rows, D, generator=g).to(torch.bfloat16)
+    slots = torch.stack([torch.randperm(rows, generator=g)[:k] for _ in range(n)])
+    visible = torch.rand(n, k, generator=g) < 0.7
+    visible[0] = True
+    visible[1] = False
+    visible[1, 17] = True
+    q = torch.randn(n, nh, D, generator=g).to(torch.bfloat16)
+    calls, real = [], sparse_attention.decode_attention
+
+    def record(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sparse_attention, "decode_attention", record)
+    got = sparse_attention.attend_selected(q, pool, slots, visible, dv, D**-0.5)
+    alone = [
+        sparse_attention.attend_selected(q[i : i + 1], pool, slots[i : i + 1],
+                                         visible[i : i + 1], dv, D**-0.5)
+        for i in range(n)
+    ]  # fmt: skip
+    assert calls == [n] + [1] * n
+    monkeypatch.setattr(sparse_attention, "_native", lambda *a: False)
+    want = sparse_attention.attend_selected(q, pool, slots, visible, dv, D**-0.5)
+    assert got.shape == want.shape == (n, nh * dv)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-9)
+    assert (got == want).float().mean() > 0.98
+    assert torch.equal(got.view(torch.int16), torch.cat(alone).view(torch.int16))
