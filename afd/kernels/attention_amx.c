@@ -427,6 +427,18 @@ int afd_attn_amx_decode(const uint16_t *q, const uint16_t *k_cache, const uint16
         for (int it = 0; it < B * kvh; it++) {
           const int b = it / kvh, h = it % kvh, C = d.chunks[b];
           if (!ok) continue;
+          /* the first rows of K (every line) before the scores start, and of a sequence longer
+           * than 512 positions V's too, so they arrive during the scores instead of stalling
+           * the values (harness, Intel Xeon, 8 heads of 128 a K/V head: 1.10x at 4,096
+           * positions, 1.02-1.06x at 8 x 1,024; with V's rows for 32 x 256 as well 0.97-0.99x) */
+          const int64_t *r = d.rows + d.roff[b];
+          for (int l = 0; l < 32 && l < d.len[b]; l++)
+            for (int o = 0; o < D * 2; o += 64) {
+              const size_t at = h * d.head + r[l];
+              if (l < 16) _mm_prefetch((const char *)(k_cache + at) + o, _MM_HINT_T0);
+              if (o < Dv * 2 && d.len[b] > 512)
+                _mm_prefetch((const char *)(v_cache + at) + o, _MM_HINT_T1);
+            }
           for (int c = 0; c < C; c++) step_scores(&d, own, b, h, c, 0, g, ts);
           for (int c = 0; c < C; c++) step_exp(&d, own, b, h, c, 0, g);
           for (int c = 0; c < C; c++) step_values(&d, own, b, h, c, 0, g, vs);
