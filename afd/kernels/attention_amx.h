@@ -1,10 +1,34 @@
-/* Paged decode attention on AMX tiles (attention_amx.c), called by attention.c on the amx
- * path where a K/V head has 8 query heads or more. Call only where afd_cpu_amx() is true. */
+/* Paged decode attention on AMX tiles: the call (attention_chunks.c), which attention.c hands
+ * it on the amx path where a K/V head has 8 query heads or more, and its two products
+ * (attention_amx.c). Call only where afd_cpu_amx() is true. */
 #ifndef AFD_ATTENTION_AMX_H
 #define AFD_ATTENTION_AMX_H
 #include <stdint.h>
 
 #include "bf16.h"
+
+/* Positions a values call packs at a time (a multiple of 32): their V rows, pairs
+ * interleaved, stay in L2 while every head's tiles read them. */
+#define AFD_ATTN_AMX_VCHUNK 256
+
+/* Bytes of scratch the scores need for g heads. */
+#define AFD_ATTN_AMX_SCORES_SCRATCH(g, D)                                                      \
+  ((((size_t)(g) + 15) / 16 * ((size_t)(D) / 32) + 5) * 1024)
+
+/* Bytes of scratch the values need for g heads, len positions and Dv columns. */
+#define AFD_ATTN_AMX_VALUES_SCRATCH(g, len, Dv)                                                \
+  ((((size_t)(g) + 15) / 16 * 16 * (((size_t)(len) + 31) / 32 * 32) * 2 +                     \
+    (size_t)AFD_ATTN_AMX_VCHUNK * (Dv) * 2 + ((size_t)(g) + 15) / 16 * 16 * (Dv) * 4 + 3 * 64))
+
+/* s[j * ld + l] <- bf16(q_j . k_l) * scale for the g query heads q [g, D] (bf16) and the len
+ * positions l at element offsets row[l] of cache. */
+void afd_attn_amx_scores(const uint16_t *q, const uint16_t *cache, const int64_t *row, int len,
+                         int g, int D, float scale, float *s, int ld, void *scratch);
+
+/* out [g, Dv] (fp32) <- sum_l p[j, l] v_l for the probabilities p (fp32 holding bf16 values,
+ * row j at p + j * ld) and the V rows at element offsets row[l] of cache. */
+void afd_attn_amx_values(const float *p, int ld, int len, int g, int Dv, const uint16_t *cache,
+                         const int64_t *row, float *out, void *scratch);
 
 /* The decode on tiles: afd_bf16_decode_attention_ext's arguments and result (attention.c),
  * for the amx path where g >= 8 and D and Dv are multiples of 32. The scores and the values
