@@ -141,17 +141,19 @@ static AMX void pack_v(const uint16_t *cache, const int64_t *row, int l0, int n,
     const int l = l0 + 2 * q;
     const uint16_t *r0 = 2 * q < n ? cache + row[l] : NULL;
     const uint16_t *r1 = 2 * q + 1 < n ? cache + row[l + 1] : NULL;
-    const uint16_t *f0 = l + 2 * V_AHEAD_AMX < len ? cache + row[l + 2 * V_AHEAD_AMX] : NULL;
-    const uint16_t *f1 = l + 2 * V_AHEAD_AMX + 1 < len ? cache + row[l + 2 * V_AHEAD_AMX + 1] : NULL;
+    const int a = l + 2 * V_AHEAD_AMX; /* the pair ahead */
+    const uint16_t *f0 = a < len ? cache + row[a] : NULL;
+    const uint16_t *f1 = a + 1 < len ? cache + row[a + 1] : NULL;
     uint32_t *dst = vp + (size_t)(q / 16) * T * 256 + (q % 16) * 16;
     for (int c = 0; c < Dv / 32; c++) {
       if (f0) _mm_prefetch((const char *)(f0 + 32 * c), _MM_HINT_T0); /* the pair ahead, */
       if (f1) _mm_prefetch((const char *)(f1 + 32 * c), _MM_HINT_T0); /* a line at a time */
-      __m512i a = r0 ? _mm512_loadu_si512((const void *)(r0 + 32 * c)) : zero;
-      __m512i b = r1 ? _mm512_loadu_si512((const void *)(r1 + 32 * c)) : zero;
-      _mm512_store_si512((void *)(dst + (size_t)(2 * c) * 256), _mm512_permutex2var_epi16(a, lo, b));
+      const __m512i v0 = r0 ? _mm512_loadu_si512((const void *)(r0 + 32 * c)) : zero;
+      const __m512i v1 = r1 ? _mm512_loadu_si512((const void *)(r1 + 32 * c)) : zero;
+      _mm512_store_si512((void *)(dst + (size_t)(2 * c) * 256),
+                         _mm512_permutex2var_epi16(v0, lo, v1));
       _mm512_store_si512((void *)(dst + (size_t)(2 * c + 1) * 256),
-                         _mm512_permutex2var_epi16(a, hi, b));
+                         _mm512_permutex2var_epi16(v0, hi, v1));
     }
   }
 }

@@ -88,8 +88,9 @@ static chunk_t chunk(const decode_t *d, bufs_t w, int b, int h, int c, int j0) {
 static void step_scores(const decode_t *d, bufs_t w, int b, int h, int c, int j0, int gj,
                         void *ts) {
   const chunk_t k = chunk(d, w, b, h, c, j0);
-  afd_attn_amx_scores(d->q + (((size_t)b * d->kvh + h) * d->g + j0) * d->D, d->k_cache + h * d->head, k.rows,
-         k.n, gj, d->D, d->scale, k.s + k.l0, k.L, ts);
+  const uint16_t *q = d->q + (((size_t)b * d->kvh + h) * d->g + j0) * d->D;
+  afd_attn_amx_scores(q, d->k_cache + h * d->head, k.rows, k.n, gj, d->D, d->scale, k.s + k.l0,
+                      k.L, ts);
   for (int j = 0; j < gj; j++)
     k.mx[(size_t)j * k.C + c] = softmax_max(k.s + (size_t)j * k.L + k.l0, k.n);
 }
@@ -116,7 +117,7 @@ static void step_values(const decode_t *d, bufs_t w, int b, int h, int c, int j0
     softmax_normalize(k.s + (size_t)j * k.L + k.l0, k.n, sum, 1);
   }
   afd_attn_amx_values(k.s + k.l0, k.L, k.n, gj, d->Dv, d->v_cache + h * d->head, k.rows,
-         w.part + ((size_t)c * d->g + j0) * d->Dv, vs);
+                      w.part + ((size_t)c * d->g + j0) * d->Dv, vs);
 }
 
 /* out for sequence b, K/V head h: bf16(the chunks' values added in order) */
@@ -172,7 +173,8 @@ int afd_attn_amx_decode(const uint16_t *q, const uint16_t *k_cache, const uint16
   failed = failed || !unit || !d.rows || (split && (!d.s || !d.mx || !d.sm || !d.part));
   for (int b = 0, u = 0; b < B && !failed; b++)
     for (int h = 0; h < kvh; h++)
-      for (int c = 0; c < d.chunks[b]; c++, u++) unit[3 * u] = b, unit[3 * u + 1] = h, unit[3 * u + 2] = c;
+      for (int c = 0; c < d.chunks[b]; c++, u++)
+        unit[3 * u] = b, unit[3 * u + 1] = h, unit[3 * u + 2] = c;
   if (!failed) {
 #pragma omp parallel num_threads(t) if (t > 1)
     {

@@ -65,7 +65,8 @@ static inline float softmax_exp1(float x) {
 static inline void softmax_normalize(float *s, int n, float sum, int wide) {
   const __m256 vs = _mm256_set1_ps(sum);
   int l = wide ? afd_softmax512_normalize(s, n, sum) : 0;
-  for (; l + 8 <= n; l += 8) _mm256_storeu_ps(s + l, round8(_mm256_div_ps(_mm256_loadu_ps(s + l), vs)));
+  for (; l + 8 <= n; l += 8)
+    _mm256_storeu_ps(s + l, round8(_mm256_div_ps(_mm256_loadu_ps(s + l), vs)));
   for (; l < n; l++) s[l] = bf16_round(s[l] / sum);
 }
 
