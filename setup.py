@@ -76,8 +76,17 @@ def _kernels() -> list[Extension]:
             ],
             depends=[
                 f"afd/kernels/{h}.h"
-                for h in ("amx", "attention512", "attention_amx", "bf16", "bf16_512", "experts",
-                          "mxfp4", "runs", "softmax")
+                for h in (
+                    "amx",
+                    "attention512",
+                    "attention_amx",
+                    "bf16",
+                    "bf16_512",
+                    "experts",
+                    "mxfp4",
+                    "runs",
+                    "softmax",
+                )
             ],
             # -mavx2/-mfma: gemm.py loads the library only where ATen dispatches AVX2 or above.
             # fp-contract=off: a*b + c in scalar code stays two roundings, as torch computes it.

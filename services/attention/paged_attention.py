@@ -110,9 +110,11 @@ def _latent_heads() -> int | None:
     so with many heads torch's bmm of the gathered cache is faster; on AMX the tiles read it
     once for every 16 heads, and the native kernel was the faster at every head count
     measured."""
-    # scripts/bench_decode_attention.py, Intel Xeon, 2 threads, native over torch a layer: amx
-    # 1.44-1.72x at 8 to 128 heads (D 576, 4,096 positions), 1.31-1.56x at 256, 1.4-5.6x from
-    # 64 to 16,384 positions. Off AMX (measured earlier, docs/benchmarks.md) 32 heads.
+    # scripts/bench_decode_attention.py, Intel Xeon, 2 threads, torch over native a layer on
+    # amx (65d04a5; D 576, 4,096 positions): 2.95x / 2.70x / 2.28x / 1.61x at 16 / 32 / 64 /
+    # 128 heads; earlier (7ae653c) 1.31-1.56x at 256 heads, 1.43-2.57x at 128 from 64 to 16,384
+    # positions. Off AMX: an earlier harness's figures (docs/benchmarks.md), not re-measured on
+    # the CPUs that take those paths by default.
     return None if paths.active().name == "amx" else 32
 
 
