@@ -15,18 +15,20 @@ without the spread between processes. Not part of CI.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from afd.kernels import attention, gemm, paths
-from services.attention import paged_attention as pa
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_native import _load  # noqa: E402  (scripts/ is not a package)
+
+from afd.kernels import attention, gemm, paths  # noqa: E402
+from services.attention import paged_attention as pa  # noqa: E402
 
 
 def _time(fn, layers: int, rounds: int) -> float:
@@ -38,19 +40,6 @@ def _time(fn, layers: int, rounds: int) -> float:
             fn(i)
         samples.append((time.perf_counter() - t0) / layers * 1e6)
     return statistics.median(samples)
-
-
-def _load(so: Path, main: ctypes.CDLL) -> ctypes.CDLL:
-    """`so` loaded from a copy (the loader would hand back this checkout's library for the same
-    file name), with main's argument and result types."""
-    copy = Path(tempfile.mkdtemp(prefix="afd-bda-")) / "before.so"
-    shutil.copy(so, copy)
-    lib = ctypes.CDLL(str(copy))
-    for name, fn in list(vars(main).items()):
-        if isinstance(fn, ctypes._CFuncPtr):
-            other = getattr(lib, name)
-            other.argtypes, other.restype = fn.argtypes, fn.restype
-    return lib
 
 
 def main() -> None:
@@ -66,7 +55,10 @@ def main() -> None:
     ap.add_argument("--before", help="another build's _native*.so, timed in the same rounds")
     args = ap.parse_args()
     main_lib = gemm._lib()
-    before_lib = _load(Path(args.before), main_lib) if args.before else None
+    before_lib = None
+    if args.before:  # loaded from a copy: the loader would hand back this checkout's library
+        copy = Path(tempfile.mkdtemp(prefix="afd-bda-")) / "before.so"
+        before_lib = _load(Path(args.before), main_lib, copy)
     D = args.dim
     Dv = args.v_dim or (512 if D == 576 else D)
     bs, kvh, B, L = 16, args.kv_heads, args.batch, args.positions
