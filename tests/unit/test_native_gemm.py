@@ -350,7 +350,8 @@ def test_decode_attention_over_long_rows_is_the_same_on_any_schedule(
     order): against torch's path within bf16's tolerance, and each sequence alone (a single
     (sequence, K/V head) pair: the work split by chunk, and by query heads where chunks are
     fewer than threads) gives the batch's bits (a task for every pair, its chunks in turn), on
-    1 and 2 threads. Lengths on both sides of a chunk's end; a window that starts mid-row."""
+    1, 2 and 3 threads (3: two K/V heads alone split too). Lengths on both sides of a chunk's
+    end; a window that starts mid-row."""
     from afd.kernels.attention import decode_attention
     from services.attention.paged_attention import _attend
 
@@ -373,7 +374,7 @@ def test_decode_attention_over_long_rows_is_the_same_on_any_schedule(
     ref = ref.reshape(len(lens), -1)
     before = torch.get_num_threads()
     try:
-        for threads in (1, 2):
+        for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             out = decode_attention(q, k_cache, v_cache, blocks, lens, scale, sink, window)
             alone = [decode_attention(q[i : i + 1], k_cache, v_cache, blocks[i : i + 1],
