@@ -174,16 +174,7 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
     return afd_attn_amx_decode(q, k_cache, v_cache, blocks, lens, out, B, kvh, g, D, Dv, NB, bs,
                                nb, scale, sinks, window, threads);
   int failed = 0, t = threads > 1 ? threads : 1;
-  /* query heads a task: all g, or (fewer pairs than threads) the fewest multiple of 4 that
-   * gives every thread a task */
-  int gs = g;
-  if (B * kvh < t && g > 4) {
-    int want = (t + B * kvh - 1) / (B * kvh);
-    gs = (g + want - 1) / want;
-    gs = (gs + 3) / 4 * 4;
-    if (gs > g) gs = g;
-  }
-  const int G = (g + gs - 1) / gs;
+  const int gs = afd_attn_head_group(g, B * kvh, t), G = (g + gs - 1) / gs; /* heads a task */
 #pragma omp parallel for num_threads(t) schedule(dynamic, 1) if (t > 1)
   for (int task = 0; task < B * kvh * G; task++) {
     int b = task / (kvh * G), h = task / G % kvh, j0 = task % G * gs, len = (int)lens[b];

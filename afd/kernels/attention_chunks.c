@@ -156,13 +156,7 @@ int afd_attn_amx_decode(const uint16_t *q, const uint16_t *k_cache, const uint16
    * are fewer chunks than threads by query heads as well (groups of a multiple of 4; a head's
    * arithmetic is the same in any group). The bits are the same either way. */
   const int split = B * kvh < t;
-  int gs = g;
-  if (split && N < t && g > 4) {
-    const int want = (t + N - 1) / N;
-    gs = ((g + want - 1) / want + 3) / 4 * 4;
-    if (gs > g) gs = g;
-  }
-  const int G = (g + gs - 1) / gs;
+  const int gs = split ? afd_attn_head_group(g, N, t) : g, G = (g + gs - 1) / gs;
   int *unit = malloc((size_t)3 * (N > 0 ? N : 1) * sizeof(int)); /* (b, h, c) of each unit */
   d.rows = malloc((R + 1) * sizeof(int64_t));
   if (split) {

@@ -216,6 +216,16 @@ int afd_bf16_decode_attention_ext(const uint16_t *q, const uint16_t *k_cache,
                                   int Dv, int NB, int bs, int nb, float scale, const float *sinks,
                                   int window, int threads, int isa);
 
+/* Query heads a decode attention task takes when `units` pieces of work (sequence, K/V head
+ * pairs, or their chunks) are fewer than `threads`: the fewest multiple of 4 that gives every
+ * thread a task (the last group may hold fewer), else all g. A head's arithmetic is the same
+ * in any group (attention.c, attention_chunks.c). */
+static inline int afd_attn_head_group(int g, int units, int threads) {
+  if (units >= threads || g <= 4) return g;
+  const int want = (threads + units - 1) / units, gs = ((g + want - 1) / want + 3) / 4 * 4;
+  return gs < g ? gs : g;
+}
+
 /* The sums of 8 vectors, one lane each: [sum(a0), ..., sum(a7)]. */
 static inline __m256 sum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
                             __m256 a6, __m256 a7) {

@@ -65,15 +65,10 @@ def paged_attention(
     Dv = v_cache.shape[-1]
     out = torch.empty(T, nh * Dv, dtype=q.dtype, device=q.device)
     nd = meta.num_decode
-    native_bf16 = native() and q.dtype == k_cache.dtype == torch.bfloat16 and D % 8 == 0
-    native_bf16 = native_bf16 and k_cache.is_contiguous() and k_cache.device.type == "cpu"
-    fused = native_bf16 and Dv == D and v_cache.is_contiguous()
-    # decode also reads MLA's V (the latent, K's leading columns) in place, up to a number of
-    # query heads a K/V head
+    fused = _native_bf16(q, k_cache) and Dv == D and v_cache.is_contiguous()
+    # decode also reads MLA's V (the latent, K's leading columns) in place
     latent_v = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
-    most = _latent_heads()
-    latent_v = latent_v and Dv % 8 == 0 and (most is None or nh // k_cache.shape[0] <= most)
-    if nd and (fused or (native_bf16 and latent_v)):
+    if nd and (fused or (latent_v and latent_native(q, k_cache, Dv))):
         lens = meta.decode_lens
         out[:nd] = decode_attention(
             q[:nd], k_cache, v_cache, meta.decode_blocks, lens, scale, sinks, window
@@ -102,6 +97,29 @@ def paged_attention(
                     visible)  # fmt: skip
         out[rows] = o.reshape(p.q_len, -1)
     return out
+
+
+def _native_bf16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """afd's decode kernel can read this bf16 cache in place for q [T, nh, D]."""
+    return (
+        native()
+        and q.dtype == k_cache.dtype == torch.bfloat16
+        and q.shape[-1] % 8 == 0
+        and k_cache.is_contiguous()
+        and k_cache.device.type == "cpu"
+    )
+
+
+def latent_native(q: torch.Tensor, k_cache: torch.Tensor, dv: int) -> bool:
+    """Whether afd's decode kernel reads MLA's latent (k_cache [kvh, NB, bs, D], V its leading
+    dv columns) in place for the queries q [T, nh, D]: up to _latent_heads() query heads a
+    K/V head. DSA's selected rows (sparse_attention.py) take the same test."""
+    most = _latent_heads()
+    return (
+        _native_bf16(q, k_cache)
+        and dv % 8 == 0
+        and (most is None or q.shape[1] // k_cache.shape[0] <= most)
+    )
 
 
 def _latent_heads() -> int | None:

@@ -15,9 +15,9 @@ import torch
 
 from afd.kernels import indexer
 from afd.kernels.attention import decode_attention
-from afd.ops import bmm, native
+from afd.ops import bmm
 from services.attention.kv_cache import gather
-from services.attention.paged_attention import AttnMeta, _latent_heads
+from services.attention.paged_attention import AttnMeta, latent_native
 
 # Rows of one prefill scored at once: rows x index heads x context stays under this many
 # float32 scores.
@@ -74,32 +74,17 @@ def attend_selected(
     place where it takes MLA's latent (paged_attention's conditions), else a gather and
     torch's batched matmuls; the same steps and roundings, fp32 sums in another order."""
     lens = visible.sum(-1)
-    if pool_scale is None and _native(q, pool, dv) and bool((lens > 0).all()):
-        # the selected rows as one-row blocks, each row's visible ones first, in the pool's
-        # order (topk gives them by score; in order, a run of rows in one block is read as one)
+    k = pool.view(1, -1, 1, pool.shape[-1])  # the rows as one-row blocks of one K/V head
+    if pool_scale is None and latent_native(q, k, dv) and bool((lens > 0).all()):
+        # each row's visible ones first, in the pool's order (topk gives them by score; in
+        # order, a run of rows in one block is read as one)
         table = slots.masked_fill(~visible, pool.shape[0]).sort(dim=-1).values
-        k = pool.view(1, -1, 1, pool.shape[-1])
         return decode_attention(q, k, k[..., :dv], table, lens, scale)
     rows = gather(pool, pool_scale, 0, slots.reshape(-1), q.dtype).view(*slots.shape, -1)
     scores = bmm(q, rows.transpose(1, 2)).float() * scale  # [n, nh, k]
     scores = scores.masked_fill(~visible.unsqueeze(1), -torch.inf)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return bmm(probs, rows[..., :dv]).reshape(q.shape[0], -1)  # [n, nh * dv]
-
-
-def _native(q: torch.Tensor, pool: torch.Tensor, dv: int) -> bool:
-    """Whether afd's decode kernel reads the selected latent rows (as paged_attention's MLA
-    decode takes it)."""
-    most = _latent_heads()
-    return (
-        native()
-        and q.dtype == pool.dtype == torch.bfloat16
-        and pool.device.type == "cpu"
-        and pool.is_contiguous()
-        and pool.shape[-1] % 8 == 0
-        and dv % 8 == 0
-        and (most is None or q.shape[1] <= most)
-    )
 
 
 def sparse_attention(

@@ -81,7 +81,7 @@ def test_the_selected_rows_are_attended_by_the_native_kernel(native_path, nh, mo
         for i in range(n)
     ]  # fmt: skip
     assert calls == [n] + [1] * n
-    monkeypatch.setattr(sparse_attention, "_native", lambda *a: False)
+    monkeypatch.setattr(sparse_attention, "latent_native", lambda *a: False)
     want = sparse_attention.attend_selected(q, pool, slots, visible, dv, D**-0.5)
     assert got.shape == want.shape == (n, nh * dv)
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-9)
