@@ -88,7 +88,7 @@ def paged_attention(
         rows = slice(p.q_start, p.q_start + p.q_len)
         qs = q[rows].unsqueeze(0)  # [1, n, nh, D]
         bias, visible = None, None
-        if fused:  # each token's keys: the softmax in one native pass, row by row, no mask
+        if native_softmax(q):  # each token's keys: the softmax in one native pass, no mask
             hi = meta.positions[rows] + 1
             visible = ((hi - window).clamp(min=0) if window else torch.zeros_like(hi), hi)
         else:
@@ -108,6 +108,12 @@ def _native_bf16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and k_cache.is_contiguous()
         and k_cache.device.type == "cpu"
     )
+
+
+def native_softmax(q: torch.Tensor) -> bool:
+    """afd's prefill softmax (attention.c) serves the bf16 scores of these queries: on the CPU,
+    whatever the cache's dtype (an FP8 cache is gathered into q's dtype) or its V's width."""
+    return native() and q.dtype == torch.bfloat16 and q.device.type == "cpu"
 
 
 def latent_native(q: torch.Tensor, k_cache: torch.Tensor, dv: int) -> bool:

@@ -134,3 +134,68 @@ def test_every_path_gives_the_avx2_bits(L):
     for other in got.values():
         for a, b in zip(other, base, strict=True):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.fixture(scope="module")
+def mla_layer(tmp_path_factory):
+    """A tiny DeepSeek-V3 checkpoint's first MLA layer, in bf16."""
+    from afd.config import ModelConfig
+    from services.attention.model import AttentionModel
+    from tests.helpers.checkpoints import deepseek_v3
+
+    path = deepseek_v3(tmp_path_factory.mktemp("ds") / "ckpt")
+    cfg = ModelConfig.from_hf(path)
+    return AttentionModel(cfg, torch.bfloat16, progress=False).layers[0].kind
+
+
+@pytest.mark.parametrize("start", [0, 21])
+def test_mla_expanded_prefill_on_the_native_softmax_matches_the_torch_path(
+    mla_layer, monkeypatch, start
+):
+    """MLA's expanded prefill (kinds/mla.py), each token's keys given to the native softmax
+    by position, against the torch path's mask and softmax: a prompt alone and after a cached
+    prefix of `start` tokens, on a shuffled block table. The same to bf16 rounding."""
+    from services.attention.kinds import mla
+    from services.attention.paged_attention import PrefillSeq
+
+    kind, gen = mla_layer, torch.Generator().manual_seed(start)
+    m, nh = kind.m, kind.cfg.num_heads
+    W, bs, NB, n = m.kv_lora_rank + m.qk_rope_head_dim, 4, 24, 19
+    L = -(-(start + n) // bs) * bs
+    pool = torch.randn(1, NB, bs, W, generator=gen).to(torch.bfloat16)
+    blocks = torch.randperm(NB, generator=gen)[: L // bs]
+    pos = torch.arange(start, start + n)
+    bias = torch.zeros(n, L).masked_fill_(torch.arange(L).view(1, -1) > pos.view(-1, 1), -torch.inf)
+    p = PrefillSeq(0, n, blocks, bias)
+    q_nope = torch.randn(n, nh, m.qk_nope_head_dim, generator=gen).to(torch.bfloat16)
+    q_pe = torch.randn(n, nh, m.qk_rope_head_dim, generator=gen).to(torch.bfloat16)
+    assert mla.native_softmax(q_nope)
+    got = kind.expanded(q_nope, q_pe, pool, p, pos)
+    monkeypatch.setattr(mla, "native_softmax", lambda q: False)
+    want = kind.expanded(q_nope, q_pe, pool, p, pos)
+    assert (got.float() - want.float()).abs().max() <= 2 * 2**-8 * want.float().abs().max()
+
+
+def test_mla_absorbed_prefill_takes_the_native_softmax(mla_layer, monkeypatch):
+    """The absorbed form's prefill (MLA's latent, V its leading columns) goes through the
+    native softmax too, and matches the torch path's to bf16 rounding."""
+    from services.attention import paged_attention as pa
+
+    kind, gen = mla_layer, torch.Generator().manual_seed(3)
+    m, nh = kind.m, kind.cfg.num_heads
+    r, W, bs, NB, n, start = m.kv_lora_rank, m.kv_lora_rank + m.qk_rope_head_dim, 4, 16, 9, 14
+    L = -(-(start + n) // bs) * bs
+    cache = torch.randn(1, NB, bs, W, generator=gen).to(torch.bfloat16)
+    blocks = torch.randperm(NB, generator=gen)[: L // bs]
+    pos = torch.arange(start, start + n)
+    bias = torch.zeros(n, L).masked_fill_(torch.arange(L).view(1, -1) > pos.view(-1, 1), -torch.inf)
+    meta = pa.AttnMeta(pos, pos, 0, None, (pa.PrefillSeq(0, n, blocks, bias),), block_size=bs)
+    q = torch.randn(n, nh, W, generator=gen).to(torch.bfloat16)
+    calls = []
+    real = pa.prefill_softmax
+    monkeypatch.setattr(pa, "prefill_softmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = pa.paged_attention(q, cache, cache[..., :r], meta, 0.1)
+    assert calls, "the latent's prefill took the torch softmax"
+    monkeypatch.setattr(pa, "native_softmax", lambda q: False)
+    want = pa.paged_attention(q, cache, cache[..., :r], meta, 0.1)
+    assert (got.float() - want.float()).abs().max() <= 2 * 2**-8 * want.float().abs().max()

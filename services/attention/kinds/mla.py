@@ -17,10 +17,16 @@ import torch
 
 from afd.blockfp8 import cat_rows, take_rows
 from afd.config import ModelConfig
+from afd.kernels.attention import prefill_softmax
 from afd.ops import Linear, bmm, rms_norm
 from services.attention.kinds.base import AttentionKind
 from services.attention.kv_cache import CacheLayout, KVCache, gather
-from services.attention.paged_attention import AttnMeta, PrefillSeq, paged_attention
+from services.attention.paged_attention import (
+    AttnMeta,
+    PrefillSeq,
+    native_softmax,
+    paged_attention,
+)
 
 # The latent norms are built with their module's default epsilon, not the model's rms_norm_eps
 _LATENT_EPS = 1e-6
@@ -109,7 +115,7 @@ class MLA(AttentionKind):
         for p in long:
             rows = slice(p.q_start, p.q_start + p.q_len)
             o[rows] = self.expanded(q_nope[rows], q_pe[rows], cache.k[layer], p,
-                                    cache.k_scale[layer])  # fmt: skip
+                                    meta.positions[rows], cache.k_scale[layer])  # fmt: skip
         return o
 
     def project(
@@ -139,6 +145,7 @@ class MLA(AttentionKind):
         q_pe: torch.Tensor,  # [n, nh, dr]
         pool: torch.Tensor,  # [1, NB, bs, r + dr]
         p: PrefillSeq,
+        positions: torch.Tensor,  # [n] long: the query rows' positions
         pool_scale: torch.Tensor | None = None,  # [1, NB, bs] where the cache is FP8
     ) -> torch.Tensor:  # [n, nh * dv]
         """One prefill's attention the way the checkpoint was trained: its context's latents
@@ -154,8 +161,12 @@ class MLA(AttentionKind):
         k = torch.cat([k_nope.transpose(1, 2), rows[:, r:].expand(nh, L, dr)], dim=-1)
         v = bmm(latent, self.w_uv)  # [nh, L, dv]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [nh, n, dn + dr]
-        scores = bmm(q, k.transpose(1, 2)).float() * self.scale + p.bias  # [nh, n, L]
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        scores = bmm(q, k.transpose(1, 2))  # [nh, n, L]
+        if native_softmax(q):  # row i's keys 0 .. positions[i], in one pass: attention.c
+            hi = positions + 1
+            probs = prefill_softmax(scores, torch.zeros_like(hi), hi, self.scale)
+        else:
+            probs = torch.softmax(scores.float() * self.scale + p.bias, dim=-1).to(q.dtype)
         return bmm(probs, v).transpose(0, 1).reshape(n, -1)  # [n, nh * dv]
 
     def values(self, o: torch.Tensor) -> torch.Tensor:
