@@ -26,13 +26,14 @@ def native() -> bool:
     return paths.active().native
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.bmm with bf16's result (fp32 accumulation, rounded to bf16), computed in fp32 on
     CPUs without a bf16 matmul path (where oneDNN cannot pack bf16, torch's bf16 bmm is much
-    slower than converting both sides and multiplying in fp32)."""
+    slower than converting both sides and multiplying in fp32); into `out` where given."""
     if paths.onednn_bf16() or a.dtype != torch.bfloat16 or a.device.type != "cpu":
-        return torch.bmm(a, b)
-    return torch.bmm(a.float(), b.float()).to(a.dtype)
+        return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
+    r = torch.bmm(a.float(), b.float())
+    return r.to(a.dtype) if out is None else out.copy_(r)
 
 
 class Linear:

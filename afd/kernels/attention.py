@@ -65,14 +65,20 @@ def prefill_softmax(
     hi: torch.Tensor,  # [n] int32
     scale: float,
     sinks: torch.Tensor | None = None,  # [kvh * g] float32: a logit per head that takes no value
+    out: torch.Tensor | None = None,  # where to write them, contiguous (s itself: in place)
 ) -> torch.Tensor:  # [kvh, g * n, L] bf16: the probabilities, 0 outside each row's keys
-    """softmax(scale * s) over each row's visible keys only, rounded to bf16 (attention.c)."""
+    """softmax(scale * s) over each row's visible keys only, rounded to bf16 (attention.c: a
+    row is read whole before it is written, so `out` may be s)."""
     kvh, gn, L = s.shape
     n = lo.shape[0]
     s = s.contiguous()
     lo, hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
     sinks = None if sinks is None else sinks.float().contiguous()
-    p = torch.empty_like(s)
+    if out is not None and not (out.shape == s.shape and out.dtype == s.dtype):
+        raise ValueError(f"prefill_softmax: out {tuple(out.shape)} is not shaped as s")
+    if out is not None and not out.is_contiguous():
+        raise ValueError("prefill_softmax: out must be contiguous")
+    p = torch.empty_like(s) if out is None else out
     rc = gemm._lib().afd_bf16_prefill_softmax(
         s.data_ptr(), kvh, gn // n, n, L, lo.data_ptr(), hi.data_ptr(), scale,
         None if sinks is None else sinks.data_ptr(), p.data_ptr(), torch.get_num_threads(),

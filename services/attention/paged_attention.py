@@ -4,6 +4,7 @@ kvh = 1, MLA's latent with kvh = 1 and V a view of K's first Dv columns)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -142,6 +143,72 @@ def _latent_heads() -> int | None:
     return None if paths.active().name == "amx" else 32
 
 
+# The most bytes a tile of a prefill's scores takes: a long prompt's scores are computed, turned
+# into probabilities and multiplied by V a tile of query rows at a time in one reused buffer, so
+# they need not fit in memory whole (at 2,048 new tokens after 32K cached ones, 64 heads'
+# would take 8 GiB) and are not mapped and faulted in anew at every call.
+_TILE_BYTES = 64 << 20
+_tile = threading.local()  # each thread's buffer for its tiles' scores
+
+
+def _tile_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A flat tensor of at least `numel` elements of like's dtype and device, the same one at
+    the thread's next call where it is large enough (it only grows)."""
+    buf = getattr(_tile, "buf", None)
+    if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+        buf = _tile.buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
+def causal_tiles(
+    lo: torch.Tensor,  # [n]: row i sees keys lo[i] .. hi[i] - 1, neither decreasing with i
+    hi: torch.Tensor,  # [n]
+    keys: int,  # the keys gathered for the prefill (hi[n - 1] <= keys)
+    row_bytes: int,  # bytes a query row's scores take per key (heads x the scores' width)
+) -> list[tuple[slice, slice]]:
+    """Tiles of one prefill's query rows and the keys each tile multiplies: no tile's scores
+    take more than _TILE_BYTES (a tile holds one row at least). A tile whose first row sees
+    from key 0 on takes every key (a prefix of the keys would be copied whole for each tile's
+    batched matmul, which costs more than the masked keys' products); a tile of windowed rows
+    takes the keys from its first row's first to its last row's last."""
+    los, his = lo.tolist(), hi.tolist()
+    tiles, i0, n = [], 0, len(his)
+    while i0 < n:
+        first, i1 = los[i0], i0 + 1
+        while i1 < n:  # take row i1 too?
+            end = keys if first == 0 else his[i1]
+            if (i1 + 1 - i0) * (end - first) * row_bytes > _TILE_BYTES:
+                break
+            i1 += 1
+        tiles.append((slice(i0, i1), slice(first, keys if first == 0 else his[i1 - 1])))
+        i0 = i1
+    return tiles
+
+
+def causal_attention(
+    q: torch.Tensor,  # [kvh, g, n, D] bf16: one sequence's n query rows, g a K/V head
+    k: torch.Tensor,  # [kvh, L, D] bf16
+    v: torch.Tensor,  # [kvh, L, Dv] bf16
+    lo: torch.Tensor,  # [n] long: row i sees keys lo[i] .. hi[i] - 1
+    hi: torch.Tensor,  # [n] long
+    scale: float,
+    sinks: torch.Tensor | None = None,  # [kvh * g] float32
+) -> torch.Tensor:  # [kvh, g, n, Dv]
+    """One prefill's softmax attention on afd's CPU kernels, a tile of rows at a time
+    (causal_tiles): the scores' batched matmul into the thread's tile buffer, the native
+    softmax over each row's keys in place, the values' batched matmul."""
+    kvh, g, n, D = q.shape
+    L, Dv = k.shape[1], v.shape[-1]
+    o = torch.empty(kvh, g, n, Dv, dtype=q.dtype, device=q.device)
+    for i, keys in causal_tiles(lo, hi, L, kvh * g * q.element_size()):
+        c, nk = i.stop - i.start, keys.stop - keys.start
+        s = _tile_buffer(kvh * g * c * nk, q).view(kvh, g * c, nk)
+        bmm(q[:, :, i].reshape(kvh, g * c, D), k[:, keys].transpose(1, 2), out=s)
+        prefill_softmax(s, lo[i] - keys.start, hi[i] - keys.start, scale, sinks, out=s)
+        o[:, :, i] = bmm(s, v[:, keys]).view(kvh, g, c, Dv)
+    return o
+
+
 def _windowed(bias: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
     """A mask [rows, ..., L] with the keys at or before position - window also hidden (the
     gathered key j is position j of the row's sequence)."""
@@ -181,9 +248,9 @@ def _attend(
         v = gather(v_cache, scales[1], 1, idx, q.dtype).view(kvh * B, L, Dv)
     qg = q.view(B, n, kvh, g, D).permute(2, 0, 3, 1, 4).reshape(kvh * B, g * n, D)
     if visible is not None:  # one sequence (B = 1), bf16 on afd's CPU kernels: attention.c
-        probs = prefill_softmax(bmm(qg, k.transpose(1, 2)), visible[0], visible[1], scale, sinks)
-        o = bmm(probs, v)  # [kvh, g*n, Dv]
-        return o.view(kvh, B, g, n, Dv).permute(1, 3, 0, 2, 4).reshape(B, n, nh, Dv)
+        qh = q.view(n, kvh, g, D).permute(1, 2, 0, 3)  # [kvh, g, n, D]
+        o = causal_attention(qh, k, v, visible[0], visible[1], scale, sinks)  # [kvh, g, n, Dv]
+        return o.permute(2, 0, 1, 3).reshape(B, n, nh, Dv)
     # one pass for the fp32 upcast, the scale and the mask: bias + scale * s is scale * s
     # rounded once (bias is 0) or -inf, as the three separate ops give it
     scores = bmm(qg, k.transpose(1, 2)).view(kvh, B, g, n, L)

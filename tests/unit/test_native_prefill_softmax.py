@@ -83,8 +83,19 @@ def test_rejects_an_empty_or_out_of_range_row():
         prefill_softmax(s, torch.tensor([2, 0]), torch.tensor([2, 3]), 1.0)
 
 
+@pytest.fixture(params=["whole", "tiles"])
+def tile_bytes(request, monkeypatch):
+    """The prefill's scores in one tile, or in tiles of a few rows (paged_attention.py's
+    causal_tiles: rows of a window see a slice of the keys)."""
+    from services.attention import paged_attention as pa
+
+    if request.param == "tiles":
+        monkeypatch.setattr(pa, "_TILE_BYTES", 2048)
+    return request.param
+
+
 @pytest.mark.parametrize("window", [0, 5])
-def test_the_prefill_attention_matches_the_torch_path(window):
+def test_the_prefill_attention_matches_the_torch_path(window, tile_bytes):
     """_attend with each token's keys given (afd's CPU kernels) against the torch ops on a
     shuffled block table, GQA, with sinks: the same to bf16 rounding."""
     from services.attention.paged_attention import _attend, _windowed
@@ -150,7 +161,7 @@ def mla_layer(tmp_path_factory):
 
 @pytest.mark.parametrize("start", [0, 21])
 def test_mla_expanded_prefill_on_the_native_softmax_matches_the_torch_path(
-    mla_layer, monkeypatch, start
+    mla_layer, monkeypatch, start, tile_bytes
 ):
     """MLA's expanded prefill (kinds/mla.py), each token's keys given to the native softmax
     by position, against the torch path's mask and softmax: a prompt alone and after a cached
@@ -176,7 +187,7 @@ def test_mla_expanded_prefill_on_the_native_softmax_matches_the_torch_path(
     assert (got.float() - want.float()).abs().max() <= 2 * 2**-8 * want.float().abs().max()
 
 
-def test_mla_absorbed_prefill_takes_the_native_softmax(mla_layer, monkeypatch):
+def test_mla_absorbed_prefill_takes_the_native_softmax(mla_layer, monkeypatch, tile_bytes):
     """The absorbed form's prefill (MLA's latent, V its leading columns) goes through the
     native softmax too, and matches the torch path's to bf16 rounding."""
     from services.attention import paged_attention as pa
@@ -199,3 +210,27 @@ def test_mla_absorbed_prefill_takes_the_native_softmax(mla_layer, monkeypatch):
     monkeypatch.setattr(pa, "native_softmax", lambda q: False)
     want = pa.paged_attention(q, cache, cache[..., :r], meta, 0.1)
     assert (got.float() - want.float()).abs().max() <= 2 * 2**-8 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("window", [0, 3, 40])
+@pytest.mark.parametrize("budget", [1, 700, 4096, 1 << 20])
+def test_the_tiles_cover_every_visible_key_within_the_budget(monkeypatch, window, budget):
+    """causal_tiles: the rows in order, each once; each tile's keys hold every key its rows
+    see; no tile over the budget unless it is one row; every key from 0 where a row sees key
+    0 (a prefix would be copied), no keys before a windowed tile's first row's first."""
+    from services.attention import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_TILE_BYTES", budget)
+    n, start, row_bytes = 50, 30, 8
+    hi = torch.arange(start, start + n) + 1
+    lo = (hi - window).clamp(min=0) if window else torch.zeros(n, dtype=torch.long)
+    L = start + n + 6  # the gathered blocks run past the last row's keys
+    tiles = pa.causal_tiles(lo, hi, L, row_bytes)
+    assert [r for i, _ in tiles for r in range(i.start, i.stop)] == list(range(n))
+    for i, keys in tiles:
+        rows = i.stop - i.start
+        assert keys.start <= int(lo[i].min()) and int(hi[i].max()) <= keys.stop <= L
+        assert rows == 1 or rows * (keys.stop - keys.start) * row_bytes <= budget
+        assert keys == slice(0, L) if int(lo[i.start]) == 0 else keys.start == int(lo[i.start])
+    if budget == 1 << 20:
+        assert len(tiles) == 1

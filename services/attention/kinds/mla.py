@@ -17,13 +17,13 @@ import torch
 
 from afd.blockfp8 import cat_rows, take_rows
 from afd.config import ModelConfig
-from afd.kernels.attention import prefill_softmax
 from afd.ops import Linear, bmm, rms_norm
 from services.attention.kinds.base import AttentionKind
 from services.attention.kv_cache import CacheLayout, KVCache, gather
 from services.attention.paged_attention import (
     AttnMeta,
     PrefillSeq,
+    causal_attention,
     native_softmax,
     paged_attention,
 )
@@ -161,13 +161,15 @@ class MLA(AttentionKind):
         k = torch.cat([k_nope.transpose(1, 2), rows[:, r:].expand(nh, L, dr)], dim=-1)
         v = bmm(latent, self.w_uv)  # [nh, L, dv]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [nh, n, dn + dr]
-        scores = bmm(q, k.transpose(1, 2))  # [nh, n, L]
-        if native_softmax(q):  # row i's keys 0 .. positions[i], in one pass: attention.c
-            hi = positions + 1
-            probs = prefill_softmax(scores, torch.zeros_like(hi), hi, self.scale)
-        else:
-            probs = torch.softmax(scores.float() * self.scale + p.bias, dim=-1).to(q.dtype)
-        return bmm(probs, v).transpose(0, 1).reshape(n, -1)  # [n, nh * dv]
+        if not native_softmax(q):
+            scores = bmm(q, k.transpose(1, 2)).float() * self.scale + p.bias  # [nh, n, L]
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            return bmm(probs, v).transpose(0, 1).reshape(n, -1)  # [n, nh * dv]
+        # row i's keys 0 .. positions[i], a tile of rows at a time
+        hi = positions + 1
+        o = causal_attention(q.unsqueeze(1), k, v, torch.zeros_like(hi), hi, self.scale)
+        o = o.squeeze(1)  # [nh, n, dv]
+        return o.transpose(0, 1).reshape(n, -1)  # [n, nh * dv]
 
     def values(self, o: torch.Tensor) -> torch.Tensor:
         """Attention-weighted latents [T, nh * r] -> each head's value [T, nh * dv]."""
