@@ -132,7 +132,7 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
         slots=move(m.slots),
         decode_blocks=move(m.decode_blocks),
         decode_lens=move(m.decode_lens),
-        prefills=tuple(replace(p, blocks=move(p.blocks), bias=move(p.bias)) for p in m.prefills),
+        prefills=tuple(replace(p, blocks=move(p.blocks)) for p in m.prefills),  # masks built there
     )
     return replace(
         mb,
@@ -170,10 +170,9 @@ def _prefill_seqs(prefills: list[ScheduledSeq], first_row: int, bs: int) -> tupl
     for s in prefills:
         n, L = s.num_new_tokens, s.start_pos + s.num_new_tokens
         nblk = (L + bs - 1) // bs
-        q_pos = torch.arange(s.start_pos, L).unsqueeze(1)  # [n, 1]
-        bias = torch.zeros(n, nblk * bs)
-        bias.masked_fill_(torch.arange(nblk * bs).unsqueeze(0) > q_pos, float("-inf"))
         blocks = torch.tensor(s.block_ids[:nblk], dtype=torch.long)
-        out.append(PrefillSeq(q_start=row, q_len=n, blocks=blocks, bias=bias))
+        out.append(
+            PrefillSeq(q_start=row, q_len=n, blocks=blocks, start=s.start_pos, block_size=bs)
+        )
         row += n
     return tuple(out)

@@ -21,7 +21,19 @@ class PrefillSeq:
     q_start: int  # first row of this sequence in the micro-batch
     q_len: int
     blocks: torch.Tensor  # [nb] long: the KV blocks holding positions 0..L-1, L = start + q_len
-    bias: torch.Tensor  # [q_len, nb * block_size] float32: 0 visible (causal), -inf elsewhere
+    start: int  # position of the first new token (those before it are cached)
+    block_size: int
+
+    @cached_property
+    def bias(self) -> torch.Tensor:  # [q_len, nb * block_size] float32
+        """0 for each new token's keys (causal), -inf elsewhere: the torch path's mask and DSA's
+        selection's, built when first asked for, on the blocks' device (the native prefill
+        reads each token's keys by position; at 2,048 new tokens after 128K cached ones this
+        mask alone would take 1 GiB)."""
+        dev, L = self.blocks.device, self.blocks.shape[0] * self.block_size
+        q_pos = torch.arange(self.start, self.start + self.q_len, device=dev).unsqueeze(1)
+        bias = torch.zeros(self.q_len, L, device=dev)
+        return bias.masked_fill_(torch.arange(L, device=dev).unsqueeze(0) > q_pos, -torch.inf)
 
 
 @dataclass(frozen=True)
@@ -153,10 +165,12 @@ _tile = threading.local()  # each thread's buffer for its tiles' scores
 
 def _tile_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
     """A flat tensor of at least `numel` elements of like's dtype and device, the same one at
-    the thread's next call where it is large enough (it only grows)."""
+    the thread's next call where it is large enough (it only grows). Made outside inference
+    mode: written in place both in and out of it (the engine runs in it, callers may not)."""
     buf = getattr(_tile, "buf", None)
     if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
-        buf = _tile.buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+        with torch.inference_mode(False):
+            buf = _tile.buf = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buf[:numel]
 
 

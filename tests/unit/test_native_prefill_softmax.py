@@ -177,7 +177,8 @@ def test_mla_expanded_prefill_on_the_native_softmax_matches_the_torch_path(
     blocks = torch.randperm(NB, generator=gen)[: L // bs]
     pos = torch.arange(start, start + n)
     bias = torch.zeros(n, L).masked_fill_(torch.arange(L).view(1, -1) > pos.view(-1, 1), -torch.inf)
-    p = PrefillSeq(0, n, blocks, bias)
+    p = PrefillSeq(0, n, blocks, start, bs)
+    assert torch.equal(p.bias, bias)
     q_nope = torch.randn(n, nh, m.qk_nope_head_dim, generator=gen).to(torch.bfloat16)
     q_pe = torch.randn(n, nh, m.qk_rope_head_dim, generator=gen).to(torch.bfloat16)
     assert mla.native_softmax(q_nope)
@@ -199,8 +200,7 @@ def test_mla_absorbed_prefill_takes_the_native_softmax(mla_layer, monkeypatch, t
     cache = torch.randn(1, NB, bs, W, generator=gen).to(torch.bfloat16)
     blocks = torch.randperm(NB, generator=gen)[: L // bs]
     pos = torch.arange(start, start + n)
-    bias = torch.zeros(n, L).masked_fill_(torch.arange(L).view(1, -1) > pos.view(-1, 1), -torch.inf)
-    meta = pa.AttnMeta(pos, pos, 0, None, (pa.PrefillSeq(0, n, blocks, bias),), block_size=bs)
+    meta = pa.AttnMeta(pos, pos, 0, None, (pa.PrefillSeq(0, n, blocks, start, bs),), block_size=bs)
     q = torch.randn(n, nh, W, generator=gen).to(torch.bfloat16)
     calls = []
     real = pa.prefill_softmax
@@ -234,3 +234,21 @@ def test_the_tiles_cover_every_visible_key_within_the_budget(monkeypatch, window
         assert keys == slice(0, L) if int(lo[i.start]) == 0 else keys.start == int(lo[i.start])
     if budget == 1 << 20:
         assert len(tiles) == 1
+
+
+def test_the_tile_buffer_serves_in_and_out_of_inference_mode():
+    """The thread's tile buffer, first made under inference mode (the engine's), is written
+    again outside it (a caller's) and the other way round."""
+    from services.attention import paged_attention as pa
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 8, 16, generator=gen).to(torch.bfloat16)
+    k = torch.randn(2, 8, 16, generator=gen).to(torch.bfloat16)
+    hi = torch.arange(8) + 1
+    pa._tile.buf = None
+    with torch.inference_mode():
+        first = pa.causal_attention(q, k, k, torch.zeros_like(hi), hi, 0.25)
+    again = pa.causal_attention(q, k, k, torch.zeros_like(hi), hi, 0.25)
+    with torch.inference_mode():
+        third = pa.causal_attention(q, k, k, torch.zeros_like(hi), hi, 0.25)
+    assert torch.equal(first, again) and torch.equal(again, third)
