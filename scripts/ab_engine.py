@@ -11,7 +11,8 @@ reference checkpoint, bf16, 2 threads, the default kernel path), decode tok/s as
 computes it; `--model` another checkpoint (e.g. `afd bench mxfp4`'s gpt-oss model or its MXFP4
 copy, with the expert path of `--expert-compute`). With `--prefill LEN`: prefill instead of
 decode, prompt tok/s of `--batch` new prompts of LEN tokens each (one output token; the median
-of three calls, each with prompts the engine has not seen). With `--serve STREAMS`: each
+of three calls, each with prompts the engine has not seen), in one step or, with
+`--prefill-budget TOKENS`, in chunks of that many tokens. With `--serve STREAMS`: each
 side's `afd serve` instead, started fresh for every run and driven through the API by `afd
 bench serve` at `--temperature` (0, greedy, unless given; both revisions need
 afd_cli.bench.peer). With `--matmul ROWS`: afd's matmul alone on the default path
@@ -37,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Run inside each worktree (its own afd on sys.path): the engine as `afd bench engine` builds it.
 _TIMING = r"""
-import json, sys, time
+import json, resource, sys, time
 from pathlib import Path
 import torch
 from afd.config import CacheConfig, EngineConfig, ExpertConfig, ModelConfig, SchedulerConfig
@@ -48,14 +49,15 @@ from afd_cli.local import local_engine
 batch, new, threads, cache = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 model, compute, prefill = sys.argv[5], sys.argv[6], int(sys.argv[7])
 prompt_len = int(sys.argv[8]) if len(sys.argv) > 8 else 16
+budget = int(sys.argv[9]) if len(sys.argv) > 9 else 0
 torch.set_num_threads(threads)
 path = Path(model) if model else build_checkpoint(Path(cache) / "bench-qwen3moe-ref")
 cfg = EngineConfig(model=ModelConfig.from_hf(path), dtype="bfloat16", a2f_dtype="bf16",
                    micro_batches=1, decode_stack=True, threads=threads,
                    cache=CacheConfig(block_size=16, kv_cache_memory_gb=1.0),
                    scheduler=SchedulerConfig(max_num_seqs=64,
-                                             max_num_batched_tokens=max(4096, batch * prefill,
-                                                                        batch * prompt_len)),
+                                             max_num_batched_tokens=budget or max(
+                                                 4096, batch * prefill, batch * prompt_len)),
                    experts=ExpertConfig(compute=compute))
 with local_engine(cfg, 1, progress=False) as eng:
     prompts = _prompts(batch, prompt_len, cfg.model.vocab_size, batch)
@@ -68,7 +70,8 @@ with local_engine(cfg, 1, progress=False) as eng:
         timed(_prompts(batch, prefill, cfg.model.vocab_size, 1000), 1)
         t = sorted(timed(_prompts(batch, prefill, cfg.model.vocab_size, 1001 + i), 1)
                    for i in range(3))[1]
-        print(json.dumps({"tok_s": batch * prefill / t}))
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the process's peak
+        print(json.dumps({"tok_s": batch * prefill / t, "peak_rss_mb": rss}))
     else:
         print(json.dumps({"tok_s": _decode_tps(timed, prompts, new)}))
 """
@@ -141,7 +144,7 @@ def _prepare(rev: str, tree: Path) -> Path:
     return tree
 
 
-def _run(tree: Path, args: argparse.Namespace) -> float:
+def _run(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     if args.serve:
         code = _SERVING
@@ -152,14 +155,15 @@ def _run(tree: Path, args: argparse.Namespace) -> float:
         code = _TIMING
         argv = [str(args.batch), str(args.new_tokens), str(args.threads), args.cache_dir]
         argv += [args.model or "", args.expert_compute, str(args.prefill), str(args.prompt_len)]
+        argv += [str(args.prefill_budget)]
     out = subprocess.run(
         [sys.executable, "-c", code, *argv],
         cwd=tree, env=env, capture_output=True, text=True,
     )  # fmt: skip
     if out.returncode:
         raise SystemExit(f"the engine run in {tree.name} failed:\n{out.stderr[-2000:]}")
-    (value,) = json.loads(out.stdout.strip().splitlines()[-1]).values()  # tok/s or GB/s
-    return round(value, 1)
+    # tok/s or GB/s, and a prefill's peak resident memory (MB)
+    return {k: round(v, 1) for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
 def main() -> int:
@@ -184,6 +188,14 @@ def main() -> int:
         help="measure the engine's prefill of --batch prompts of LEN tokens instead of decode",
     )
     p.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="the engine's tokens a step (max_num_batched_tokens; a longer prompt is prefilled "
+        "in chunks, as `afd serve`'s default 2048 does); 0: every prompt in one step",
+    )
+    p.add_argument(
         "--matmul",
         type=int,
         metavar="ROWS",
@@ -206,7 +218,8 @@ def main() -> int:
     revs = {"before": args.before, "after": args.after}
     shas = {k: _git("rev-parse", "--short", v).strip() for k, v in revs.items()}
     runs: dict[str, list[float]] = {"before": [], "after": []}
-    unit = "GB/s" if args.matmul else "tok/s"
+    rss: dict[str, list[float]] = {"before": [], "after": []}
+    unit, key = ("GB/s", "gb_s") if args.matmul else ("tok/s", "tok_s")
     with tempfile.TemporaryDirectory(prefix="afd-ab-") as root:
         trees: dict[str, Path] = {}
         try:
@@ -214,7 +227,10 @@ def main() -> int:
                 trees[side] = _prepare(rev, Path(root) / side)
             for _ in range(args.rounds):
                 for side in ("before", "after"):
-                    runs[side].append(_run(trees[side], args))
+                    r = _run(trees[side], args)
+                    runs[side].append(r[key])
+                    if "peak_rss_mb" in r:
+                        rss[side].append(r["peak_rss_mb"])
                     print(f"{side} {shas[side]}: {runs[side][-1]} {unit}", file=sys.stderr)
         finally:
             for tree in trees.values():
@@ -224,13 +240,13 @@ def main() -> int:
         "afd serve" if args.serve else "matmul" if args.matmul
         else "engine prefill" if args.prefill else "engine"
     )  # fmt: skip
-    key = "gb_s" if args.matmul else "tok_s"
     print(json.dumps({
         "benchmark": "ab_engine",
         "cpu": _cpu(),
         "revisions": shas,
         "measured": measured,
         "prompt_len": args.prefill if measured == "engine prefill" else args.prompt_len,
+        **({"prefill_budget": args.prefill_budget} if measured == "engine prefill" else {}),
         **({"streams": args.serve} if args.serve else {"rows": args.matmul} if args.matmul
            else {"batch": args.batch}),
         **({"model": args.model, "expert_compute": args.expert_compute} if args.model else {}),
@@ -239,6 +255,7 @@ def main() -> int:
         f"runs_{key}": runs,
         f"median_{key}": med,
         "after_over_before": round(med["after"] / med["before"], 3),
+        **({"runs_peak_rss_mb": rss} if rss["before"] else {}),
     }, indent=2))  # fmt: skip
     return 0
 
