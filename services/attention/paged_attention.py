@@ -188,12 +188,13 @@ def causal_tiles(
     los, his = lo.tolist(), hi.tolist()
     tiles, i0, n = [], 0, len(his)
     while i0 < n:
-        first, i1 = los[i0], i0 + 1
-        while i1 < n:  # take row i1 too?
-            end = keys if first == 0 else his[i1]
-            if (i1 + 1 - i0) * (end - first) * row_bytes > _TILE_BYTES:
-                break
-            i1 += 1
+        first = los[i0]
+        if first == 0:  # every key: as many rows as the budget holds
+            i1 = min(n, i0 + max(1, _TILE_BYTES // (keys * row_bytes)))
+        else:
+            i1 = i0 + 1
+            while i1 < n and (i1 + 1 - i0) * (his[i1] - first) * row_bytes <= _TILE_BYTES:
+                i1 += 1
         tiles.append((slice(i0, i1), slice(first, keys if first == 0 else his[i1 - 1])))
         i0 = i1
     return tiles
