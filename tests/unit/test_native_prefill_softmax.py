@@ -252,3 +252,19 @@ def test_the_tile_buffer_serves_in_and_out_of_inference_mode():
     with torch.inference_mode():
         third = pa.causal_attention(q, k, k, torch.zeros_like(hi), hi, 0.25)
     assert torch.equal(first, again) and torch.equal(again, third)
+
+
+@pytest.mark.parametrize("onednn_bf16", [True, False])
+def test_bmm_into_a_buffer_gives_the_bits_of_a_fresh_result(monkeypatch, onednn_bf16):
+    """afd.ops.bmm with `out` (the prefill tiles' buffer) on either route: oneDNN's bf16
+    matmul, or fp32 then rounded (CPUs where oneDNN cannot pack bf16, Zen 3)."""
+    from afd import ops
+
+    monkeypatch.setattr(ops.paths, "onednn_bf16", lambda: onednn_bf16)
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(3, 40, 24, generator=gen).to(torch.bfloat16)
+    b = torch.randn(3, 56, 24, generator=gen).to(torch.bfloat16).transpose(1, 2)
+    out = torch.full((3, 40, 56), 7.0, dtype=torch.bfloat16)
+    got = ops.bmm(a, b, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(out.view(torch.int16), ops.bmm(a, b).view(torch.int16))
