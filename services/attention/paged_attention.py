@@ -160,7 +160,7 @@ def _latent_heads() -> int | None:
 # they need not fit in memory whole (at 2,048 new tokens after 32K cached ones, 64 heads'
 # would take 8 GiB) and are not mapped and faulted in anew at every call.
 _TILE_BYTES = 64 << 20
-_tile = threading.local()  # each thread's buffer for its tiles' scores
+_tile = threading.local()  # each thread's buffer for its tiles' scores, kept while it lives
 
 
 def _tile_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -261,11 +261,11 @@ def _attend(
         v = k[..., :Dv]  # V is K's leading columns (MLA's latent): gathered once
     else:
         v = gather(v_cache, scales[1], 1, idx, q.dtype).view(kvh * B, L, Dv)
-    qg = q.view(B, n, kvh, g, D).permute(2, 0, 3, 1, 4).reshape(kvh * B, g * n, D)
     if visible is not None:  # one sequence (B = 1), bf16 on afd's CPU kernels: attention.c
         qh = q.view(n, kvh, g, D).permute(1, 2, 0, 3)  # [kvh, g, n, D]
         o = causal_attention(qh, k, v, visible[0], visible[1], scale, sinks)  # [kvh, g, n, Dv]
         return o.permute(2, 0, 1, 3).reshape(B, n, nh, Dv)
+    qg = q.view(B, n, kvh, g, D).permute(2, 0, 3, 1, 4).reshape(kvh * B, g * n, D)
     # one pass for the fp32 upcast, the scale and the mask: bias + scale * s is scale * s
     # rounded once (bias is 0) or -inf, as the three separate ops give it
     scores = bmm(qg, k.transpose(1, 2)).view(kvh, B, g, n, L)
