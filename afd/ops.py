@@ -26,11 +26,17 @@ def native() -> bool:
     return paths.active().native
 
 
+def bmm_in_fp32(a: torch.Tensor) -> bool:
+    """Whether bmm multiplies a bf16 `a` in fp32 here: on CPUs where oneDNN cannot pack bf16,
+    torch's bf16 bmm is much slower than converting both sides and multiplying in fp32."""
+    return a.dtype == torch.bfloat16 and a.device.type == "cpu" and not paths.onednn_bf16()
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """torch.bmm with bf16's result (fp32 accumulation, rounded to bf16), computed in fp32 on
-    CPUs without a bf16 matmul path (where oneDNN cannot pack bf16, torch's bf16 bmm is much
-    slower than converting both sides and multiplying in fp32); into `out` where given."""
-    if paths.onednn_bf16() or a.dtype != torch.bfloat16 or a.device.type != "cpu":
+    """torch.bmm with a's dtype in the result (bf16: fp32 accumulation, rounded to bf16),
+    computed in fp32 where bmm_in_fp32(a) (b may then be fp32 already: a caller reusing it
+    converts it once); into `out` where given."""
+    if not bmm_in_fp32(a):
         return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
     r = torch.bmm(a.float(), b.float())
     return r.to(a.dtype) if out is None else out.copy_(r)

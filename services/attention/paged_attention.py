@@ -12,7 +12,7 @@ import torch
 
 from afd.kernels import cuda_attention, paths
 from afd.kernels.attention import decode_attention, prefill_softmax
-from afd.ops import bmm, native
+from afd.ops import bmm, bmm_in_fp32, native
 from services.attention.kv_cache import gather
 
 
@@ -215,6 +215,8 @@ def causal_attention(
     kvh, g, n, D = q.shape
     L, Dv = k.shape[1], v.shape[-1]
     o = torch.empty(kvh, g, n, Dv, dtype=q.dtype, device=q.device)
+    if bmm_in_fp32(q):  # K and V converted once for every tile, not once a tile
+        k, v = k.float(), v.float()
     for i, keys in causal_tiles(lo, hi, L, kvh * g * q.element_size()):
         c, nk = i.stop - i.start, keys.stop - keys.start
         s = _tile_buffer(kvh * g * c * nk, q).view(kvh, g * c, nk)
