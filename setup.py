@@ -61,6 +61,8 @@ def _kernels() -> list[Extension]:
                     "norm_rope",
                     "decode_layer",
                     "decode_stack",
+                    "heads",
+                    "mla_layer",
                     "fp8",
                     "indexer",
                     "mxfp4",

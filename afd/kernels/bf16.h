@@ -206,6 +206,11 @@ static inline int afd_gemm_isa(const uint16_t *x, const uint16_t *w, uint16_t *y
 }
 int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, const uint16_t *cos,
                   const uint16_t *sin, const int64_t *pos, int threads, int isa);
+int afd_bf16_rope_heads(const uint16_t *x, long st, long sh, uint16_t *y, long yt, long yh, int T,
+                        int H, int D, const uint16_t *cos, const uint16_t *sin, const int64_t *pos,
+                        int threads, int isa);
+int afd_bf16_head_matmul(const uint16_t *x, long sxt, long sxh, const uint16_t *w, uint16_t *y,
+                         long syt, long syh, int T, int nh, int N, int K, int threads, int isa);
 int afd_bf16_decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                               const int64_t *blocks, const int64_t *lens, uint16_t *out, int B,
                               int kvh, int g, int D, int NB, int bs, int nb, float scale,

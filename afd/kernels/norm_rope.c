@@ -125,10 +125,13 @@ static AVX512 void rope_head512(const uint16_t *row, const uint16_t *c, const ui
   if (k < half) rope_head(row, c, s, out, half, k);
 }
 
-/* x viewed as [T, H, D] with strides (st, D, 1); y contiguous [T, H, D] (may be x itself when
- * st == H * D). cos, sin: bf16 tables [P, D] (the two halves of a row equal); pos [T]. */
-int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, const uint16_t *cos,
-                  const uint16_t *sin, const int64_t *pos, int threads, int isa) {
+/* x viewed as [T, H, D] with strides (st, sh, 1); y as [T, H, D] with strides (yt, yh, 1) (y may
+ * be x itself where the strides agree). cos, sin: bf16 tables [P, D] (the two halves of a row
+ * equal); pos [T]. MLA rotates only the last dr values of each head (sh = the head's width) and
+ * writes them into its absorbed query (yh = that query's head width). */
+int afd_bf16_rope_heads(const uint16_t *x, long st, long sh, uint16_t *y, long yt, long yh, int T,
+                        int H, int D, const uint16_t *cos, const uint16_t *sin, const int64_t *pos,
+                        int threads, int isa) {
   if (D % 16 != 0 || D <= 0) return -1;
   const int half = D / 2;
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static) \
@@ -136,12 +139,19 @@ int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, 
   for (int t = 0; t < T; t++)
     for (int h = 0; h < H; h++) {
       const uint16_t *c = cos + pos[t] * D, *s = sin + pos[t] * D;
-      const uint16_t *row = x + t * st + (long)h * D;
-      uint16_t *out = y + ((size_t)t * H + h) * D;
+      const uint16_t *row = x + t * st + h * sh;
+      uint16_t *out = y + t * yt + h * yh;
       if (isa != ISA_AVX2)
         rope_head512(row, c, s, out, half);
       else
         rope_head(row, c, s, out, half, 0);
     }
   return 0;
+}
+
+/* x viewed as [T, H, D] with strides (st, D, 1); y contiguous [T, H, D] (may be x itself when
+ * st == H * D). */
+int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, const uint16_t *cos,
+                  const uint16_t *sin, const int64_t *pos, int threads, int isa) {
+  return afd_bf16_rope_heads(x, st, D, y, (long)H * D, D, T, H, D, cos, sin, pos, threads, isa);
 }

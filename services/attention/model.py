@@ -15,12 +15,13 @@ from afd.checkpoint import load_weights
 from afd.config import ModelConfig
 from afd.device import CPU, place
 from afd.kernels.decode_layer import NativeDecodeLayer, Routing
+from afd.kernels.mla_layer import MLAWeights, NativeMLALayer
 from afd.ops import Linear, native, rms_norm
 from afd.runtime import release_load_memory
 from services.attention.kinds import ATTENTION_KINDS, AttentionKind
 from services.attention.kv_cache import KVCache
 from services.attention.moe_router import ROUTERS
-from services.attention.paged_attention import AttnMeta
+from services.attention.paged_attention import AttnMeta, latent_heads
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class AttentionLayer:
     o_proj: Linear  # [H, nh*D]
     router: Linear | None  # [E, H] on MoE layers
     router_bias: torch.Tensor | None  # [E] float32: the router kind's selection bias, if any
-    fused: NativeDecodeLayer | None = None  # the whole layer in one call, decode-only batches
+    # the whole layer in one call, decode-only batches (MLA: its absorbed form)
+    fused: NativeDecodeLayer | NativeMLALayer | None = None
 
 
 class AttentionModel:
@@ -81,6 +83,8 @@ class AttentionModel:
         c, dw = self.cfg, lw.kind.decode_weights()
         if dw is None or not (native() and lw.o_proj.native):
             return None
+        if isinstance(dw, MLAWeights):
+            return self._fused_mla(lw, dw)
         dims = (c.num_heads, c.num_kv_heads, c.head_dim)
         norms = (lw.attn_norm, lw.ffn_norm)
         if not NativeDecodeLayer.usable(c.hidden_size, *dims, dw, *norms, lw.o_proj.w):
@@ -98,6 +102,20 @@ class AttentionModel:
             route=c.router if joins else "softmax_topk",
             router_bias=bias if joins and c.router == "topk_softmax" else None,
         )  # fmt: skip
+
+    def _fused_mla(self, lw: AttentionLayer, mw: MLAWeights) -> NativeMLALayer | None:
+        """MLA's absorbed decode as one native call where its attention takes the native
+        kernel (latent_heads) and every matmul runs on the same path as o_proj."""
+        c, o = self.cfg, lw.o_proj
+        most = latent_heads()
+        if o.isa != mw.isa or o.bias is not None or (most is not None and c.num_heads > most):
+            return None
+        if not NativeMLALayer.usable(c.hidden_size, mw, lw.attn_norm, lw.ffn_norm, o.w):
+            return None
+        r = lw.router  # its matmul joins the call where it runs on the same kernel and rule
+        same = r is not None and (r.isa, r.onednn_from) == (o.isa, o.onednn_from)
+        w_router = r.w if same and r.bias is None and r.w.dtype == torch.bfloat16 else None
+        return NativeMLALayer(lw.attn_norm, lw.ffn_norm, mw, o.w, c.rms_norm_eps, w_router)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         # the decode stack copies these rows itself (stack.py: run): a change here goes there too

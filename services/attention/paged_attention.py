@@ -131,9 +131,9 @@ def native_softmax(q: torch.Tensor) -> bool:
 
 def latent_native(q: torch.Tensor, k_cache: torch.Tensor, dv: int) -> bool:
     """Whether afd's decode kernel reads MLA's latent (k_cache [kvh, NB, bs, D], V its leading
-    dv columns) in place for the queries q [T, nh, D]: up to _latent_heads() query heads a
+    dv columns) in place for the queries q [T, nh, D]: up to latent_heads() query heads a
     K/V head. DSA's selected rows (sparse_attention.py) take the same test."""
-    most = _latent_heads()
+    most = latent_heads()
     return (
         _native_bf16(q, k_cache)
         and dv % 8 == 0
@@ -141,7 +141,7 @@ def latent_native(q: torch.Tensor, k_cache: torch.Tensor, dv: int) -> bool:
     )
 
 
-def _latent_heads() -> int | None:
+def latent_heads() -> int | None:
     """The most query heads a K/V head for which MLA's decode takes the native kernel (None:
     any number). Off AMX its values pass reads the latent once for every 8 heads (4 on AVX2),
     so with many heads torch's bmm of the gathered cache is faster; on AMX the tiles read it

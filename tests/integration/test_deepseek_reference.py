@@ -12,12 +12,20 @@ import pytest
 import torch
 
 from afd.config import ModelConfig
+from afd.kernels.mla_layer import NativeMLALayer
 from services.attention import sparse_attention
 from services.attention.kinds import mla as mla_kind
 from services.attention.kv_cache import CacheLayout
 from services.attention.model import AttentionModel
 from tests.helpers.checkpoints import deepseek_v3, deepseek_v32, hf_greedy, hf_model
-from tests.integration.test_engine_reference import NEW, PROMPTS, afd_greedy, engine_cfg
+from tests.integration.test_engine_reference import (
+    BF16_GAP,
+    NEW,
+    PROMPTS,
+    _gaps_summary,
+    afd_greedy,
+    engine_cfg,
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +40,34 @@ def test_full_q_proj_variant_matches_transformers(tmp_path):
     ref = hf_greedy(hf_model(path, torch.float32), PROMPTS, NEW)
     for S in (1, 2):
         assert afd_greedy(engine_cfg(path, S=S))[0] == ref
+
+
+@pytest.fixture(scope="module")
+def ds_aligned(tmp_path_factory):
+    """Dims the fused MLA decode layer takes (whole AMX tiles a head for W_UK and W_UV, a
+    rotary width of 16): (checkpoint, float32 transformers model, how far transformers' own
+    bf16 greedy strays from it)."""
+    dims = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+    path = deepseek_v3(tmp_path_factory.mktemp("ds_aligned") / "ckpt", seed=10, **dims)
+    ref = hf_model(path, torch.float32)
+    return path, ref, _gaps_summary(ref, hf_greedy(hf_model(path, torch.bfloat16), PROMPTS, NEW))
+
+
+@pytest.mark.parametrize("S", [1, 2])
+def test_fused_mla_decode_in_bf16_within_near_tie_tolerance(
+    ds_aligned, native_path, S, monkeypatch
+):
+    """On each native path the bf16 decode runs MLA's fused layer (mla_layer.c, heads.c) and
+    stays as close to the float32 reference as transformers' own bf16 forward does."""
+    path, ref_model, (hf_gap, hf_agree) = ds_aligned
+    calls = []
+    real = NativeMLALayer.__call__
+    monkeypatch.setattr(NativeMLALayer, "__call__", lambda s, *a: calls.append(1) or real(s, *a))
+    got = afd_greedy(engine_cfg(path, dtype="bfloat16", S=S))[0]
+    assert calls, "the fused MLA layer never ran"
+    gap, agree = _gaps_summary(ref_model, got)
+    assert gap <= max(BF16_GAP, hf_gap), f"afd chose a token {gap:.3f} below the reference best"
+    assert agree >= min(0.9, hf_agree - 0.05), f"afd bf16 agrees at only {agree:.0%}"
 
 
 @pytest.fixture

@@ -2,10 +2,11 @@
 replaces in AttentionModel.attention_and_route: the same kernels in the same order, so the
 same bits, in the hidden states, the FFN input, the KV cache and the router's logits (its
 matmul joins the call on MoE layers); for GQA with and without q/k norm (Qwen3-MoE, Mixtral),
-gpt-oss's GQA (biases, sinks, sliding windows shorter than the rows' contexts) and Step-3's
-MFA. The routers in the call (softmax-then-top-k; gpt-oss's biased top-k-then-softmax) pick
-the same experts as torch.topk with weights within float32 rounding, and leave a tie across
-the top-k cut to torch."""
+gpt-oss's GQA (biases, sinks, sliding windows shorter than the rows' contexts), Step-3's MFA
+and DeepSeek's MLA in its absorbed form (mla_layer.c; with and without a query rank). The
+routers in the call (softmax-then-top-k; gpt-oss's biased top-k-then-softmax) pick the same
+experts as torch.topk with weights within float32 rounding, and leave a tie across the top-k
+cut to torch."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import torch
 from afd.config import ModelConfig
 from afd.demo import TINY_CONFIG, write_step3_checkpoint
 from afd.kernels import gemm
+from afd.kernels.mla_layer import NativeMLALayer
 from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.paged_attention import AttnMeta
+from tests.helpers.checkpoints import deepseek_v3
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +32,32 @@ def step3_dir(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir", "step3_dir", "gpt_oss_dir"])
+# MLA's fused layer wants whole AMX tiles per head (heads.py) and a rotary width of 16 or more
+_MLA_DIMS = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    return deepseek_v3(tmp_path_factory.mktemp("ds") / "ckpt", **_MLA_DIMS)
+
+
+@pytest.fixture(scope="module")
+def deepseek_full_q_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dsq") / "ckpt"
+    return deepseek_v3(path, seed=8, q_lora_rank=None, **_MLA_DIMS)
+
+
+@pytest.mark.parametrize(
+    "ckpt",
+    ["qwen3_dir", "mixtral_dir", "step3_dir", "gpt_oss_dir", "deepseek_dir", "deepseek_full_q_dir"],
+)
 def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckpt, request):
     cfg = ModelConfig.from_hf(request.getfixturevalue(ckpt))
     model = AttentionModel(cfg, torch.bfloat16, progress=False)
     assert all(lw.fused is not None for lw in model.layers)
+    if cfg.mla is not None:
+        assert all(isinstance(lw.fused, NativeMLALayer) for lw in model.layers)
+        assert (cfg.mla.q_lora_rank == 0) == (ckpt == "deepseek_full_q_dir")
     moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
     assert moe and all(model.layers[i].fused.experts == cfg.num_experts for i in moe)
     g = torch.Generator().manual_seed(0)

@@ -389,7 +389,7 @@ def test_decode_attention_over_long_rows_is_the_same_on_any_schedule(
 
 @needs_library
 def test_mla_decode_takes_the_native_kernel_up_to_its_head_count(native_path, monkeypatch):
-    """paged_attention on MLA's cache (V a view of K's leading columns): up to _latent_heads()
+    """paged_attention on MLA's cache (V a view of K's leading columns): up to latent_heads()
     query heads a K/V head the decode calls the native kernel (on amx at any count); past it,
     torch's gathered batched matmuls (the same bits as _attend). The two mostly agree to the
     bit, so the calls are what is checked."""
@@ -408,7 +408,7 @@ def test_mla_decode_takes_the_native_kernel_up_to_its_head_count(native_path, mo
     blocks, lens = torch.tensor([[3, 1, 6]]), torch.tensor([40])
     meta = pa.AttnMeta(positions=lens - 1, slots=lens - 1, num_decode=1, decode_blocks=blocks,
                        prefills=(), decode_lens=lens, block_size=16)  # fmt: skip
-    limit = pa._latent_heads()
+    limit = pa.latent_heads()
     if limit is None:  # amx: every head count, DeepSeek-V3's 128 and more
         for nh in (16, 128, 256):
             pa.paged_attention(torch.randn(1, nh, 72, generator=gen).bfloat16(), k_cache,

@@ -7,6 +7,7 @@ import torch
 
 from afd.config import ModelConfig
 from afd.kernels.decode_layer import DecodeWeights
+from afd.kernels.mla_layer import MLAWeights
 from services.attention.kv_cache import CacheLayout, KVCache
 from services.attention.paged_attention import AttnMeta, paged_attention
 from services.attention.rope import rope_for, yarn_softmax_scale
@@ -52,7 +53,8 @@ class AttentionKind:
             k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer],
         )  # fmt: skip
 
-    def decode_weights(self) -> DecodeWeights | None:
-        """This kind's weights for the fused native decode layer (afd/kernels/decode_layer.c),
-        where its projections run on afd's own kernels; None keeps the per-op path."""
+    def decode_weights(self) -> DecodeWeights | MLAWeights | None:
+        """This kind's weights for the fused native decode layer (afd/kernels/decode_layer.c;
+        MLA's: mla_layer.c), where its projections run on afd's own kernels; None keeps the
+        per-op path."""
         return None

@@ -30,6 +30,11 @@ class DSA(MLA):
         self.w_ik = Linear(cat_rows([w.pop(f"{b}.index_wk"), w.pop(f"{b}.index_weights")]))
         self.k_norm = (w[f"{b}.index_k_norm"], w[f"{b}.index_k_norm_bias"])
 
+    def decode_weights(self) -> None:
+        """No fused layer: its decode reads the rows the indexer selects (sparse_attention.py),
+        which the fused MLA layer's dense attention does not."""
+        return None
+
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> CacheLayout:
         m, ix = cfg.mla, cfg.indexer

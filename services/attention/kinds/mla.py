@@ -17,7 +17,10 @@ import torch
 
 from afd.blockfp8 import cat_rows, take_rows
 from afd.config import ModelConfig
-from afd.ops import Linear, bmm, rms_norm
+from afd.kernels import paths
+from afd.kernels.heads import HeadMatmul
+from afd.kernels.mla_layer import MLAWeights
+from afd.ops import Linear, bmm, native, rms_norm
 from services.attention.kinds.base import AttentionKind
 from services.attention.kv_cache import CacheLayout, KVCache, gather
 from services.attention.paged_attention import (
@@ -58,21 +61,58 @@ class MLA(AttentionKind):
         if m.q_lora_rank:
             self.w_a = Linear(cat_rows([w.pop(f"{b}.q_a_proj"), kv_a]))  # [qr + r + dr, H]
             self.q_a_norm = w[f"{b}.q_a_norm"]
-            self.w_qb = Linear(q)  # [nh*(dn+dr), qr]
+            self.w_qb: Linear | None = Linear(q)  # [nh*(dn+dr), qr]
             self.a_split = [m.q_lora_rank, r + dr]
         else:
             self.w_a = Linear(cat_rows([q, kv_a]))  # [nh*(dn+dr) + r + dr, H]
+            self.q_a_norm, self.w_qb = None, None
             self.a_split = [nh * (dn + dr), r + dr]
         self.kv_a_norm = w[f"{b}.kv_a_norm"]
         kv_b = w.pop(f"{b}.kv_b_proj").view(nh, dn + dv, r)  # dense: the loader expands it
-        self.w_uk = kv_b[:, :dn].contiguous()  # [nh, dn, r]: q_nope -> latent space
-        self.w_uv = kv_b[:, dn:].transpose(1, 2).contiguous()  # [nh, r, dv]: latent -> value
+        # Each head's W_UK and W_UV on afd's kernels where they run (heads.c), laid out as the
+        # path's Linear lays out a weight: the only copy kept (dense() gives the expanded
+        # prefill its row-major matrices); elsewhere plain tensors for torch's bmm.
+        isa = paths.active().matmul if native() else None
+        uk, uv = kv_b[:, :dn].transpose(1, 2), kv_b[:, dn:]  # W_h [r, dn] and [dv, r]
+        self.uk: HeadMatmul | None = None
+        self.uv: HeadMatmul | None = None
+        self._w_uk: torch.Tensor | None = None
+        self._w_uv: torch.Tensor | None = None
+        if HeadMatmul.usable(uk, isa) and HeadMatmul.usable(uv, isa):
+            self.uk, self.uv = HeadMatmul(uk, isa), HeadMatmul(uv, isa)
+        else:
+            self._w_uk = kv_b[:, :dn].contiguous()  # [nh, dn, r]: q_nope -> latent space
+            self._w_uv = uv.transpose(1, 2).contiguous()  # [nh, r, dv]: latent -> value
         self.out_width = nh * dv
         # From how many query rows a prefill runs expanded: per (query, key) pair the absorbed
         # form does nh(2r + dr) multiply-adds and the expanded one nh(dn + dr + dv), which
         # first pays nh r (dn + dv) per key to expand it.
         saved = nh * (2 * r + dr - (dn + dr + dv))
         self.expand_from = -(-nh * r * (dn + dv) // saved) if saved > 0 else NEVER
+
+    @property
+    def w_uk(self) -> torch.Tensor:  # [nh, dn, r]: q_nope -> latent space
+        return self._w_uk if self.uk is None else self.uk.dense().transpose(1, 2)
+
+    @property
+    def w_uv(self) -> torch.Tensor:  # [nh, r, dv]: latent -> value
+        return self._w_uv if self.uv is None else self.uv.dense().transpose(1, 2)
+
+    def decode_weights(self) -> MLAWeights | None:
+        """The fused layer's weights (afd/kernels/mla_layer.c) where every matmul of the
+        absorbed form runs on one path of afd's kernels, else None."""
+        isa = self.w_a.isa
+        if self.uk is None or self.uv is None or isa is None or self.uk.isa_name != isa:
+            return None
+        linears = (self.w_a,) if self.w_qb is None else (self.w_a, self.w_qb)
+        if any(lin.isa != isa or lin.bias is not None for lin in linears):
+            return None
+        return MLAWeights(
+            w_a=self.w_a.w, q_a_norm=self.q_a_norm, kv_a_norm=self.kv_a_norm,
+            w_qb=None if self.w_qb is None else self.w_qb.w, uk=self.uk, uv=self.uv,
+            qr=self.m.q_lora_rank, rope_dim=self.m.qk_rope_head_dim, latent_eps=_LATENT_EPS,
+            isa=isa,
+        )  # fmt: skip
 
     @staticmethod
     def rope_dims(cfg: ModelConfig) -> tuple[int, int]:
@@ -127,8 +167,8 @@ class MLA(AttentionKind):
         m, nh, T = self.m, self.cfg.num_heads, x.shape[0]
         dn, dr, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
         q_in, kv = self.w_a(x).split(self.a_split, dim=-1)
-        q_lat = rms_norm(q_in, self.q_a_norm, _LATENT_EPS) if m.q_lora_rank else None
-        q = (self.w_qb(q_lat) if q_lat is not None else q_in).reshape(T, nh, dn + dr)
+        q_lat = rms_norm(q_in, self.q_a_norm, _LATENT_EPS) if self.q_a_norm is not None else None
+        q = (self.w_qb(q_lat) if self.w_qb is not None else q_in).reshape(T, nh, dn + dr)
         latent = rms_norm(kv[:, :r], self.kv_a_norm, _LATENT_EPS)  # [T, r]
         q_pe, k_pe = self.rope(q[..., dn:], kv[:, None, r:], meta.positions)  # [T,nh|1,dr]
         cache.write(layer, meta.slots, torch.cat([latent[:, None], k_pe], dim=-1), None)
@@ -136,6 +176,12 @@ class MLA(AttentionKind):
 
     def absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """Queries in latent space [T, nh, r + dr]: each head's q_nope through W_UK."""
+        if self.uk is not None and q_nope.dtype == torch.bfloat16:
+            T, nh, r = q_nope.shape[0], q_nope.shape[1], self.m.kv_lora_rank
+            q = torch.empty(T, nh, r + q_pe.shape[-1], dtype=q_nope.dtype)
+            self.uk(q_nope, out=q[..., :r])
+            q[..., r:] = q_pe
+            return q
         q_lat = bmm(q_nope.transpose(0, 1), self.w_uk)  # [nh, T, r]
         return torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)
 
@@ -174,5 +220,7 @@ class MLA(AttentionKind):
     def values(self, o: torch.Tensor) -> torch.Tensor:
         """Attention-weighted latents [T, nh * r] -> each head's value [T, nh * dv]."""
         T, nh, r = o.shape[0], self.cfg.num_heads, self.m.kv_lora_rank
+        if self.uv is not None and o.dtype == torch.bfloat16:
+            return self.uv(o.view(T, nh, r)).view(T, -1)
         o = bmm(o.view(T, nh, r).transpose(0, 1), self.w_uv)  # [nh, T, dv]
         return o.transpose(0, 1).reshape(T, -1)

@@ -1,0 +1,67 @@
+"""Each head's own matmul in one native call (heads.c), on the weight layout and kernels of the
+path's Linear: MLA's absorbed form (q_nope through W_UK, the attention-weighted latent through
+W_UV), where torch's batched matmul costs several times the matrices' read time at decode
+sizes."""
+
+from __future__ import annotations
+
+import torch
+
+from afd.kernels import gemm
+
+
+class HeadMatmul:
+    """nh matrices W_h [N, K] bf16, laid out for path `isa`'s matmul (gemm.lay_out):
+    y[t, h] = x[t, h] @ W_h^T."""
+
+    def __init__(self, w: torch.Tensor, isa: str):  # w [nh, N, K]
+        if not self.usable(w, isa):
+            raise ValueError(f"HeadMatmul: {tuple(w.shape)} {w.dtype} on {isa}")
+        self.heads, self.n, self.k = w.shape
+        self.isa_name, self.isa = isa, gemm.ISAS[isa]
+        self.w = torch.stack([gemm.lay_out(m, isa) for m in w])  # [nh, N, K], contiguous
+
+    @staticmethod
+    def usable(w: torch.Tensor, isa: str | None) -> bool:
+        """Where the kernels take these matrices: bf16 on the CPU, whole AMX tiles (16 rows of
+        32 values, so every path's layout is a permutation within a matrix that dense() can
+        undo) and one of afd's own matmuls."""
+        return (
+            isa in gemm.ISAS
+            and gemm.available()
+            and w.dim() == 3
+            and w.dtype == torch.bfloat16
+            and w.device.type == "cpu"
+            and w.shape[1] % 16 == 0
+            and w.shape[2] % 32 == 0
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, nh, K] bf16, last dim contiguous
+        out: torch.Tensor | None = None,  # [T, nh, N] bf16, last dim contiguous, or None
+    ) -> torch.Tensor:  # [T, nh, N]
+        T = x.shape[0]
+        if x.shape[1:] != (self.heads, self.k) or x.stride(-1) != 1:
+            raise ValueError(f"HeadMatmul: x {tuple(x.shape)} for {self.heads} heads of {self.k}")
+        y = torch.empty(T, self.heads, self.n, dtype=torch.bfloat16) if out is None else out
+        if T == 0:
+            return y
+        rc = gemm._lib().afd_bf16_head_matmul(
+            x.data_ptr(), x.stride(0), x.stride(1), self.w.data_ptr(), y.data_ptr(),
+            y.stride(0), y.stride(1), T, self.heads, self.n, self.k,
+            torch.get_num_threads(), self.isa,
+        )  # fmt: skip
+        if rc:
+            raise RuntimeError(f"afd_bf16_head_matmul failed for x {tuple(x.shape)}")
+        return y
+
+    def dense(self) -> torch.Tensor:  # [nh, N, K], row-major; not to be written
+        """The matrices as given (for torch's batched matmuls: MLA's expanded prefill), a copy
+        where the path's layout differs from row-major."""
+        nh, n, k = self.w.shape
+        if self.isa_name == "amx":  # gemm.pack_tiles undone
+            return self.w.view(nh, n // 16, k // 32, 16, 32).transpose(2, 3).reshape(nh, n, k)
+        if self.isa_name == "avx2":  # gemm.pack undone (N % 4 == 0: every row in a group)
+            return self.w.view(nh, n // 4, k // 8, 4, 8).transpose(2, 3).reshape(nh, n, k)
+        return self.w

@@ -1,0 +1,126 @@
+"""A DeepSeek MLA attention layer of a decode-only micro-batch in one native call
+(mla_layer.c): the absorbed form of services/attention/kinds/mla.py on the same kernels, so the
+same bits, minus ~30 Python-level calls a layer."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from afd.kernels import gemm
+from afd.kernels.heads import HeadMatmul
+
+_POINTERS = (
+    "attn_norm", "ffn_norm", "w_a", "q_a_norm", "w_qb", "kv_a_norm", "w_uk", "w_uv", "w_o",
+    "w_router",
+)  # fmt: skip
+_SIZES = ("H", "qr", "nh", "dn", "dr", "r", "dv", "E")
+
+
+class MLALayer(ctypes.Structure):
+    """mla_layer.c's afd_mla_layer: the same fields in the same order."""
+
+    _fields_ = (
+        [(name, ctypes.c_void_p) for name in _POINTERS]
+        + [(name, ctypes.c_int64) for name in _SIZES]
+        + [("eps", ctypes.c_double), ("latent_eps", ctypes.c_double)]
+    )
+
+
+@dataclass(frozen=True)
+class MLAWeights:
+    """What the MLA kind contributes to the fused layer (AttentionKind.decode_weights); the
+    matmul weights laid out for one path's kernels."""
+
+    w_a: torch.Tensor  # [q_in + r + dr, H]: the query's input (rank qr, or nh (dn + dr)) | kv
+    q_a_norm: torch.Tensor | None  # [qr], None without a query rank
+    w_qb: torch.Tensor | None  # [nh (dn + dr), qr]
+    kv_a_norm: torch.Tensor  # [r]
+    uk: HeadMatmul  # W_UK per head, [r, dn]: q_nope -> latent space
+    uv: HeadMatmul  # W_UV per head, [dv, r]: latent -> value
+    qr: int  # the query rank, 0 for none
+    rope_dim: int  # dr
+    latent_eps: float  # the latent norms' epsilon
+    isa: str  # the path the weights are laid out for
+
+
+class NativeMLALayer:
+    """One layer's weights for the fused call (kept referenced here: the struct holds only
+    their addresses)."""
+
+    def __init__(
+        self,
+        attn_norm: torch.Tensor,  # [H]
+        ffn_norm: torch.Tensor,  # [H]
+        mw: MLAWeights,
+        w_o: torch.Tensor,  # [H, nh dv], laid out for mw.isa
+        eps: float,
+        w_router: torch.Tensor | None = None,  # [E, H] laid out for mw.isa: a bias-free router
+    ):
+        H = attn_norm.shape[0]
+        nh, r, dn = mw.uk.heads, mw.uk.n, mw.uk.k
+        dv = mw.uv.n
+        self.isa = gemm.ISAS[mw.isa]
+        self.experts = w_router.shape[0] if w_router is not None else 0
+        self.topk = 0  # the router kinds MLA models use route from the logits (moe_router.py)
+        norms = (attn_norm.contiguous(), ffn_norm.contiguous(), mw.kv_a_norm.contiguous())
+        q_a_norm = mw.q_a_norm.contiguous() if mw.q_a_norm is not None else None
+        self._keep = (*norms, mw.w_a, q_a_norm, mw.w_qb, mw.uk, mw.uv, w_o, w_router)
+        ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        self.layer = MLALayer(
+            ptr(norms[0]), ptr(norms[1]), ptr(mw.w_a), ptr(q_a_norm), ptr(mw.w_qb),
+            ptr(norms[2]), mw.uk.w.data_ptr(), mw.uv.w.data_ptr(), ptr(w_o), ptr(w_router),
+            H, mw.qr, nh, dn, mw.rope_dim, r, dv, self.experts, eps, mw.latent_eps,
+        )  # fmt: skip
+
+    @staticmethod
+    def usable(hidden: int, mw: MLAWeights, *ws: torch.Tensor) -> bool:
+        """The kernels' sizes (mla_layer.c) and bf16 weights on the CPU."""
+        tensors = (mw.w_a, mw.q_a_norm, mw.w_qb, mw.kv_a_norm, *ws)
+        q_in = mw.qr or mw.uk.heads * (mw.uk.k + mw.rope_dim)
+        return (
+            gemm.available()
+            and hidden % 8 == 0
+            and mw.rope_dim % 16 == 0
+            and q_in % 8 == 0
+            and mw.uv.n % 8 == 0
+            and (mw.qr == 0) == (mw.w_qb is None)
+            and all(
+                t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu") for t in tensors
+            )
+        )
+
+    def __call__(
+        self,
+        h: torch.Tensor,  # [T, H] bf16: T single-token decodes
+        positions: torch.Tensor,  # [T] long
+        slots: torch.Tensor,  # [T] long
+        blocks: torch.Tensor,  # [T, nb] long
+        lens: torch.Tensor,  # [T] long
+        k_cache: torch.Tensor,  # [1, NB, bs, r + dr] bf16, contiguous: the latent rows
+        v_cache: torch.Tensor,  # unused: the latent's first r values are V
+        cos: torch.Tensor,  # [P, dr] bf16
+        sin: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
+        """(h + attention [T, H], ffn_norm of it [T, H], router logits [T, E] bf16 or None,
+        None: the caller routes from the logits), as NativeDecodeLayer's call."""
+        T = h.shape[0]
+        h = h if h.is_contiguous() else h.contiguous()
+        h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+        _, NB, bs, _ = k_cache.shape
+        blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
+        E = self.experts
+        logits = torch.empty(T, E, dtype=torch.bfloat16) if E else None
+        rc = gemm._lib().afd_bf16_mla_decode_layer(
+            ctypes.addressof(self.layer), h.data_ptr(), h_out.data_ptr(), x_out.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+            k_cache.data_ptr(), blocks.data_ptr(), lens.data_ptr(), T, NB, bs, blocks.shape[1],
+            scale, torch.get_num_threads(), self.isa,
+            logits.data_ptr() if E else None,
+        )  # fmt: skip
+        if rc < 0:
+            raise RuntimeError(f"afd_bf16_mla_decode_layer failed (lengths {lens.tolist()})")
+        return h_out, x_out, logits, None
