@@ -89,15 +89,60 @@ static int row_topk_softmax(const uint16_t *l, const float *bias, int E, int k, 
   return rc;
 }
 
-/* The router kind `route` (0: softmax-then-top-k, 1: top-k-then-softmax with bias) on bf16
- * logits [T, E] -> ids [T, k], weights [T, k]. Where a row's pick is not torch.topk's to make
- * here (a tie across the cut topk.c may not break, non-finite scores) 1 is returned for the
- * caller to route the batch with torch. The weights are torch's to within an ulp (expf, not
- * torch's vectorised exp). Returns 0, 1, or -1. */
-static int route_rows(const uint16_t *logits, const float *bias, int T, int E, int k, int route,
-                      int norm, int32_t *ids, float *w) {
+/* One row of moe_router.sigmoid_group_topk (DeepSeek-V3) on bf16 logits l [E]: float32
+ * sigmoid scores s; the choice s + bias (where given) decides which experts, s their weights;
+ * with G > 1 groups of E / G experts only those of the kg groups whose two best choices sum
+ * highest compete; the weights renormalised over the k when norm (plus 1e-20), then scaled.
+ * p: [2 E] scratch (scores, then choices). */
+static int row_sigmoid_group_topk(const uint16_t *l, const float *bias, int E, int k, int norm,
+                                  int G, int kg, float scaling, float *p, char *taken, void *q,
+                                  int32_t *ids, float *w) {
+  float *s = p, *c = p + E;
+  for (int e = 0; e < E; e++) {
+    const float x = bf16_value(l[e]);
+    if (!isfinite(x)) return 1; /* NaN or infinite logits: torch's rules, not ours */
+    s[e] = 1.f / (1.f + expf(-x));
+    c[e] = bias ? s[e] + bias[e] : s[e];
+  }
+  if (G > 1) {
+    if (E % G || kg <= 0 || kg > G || G > 64) return 1;
+    const int per = E / G;
+    float best2[64];
+    int32_t gids[64];
+    float gw[64];
+    for (int g = 0; g < G; g++) { /* the sum of the group's two best (its one, if alone) */
+      float a = -INFINITY, b = -INFINITY;
+      for (int e = g * per; e < (g + 1) * per; e++) {
+        if (c[e] > a) b = a, a = c[e];
+        else if (c[e] > b) b = c[e];
+      }
+      best2[g] = per > 1 ? a + b : a;
+    }
+    if (pick_topk(best2, taken, q, G, kg, gids, gw)) return 1;
+    for (int g = 0; g < G; g++) taken[g] = 0;
+    for (int j = 0; j < kg; j++) taken[gids[j]] = 1;
+    for (int g = 0; g < G; g++)
+      if (!taken[g])
+        for (int e = g * per; e < (g + 1) * per; e++) c[e] = -INFINITY;
+  }
+  int rc = pick_topk(c, taken, q, E, k, ids, w);
+  if (rc) return rc;
+  float sum = 0.f;
+  for (int j = 0; j < k; j++) sum += w[j] = s[ids[j]];
+  for (int j = 0; j < k; j++) w[j] = (norm ? w[j] / (sum + 1e-20f) : w[j]) * scaling;
+  return 0;
+}
+
+/* The router kind `route` (0: softmax-then-top-k, 1: top-k-then-softmax with bias, 2:
+ * DeepSeek's sigmoid with its selection bias and groups, G groups of which kg compete, weights
+ * scaled by `scaling`) on bf16 logits [T, E] -> ids [T, k], weights [T, k]. Where a row's pick
+ * is not torch.topk's to make here (a tie across the cut topk.c may not break, non-finite
+ * scores) 1 is returned for the caller to route the batch with torch. The weights are torch's
+ * to within an ulp (expf, not torch's vectorised exp). Returns 0, 1, or -1. */
+int afd_route_rows(const uint16_t *logits, const float *bias, int T, int E, int k, int route,
+                   int norm, int G, int kg, float scaling, int32_t *ids, float *w) {
   if (k <= 0 || k > E) return -1;
-  float *p = (float *)malloc((size_t)E * sizeof(float));
+  float *p = (float *)malloc((size_t)E * 2 * sizeof(float));
   char *taken = (char *)malloc((size_t)E);
   void *q = malloc((size_t)E * 8); /* topk.c's (score, index) pairs */
   int rc = p && taken && q ? 0 : -1;
@@ -105,11 +150,20 @@ static int route_rows(const uint16_t *logits, const float *bias, int T, int E, i
     const uint16_t *l = logits + (size_t)t * E;
     int32_t *it = ids + (size_t)t * k;
     float *wt = w + (size_t)t * k;
-    rc = route ? row_topk_softmax(l, bias, E, k, p, taken, q, it, wt)
-               : row_softmax_topk(l, E, k, norm, p, taken, q, it, wt);
+    if (route == 2)
+      rc = row_sigmoid_group_topk(l, bias, E, k, norm, G, kg, scaling, p, taken, q, it, wt);
+    else if (route == 1)
+      rc = row_topk_softmax(l, bias, E, k, p, taken, q, it, wt);
+    else
+      rc = row_softmax_topk(l, E, k, norm, p, taken, q, it, wt);
   }
   free(p), free(taken), free(q);
   return rc;
+}
+
+static int route_rows(const uint16_t *logits, const float *bias, int T, int E, int k, int route,
+                      int norm, int32_t *ids, float *w) {
+  return afd_route_rows(logits, bias, T, E, k, route, norm, 1, 1, 1.f, ids, w);
 }
 
 /* y[t, :] = bf16(y[t, :] + b) for T rows of n (n % 8 == 0): a Linear's bias, as torch adds it */

@@ -72,7 +72,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_head_matmul.argtypes = [p, L, L, p, p, L, L, i, i, i, i, i, i]
     lib.afd_bf16_head_matmul.restype = i
     # the layer's weights (a ctypes Structure by reference), then the call's tensors and sizes
-    lib.afd_bf16_mla_decode_layer.argtypes = [p] * 11 + [i] * 4 + [f, i, i, p]
+    lib.afd_bf16_mla_decode_layer.argtypes = [p] * 11 + [i] * 4 + [f, i, i, p, p, p]
     lib.afd_bf16_mla_decode_layer.restype = i
     lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i, i, p, p, i, i, i, p, p]
     lib.afd_bf16_decode_layer.restype = i

@@ -9,7 +9,8 @@
  *   each head's absorbed query = [q_nope @ W_UK_h, rope(q_pe)]      width r + dr
  *   o_h = paged decode attention over the latent rows (V = their first r values)
  *   v_h = o_h @ W_UV_h;  h' = bf16(h + v @ w_o^T);  x = rms_norm(h', ffn_norm)
- *   with w_router: logits = x @ w_router^T
+ *   with w_router: logits = x @ w_router^T, and with topk > 0 the routing (decode_layer.c's
+ *   afd_route_rows: DeepSeek's sigmoid, selection bias and groups)
  *
  * The same kernels as the per-op path (gemm, norm_rope.c, heads.c, attention.c), so the same
  * bits; what it saves is the ~30 Python-level calls and tensors of a layer of that path. */
@@ -28,20 +29,29 @@ typedef struct {
   const uint16_t *kv_a_norm;            /* [r] */
   const uint16_t *w_uk, *w_uv, *w_o;    /* w_o [H, nh dv] */
   const uint16_t *w_router;             /* [E, H] or NULL */
+  const float *router_bias;             /* [E] or NULL: the routing's selection bias */
   int64_t H, qr, nh, dn, dr, r, dv, E;
+  int64_t topk, norm, route, groups, topk_groups; /* topk 0: the caller routes */
   double eps, latent_eps; /* the model's, and the latent norms' own */
+  double scaling;         /* on the routing weights */
 } afd_mla_layer;
+
+int afd_route_rows(const uint16_t *logits, const float *bias, int T, int E, int k, int route,
+                   int norm, int G, int kg, float scaling, int32_t *ids, float *w);
 
 #define GEMM(x, w, y, M, N, K) afd_gemm_isa(x, w, y, M, N, K, threads, isa)
 
 /* h [T, H] in; h_out, x_out [T, H] out. cos, sin [P, dr]; pos, slots [T]; cache [NB, bs, r + dr]
- * (the layer's one latent head); blocks [T, nb]; lens [T]; logits [T, E] out where w_router.
- * Returns 0, or -1 (bad sizes, memory short, a length past the block table). */
+ * (the layer's one latent head); blocks [T, nb]; lens [T]; logits [T, E] out where w_router,
+ * and ids [T, topk] int32, weights [T, topk] float32 where topk > 0 too. Returns 0; 1 where
+ * the routing is left to the caller (a tie across a top-k cut; every other output written);
+ * -1 (bad sizes, memory short, a length past the block table). */
 int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_t *h_out,
                               uint16_t *x_out, const uint16_t *cos, const uint16_t *sin,
                               const int64_t *pos, const int64_t *slots, uint16_t *cache,
                               const int64_t *blocks, const int64_t *lens, int T, int NB, int bs,
-                              int nb, float scale, int threads, int isa, uint16_t *logits) {
+                              int nb, float scale, int threads, int isa, uint16_t *logits,
+                              int32_t *ids, float *weights) {
   const int H = (int)L->H, qr = (int)L->qr, nh = (int)L->nh, dn = (int)L->dn, dr = (int)L->dr;
   const int r = (int)L->r, dv = (int)L->dv, hd = dn + dr, D = r + dr;
   const int q_in = qr ? qr : nh * hd, A = q_in + r + dr;
@@ -90,6 +100,10 @@ int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_
     store8(h_out + i, round8(_mm256_add_ps(load_bf16(h + i), load_bf16(xn + i))));
   rc = afd_bf16_rms_norm(h_out, H, 0, L->ffn_norm, x_out, T, 1, H, eps, threads, isa);
   if (!rc && L->w_router) rc = GEMM(x_out, L->w_router, logits, T, (int)L->E, H);
+  if (!rc && L->w_router && L->topk > 0)
+    rc = afd_route_rows(logits, L->router_bias, T, (int)L->E, (int)L->topk, (int)L->route,
+                        (int)L->norm, (int)L->groups, (int)L->topk_groups, (float)L->scaling,
+                        ids, weights);
 done:
   free(xn), free(a), free(ql), free(qb), free(qa), free(att), free(o);
   return rc;

@@ -10,13 +10,20 @@ from dataclasses import dataclass
 import torch
 
 from afd.kernels import gemm
+from afd.kernels import topk as topk_ties
+from afd.kernels.decode_layer import Routing
 from afd.kernels.heads import HeadMatmul
 
 _POINTERS = (
     "attn_norm", "ffn_norm", "w_a", "q_a_norm", "w_qb", "kv_a_norm", "w_uk", "w_uv", "w_o",
-    "w_router",
+    "w_router", "router_bias",
 )  # fmt: skip
-_SIZES = ("H", "qr", "nh", "dn", "dr", "r", "dv", "E")
+_SIZES = (
+    "H", "qr", "nh", "dn", "dr", "r", "dv", "E", "topk", "norm", "route", "groups",
+    "topk_groups",
+)  # fmt: skip
+# the router kinds the call computes (decode_layer.c: afd_route_rows), moe_router's names
+ROUTES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_group_topk": 2}
 
 
 class MLALayer(ctypes.Structure):
@@ -25,7 +32,7 @@ class MLALayer(ctypes.Structure):
     _fields_ = (
         [(name, ctypes.c_void_p) for name in _POINTERS]
         + [(name, ctypes.c_int64) for name in _SIZES]
-        + [("eps", ctypes.c_double), ("latent_eps", ctypes.c_double)]
+        + [("eps", ctypes.c_double), ("latent_eps", ctypes.c_double), ("scaling", ctypes.c_double)]
     )
 
 
@@ -58,21 +65,35 @@ class NativeMLALayer:
         w_o: torch.Tensor,  # [H, nh dv], laid out for mw.isa
         eps: float,
         w_router: torch.Tensor | None = None,  # [E, H] laid out for mw.isa: a bias-free router
+        topk: int = 0,  # > 0: route too, as the router kind `route` (ROUTES)
+        route: str = "sigmoid_group_topk",
+        norm_topk: bool = False,
+        router_bias: torch.Tensor | None = None,  # [E]: the kind's selection bias, if any
+        groups: int = 1,  # sigmoid_group_topk: groups of experts, of which topk_groups compete
+        topk_groups: int = 1,
+        scaling: float = 1.0,  # on the routing weights
     ):
+        if route not in ROUTES or (router_bias is not None and route == "softmax_topk"):
+            raise ValueError(f"the fused MLA layer routes {tuple(ROUTES)} (softmax_topk: no bias)")
         H = attn_norm.shape[0]
         nh, r, dn = mw.uk.heads, mw.uk.n, mw.uk.k
         dv = mw.uv.n
         self.isa = gemm.ISAS[mw.isa]
         self.experts = w_router.shape[0] if w_router is not None else 0
-        self.topk = 0  # the router kinds MLA models use route from the logits (moe_router.py)
+        self.topk = topk if self.experts else 0
+        if self.topk:
+            topk_ties.trust()  # tied tokens routed in the call where it picks as torch does
+        bias = router_bias.float().contiguous() if router_bias is not None else None
+        self.router_bias = bias  # [E] float32: the call's own copy
         norms = (attn_norm.contiguous(), ffn_norm.contiguous(), mw.kv_a_norm.contiguous())
         q_a_norm = mw.q_a_norm.contiguous() if mw.q_a_norm is not None else None
-        self._keep = (*norms, mw.w_a, q_a_norm, mw.w_qb, mw.uk, mw.uv, w_o, w_router)
+        self._keep = (*norms, mw.w_a, q_a_norm, mw.w_qb, mw.uk, mw.uv, w_o, w_router, bias)
         ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
         self.layer = MLALayer(
             ptr(norms[0]), ptr(norms[1]), ptr(mw.w_a), ptr(q_a_norm), ptr(mw.w_qb),
             ptr(norms[2]), mw.uk.w.data_ptr(), mw.uv.w.data_ptr(), ptr(w_o), ptr(w_router),
-            H, mw.qr, nh, dn, mw.rope_dim, r, dv, self.experts, eps, mw.latent_eps,
+            ptr(bias), H, mw.qr, nh, dn, mw.rope_dim, r, dv, self.experts, self.topk,
+            int(norm_topk), ROUTES[route], groups, topk_groups, eps, mw.latent_eps, scaling,
         )  # fmt: skip
 
     @staticmethod
@@ -104,23 +125,28 @@ class NativeMLALayer:
         cos: torch.Tensor,  # [P, dr] bf16
         sin: torch.Tensor,
         scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Routing | None]:
         """(h + attention [T, H], ffn_norm of it [T, H], router logits [T, E] bf16 or None,
-        None: the caller routes from the logits), as NativeDecodeLayer's call."""
+        (expert ids [T, k] int32, weights [T, k] float32) or None where the caller routes),
+        as NativeDecodeLayer's call."""
         T = h.shape[0]
         h = h if h.is_contiguous() else h.contiguous()
         h_out, x_out = torch.empty_like(h), torch.empty_like(h)
         _, NB, bs, _ = k_cache.shape
         blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
-        E = self.experts
+        E, k = self.experts, self.topk
         logits = torch.empty(T, E, dtype=torch.bfloat16) if E else None
+        ids = torch.empty(T, k, dtype=torch.int32) if k else None
+        weights = torch.empty(T, k, dtype=torch.float32) if k else None
         rc = gemm._lib().afd_bf16_mla_decode_layer(
             ctypes.addressof(self.layer), h.data_ptr(), h_out.data_ptr(), x_out.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             k_cache.data_ptr(), blocks.data_ptr(), lens.data_ptr(), T, NB, bs, blocks.shape[1],
             scale, torch.get_num_threads(), self.isa,
-            logits.data_ptr() if E else None,
+            logits.data_ptr() if E else None, ids.data_ptr() if k else None,
+            weights.data_ptr() if k else None,
         )  # fmt: skip
         if rc < 0:
             raise RuntimeError(f"afd_bf16_mla_decode_layer failed (lengths {lens.tolist()})")
-        return h_out, x_out, logits, None
+        routing = (ids, weights) if k and rc == 0 else None  # rc 1: a tie for torch to break
+        return h_out, x_out, logits, routing

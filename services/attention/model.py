@@ -15,6 +15,7 @@ from afd.checkpoint import load_weights
 from afd.config import ModelConfig
 from afd.device import CPU, place
 from afd.kernels.decode_layer import NativeDecodeLayer, Routing
+from afd.kernels.mla_layer import ROUTES as MLA_ROUTES
 from afd.kernels.mla_layer import MLAWeights, NativeMLALayer
 from afd.ops import Linear, native, rms_norm
 from afd.runtime import release_load_memory
@@ -115,7 +116,14 @@ class AttentionModel:
         r = lw.router  # its matmul joins the call where it runs on the same kernel and rule
         same = r is not None and (r.isa, r.onednn_from) == (o.isa, o.onednn_from)
         w_router = r.w if same and r.bias is None and r.w.dtype == torch.bfloat16 else None
-        return NativeMLALayer(lw.attn_norm, lw.ffn_norm, mw, o.w, c.rms_norm_eps, w_router)
+        bias = lw.router_bias  # the router kinds the call computes join it too
+        joins = c.router in MLA_ROUTES and (c.router != "softmax_topk" or bias is None)
+        return NativeMLALayer(
+            lw.attn_norm, lw.ffn_norm, mw, o.w, c.rms_norm_eps, w_router,
+            topk=c.top_k if joins else 0, route=c.router if joins else "softmax_topk",
+            norm_topk=c.norm_topk_prob, router_bias=bias if joins else None, groups=c.n_group,
+            topk_groups=c.topk_group, scaling=c.routed_scaling_factor,
+        )  # fmt: skip
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         # the decode stack copies these rows itself (stack.py: run): a change here goes there too

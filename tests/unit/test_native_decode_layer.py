@@ -113,11 +113,11 @@ def assert_same_routing(ids1, w1, ids2, w2):
     )
 
 
-@pytest.mark.parametrize("ckpt", ["qwen3_dir", "gpt_oss_dir"])
+@pytest.mark.parametrize("ckpt", ["qwen3_dir", "gpt_oss_dir", "deepseek_dir"])
 def test_a_tie_across_the_top_k_cut_is_torchs_choice(native_path, tie_routing, ckpt, request):
-    """Every expert's router row the same (and gpt-oss's router bias zero): all scores tie, so
-    the call either picks exactly as torch.topk does (topk.c) or does not pick at all, for
-    either router kind it computes."""
+    """Every expert's router row the same (and the selection bias of gpt-oss or DeepSeek zero):
+    all scores tie, so the call either picks exactly as torch.topk does (topk.c) or does not
+    pick at all, for each router kind it computes (DeepSeek's: its groups tie too)."""
     cfg = ModelConfig.from_hf(request.getfixturevalue(ckpt))
     model = AttentionModel(cfg, torch.bfloat16, progress=False)
     layer = next(i for i in range(cfg.num_layers) if cfg.is_moe(i))
@@ -127,7 +127,8 @@ def test_a_tie_across_the_top_k_cut_is_torchs_choice(native_path, tie_routing, c
     lw.router.w.copy_(gemm.lay_out(same, lw.router.isa))  # its layout
     if lw.router_bias is not None:  # the bias would break the tie: zero, here and in the call
         lw.router_bias.zero_()
-        lw.fused._extra[3].zero_()
+        mla = isinstance(lw.fused, NativeMLALayer)
+        (lw.fused.router_bias if mla else lw.fused._extra[3]).zero_()
     T, bs = 3, 16
     meta = AttnMeta(
         positions=torch.zeros(T, dtype=torch.long),
