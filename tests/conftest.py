@@ -27,6 +27,23 @@ def gpt_oss_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def step3_dir(tmp_path_factory):
+    """The demo model's Step-3 shape (MFA, a shared expert, dense layers), random weights."""
+    from afd.demo import TINY_CONFIG, write_step3_checkpoint
+
+    path = tmp_path_factory.mktemp("s3") / "ckpt"
+    return write_step3_checkpoint(path, TINY_CONFIG, seed=5, init_std=0.2)
+
+
+@pytest.fixture(scope="session")
+def deepseek_dir(tmp_path_factory):
+    """DeepSeek-V3 at dims the fused MLA layer takes (checkpoints.MLA_FUSED_DIMS): a dense first
+    layer, then MoE layers with a shared expert and grouped routing."""
+    path = tmp_path_factory.mktemp("deepseek") / "ckpt"
+    return checkpoints.deepseek_v3(path, **checkpoints.MLA_FUSED_DIMS)
+
+
+@pytest.fixture(scope="session")
 def gpt_oss_mxfp4_dir(gpt_oss_dir, tmp_path_factory):
     """The same model with its experts in MXFP4 (the checkpoint layout)."""
     return checkpoints.gpt_oss_mxfp4(gpt_oss_dir, tmp_path_factory.mktemp("gpt_oss_mx"))[0]

@@ -2,9 +2,11 @@
  * where the attention side and the one expert shard compute in the same process:
  *
  *   for each layer l:
- *     h', x, routing = afd_bf16_decode_layer_ext(h)  (decode_layer.c: attention, router, top-k)
+ *     h', x, routing = afd_bf16_decode_layer_ext(h)  (decode_layer.c: attention, router, top-k;
+ *         DeepSeek's MLA: afd_bf16_mla_decode_layer, mla_layer.c)
  *     y = afd_bf16_moe_ext(x, routing) into zeros    (moe.c: what the FFN shard computes;
  *         afd_mxfp4_moe for MXFP4 experts, mxfp4_moe.c)
+ *     y = bf16(y + shared(x)) where the layer has a shared expert (mlp.c, as the shard adds it)
  *     h = bf16(h' + y)                               (the residual add of the pipeline)
  *   and, where the caller asks (the call ends at the model's last layer): the LM head,
  *     logits = fp32(rms_norm(h, final_norm) @ w_head^T)  (services/attention/model.py: logits)
@@ -18,6 +20,7 @@
 #include <time.h>
 
 #include "bf16.h"
+#include "mla_layer.h"
 
 int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                               const uint16_t *attn_norm, const uint16_t *ffn_norm,
@@ -42,6 +45,9 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
                   const uint16_t *const *bias13, const uint8_t *const *b2,
                   const uint8_t *const *s2, const uint16_t *const *bias2, uint16_t *out, int T,
                   int E, int H, int I, int act, float limit, float alpha, int threads, int isa);
+int afd_bf16_mlp_add(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, uint16_t *out,
+                     int T, int H, int I, int act, float limit, float alpha, int threads,
+                     int isa);
 
 /* One layer's weights and cache (afd/kernels/decode_stack.py: StackLayer, the same fields in
  * the same order). `reverse` is the experts' visiting order, flipped here after each call (as
@@ -68,6 +74,12 @@ typedef struct {
   const uint8_t *const *mx_s2;
   int64_t act;
   double limit, alpha;
+  /* an MLA layer (its own weights and sizes; the GQA fields above unused but the caches, cos,
+   * sin and scale), or NULL */
+  const afd_mla_layer *mla;
+  /* the shared expert (w13 [2I_s, H], w2 [H, I_s], the experts' activation), or NULL */
+  const uint16_t *s13, *s2;
+  int64_t shared_inter;
 } afd_stack_layer;
 
 static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamps are its */
@@ -144,12 +156,17 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
     float *weights_l = weights + (size_t)l * T * topk;
     *at = l;
     stamps[3 * l] = wall_seconds();
-    int r = afd_bf16_decode_layer_ext(
-        h, h_attn, x, w->attn_norm, w->ffn_norm, w->w_qkv, w->q_norm, w->k_norm, w->inter_norm,
-        w->w_q, w->w_o, w->cos, w->sin, pos, slots, w->k_cache, w->v_cache, blocks, lens, T, H,
-        qin, nh, kvh, D, NB, bs, nb, eps, (float)w->scale, threads, isa, w->w_router, logits, E,
-        topk, norm, ids_l, weights_l, w->b_qkv, w->b_o, w->sinks, (int)w->window,
-        w->router_bias, (int)w->route);
+    int r = w->mla ? afd_bf16_mla_decode_layer(w->mla, h, h_attn, x, w->cos, w->sin, pos, slots,
+                                               w->k_cache, blocks, lens, T, NB, bs, nb,
+                                               (float)w->scale, threads, isa, logits, ids_l,
+                                               weights_l)
+                   : afd_bf16_decode_layer_ext(
+                         h, h_attn, x, w->attn_norm, w->ffn_norm, w->w_qkv, w->q_norm, w->k_norm,
+                         w->inter_norm, w->w_q, w->w_o, w->cos, w->sin, pos, slots, w->k_cache,
+                         w->v_cache, blocks, lens, T, H, qin, nh, kvh, D, NB, bs, nb, eps,
+                         (float)w->scale, threads, isa, w->w_router, logits, E, topk, norm,
+                         ids_l, weights_l, w->b_qkv, w->b_o, w->sinks, (int)w->window,
+                         w->router_bias, (int)w->route);
     stamps[3 * l + 1] = wall_seconds();
     if (r != 0) {
       rc = r < 0 ? -1 : l;
@@ -167,6 +184,9 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
                            (int)w->act, (float)w->limit, (float)w->alpha);
       w->reverse = !w->reverse;
     }
+    if (!e && w->s13)
+      e = afd_bf16_mlp_add(x, w->s13, w->s2, y, T, H, (int)w->shared_inter, (int)w->act,
+                           (float)w->limit, (float)w->alpha, threads, isa);
     if (e) {
       rc = -2;
       break;

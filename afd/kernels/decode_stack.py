@@ -1,6 +1,7 @@
 """A decode step's layers in one native call (decode_stack.c): per layer the fused attention
-layer (decode_layer.py), the fused experts (moe.py; MXFP4 experts: mxfp4.py's FusedExperts) and
-the residual add, for a process that holds both sides of the model. The same calls with the
+layer (decode_layer.py; DeepSeek's MLA: mla_layer.py), the fused experts (moe.py; MXFP4
+experts: mxfp4.py's FusedExperts), the shared expert where there is one (mlp.py) and the
+residual add, for a process that holds both sides of the model. The same calls with the
 same roundings as the layer loop; what it saves is the Python around them."""
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 
 from afd.kernels import gemm
 from afd.kernels.decode_layer import NativeDecodeLayer
+from afd.kernels.mla_layer import NativeMLALayer
+from afd.kernels.mlp import NativeMLP
 from afd.kernels.moe import ACTS, NativeExperts
 from afd.kernels.mxfp4 import FusedExperts
 from afd.kernels.mxfp4 import isa as mxfp4_isa
@@ -39,6 +42,8 @@ class StackLayer(ctypes.Structure):
         ("act", ctypes.c_int64),
         ("limit", ctypes.c_double),
         ("alpha", ctypes.c_double),
+        *((name, ctypes.c_void_p) for name in ("mla", "s13", "s2")),
+        ("shared_inter", ctypes.c_int64),
     ]
 
 
@@ -46,14 +51,15 @@ class StackLayer(ctypes.Structure):
 class LayerParts:
     """What one layer of the stack is made of."""
 
-    attention: NativeDecodeLayer  # with its router and its top-k (topk > 0)
+    attention: NativeDecodeLayer | NativeMLALayer  # with its router and its top-k (topk > 0)
     experts: NativeExperts | FusedExperts  # every routed expert of the layer (bf16 or MXFP4)
     first: int  # the global id of experts' first
-    k_cache: torch.Tensor  # [kvh, NB, bs, D] bf16, contiguous
-    v_cache: torch.Tensor
+    k_cache: torch.Tensor  # [kvh, NB, bs, D] bf16, contiguous (MLA: the latent rows)
+    v_cache: torch.Tensor  # (MLA: the latent's leading columns, a view of k_cache)
     cos: torch.Tensor  # [P, D] bf16
     sin: torch.Tensor
     scale: float  # the attention's softmax scale
+    shared: NativeMLP | None = None  # the shared expert, added to the routed experts' sum
 
 
 @dataclass(frozen=True)
@@ -105,14 +111,19 @@ class NativeDecodeStack:
         self.router_experts, self.inter = a.experts, e.inter
         self._layers = (StackLayer * len(parts))()
         for s, p in zip(self._layers, parts, strict=True):
-            an, fn, wqkv, qn, kn, inn, wq, wo, wr = p.attention._ptrs
-            caches = (p.cos, p.sin, p.k_cache, p.v_cache)
-            ptrs = (an, fn, wqkv, qn, kn, inn, wq, wo, wr, *(t.data_ptr() for t in caches))
-            for name, v in zip(_POINTERS, ptrs, strict=False):
-                setattr(s, name, v)
+            s.cos, s.sin = p.cos.data_ptr(), p.sin.data_ptr()
+            s.k_cache, s.v_cache = p.k_cache.data_ptr(), p.v_cache.data_ptr()
+            if isinstance(p.attention, NativeMLALayer):
+                s.mla = ctypes.addressof(p.attention.layer)
+            else:
+                for name, v in zip(_POINTERS, p.attention._ptrs, strict=False):
+                    setattr(s, name, v)  # the weights: the pointers before the caches'
+                s.b_qkv, s.b_o, s.sinks, s.router_bias = p.attention._extra_ptrs
+                s.window, s.route = p.attention.window, p.attention.route
             s.experts, s.first, s.scale = p.experts.count, p.first, p.scale
-            s.b_qkv, s.b_o, s.sinks, s.router_bias = p.attention._extra_ptrs
-            s.window, s.route = p.attention.window, p.attention.route
+            if p.shared is not None:
+                s.s13, s.s2 = p.shared.w13.data_ptr(), p.shared.w2.data_ptr()
+                s.shared_inter = p.shared.inter
             e = p.experts
             if isinstance(e, FusedExperts):  # pointer arrays: blocks, scales, biases per side
                 b13, s13, bias13, b2, s2, bias2 = (_address(a) for a in e._p)
@@ -142,9 +153,19 @@ class NativeDecodeStack:
                 return False
             if p.first < 0 or p.first + e.count > a.experts:
                 return False
-            for t in (p.k_cache, p.v_cache):
+            if type(a) is not type(a0):  # one kind of attention: the call's sizes are its
+                return False
+            mla = isinstance(a, NativeMLALayer)
+            for t in (p.k_cache,) if mla else (p.k_cache, p.v_cache):
                 if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != c0.shape:
                     return False
+            if mla and p.v_cache.data_ptr() != p.k_cache.data_ptr():
+                return False  # MLA's V: the latent rows' leading columns
+            sh = p.shared
+            if sh is not None and (sh.isa != a.isa or sh.hidden != a.hidden):
+                return False
+            if sh is not None and (sh.act, sh.limit, sh.alpha) != _experts_act(e):
+                return False  # the call applies the experts' activation to both
         return True
 
     def __call__(
@@ -247,6 +268,13 @@ class NativeDecodeStack:
 def _address(ptrs) -> int | None:
     """A ctypes pointer array's address (None for None), as the layer struct holds it."""
     return None if ptrs is None else ctypes.addressof(ptrs)
+
+
+def _experts_act(e: NativeExperts | FusedExperts) -> tuple[int, float, float]:
+    """The activation (moe.c's kind, limit, alpha) the stack passes for the layer's experts."""
+    if isinstance(e, FusedExperts):
+        return e.act, e.limit, e.alpha
+    return ACTS[e.act[0]], e.act[1], e.act[2]
 
 
 def _experts_isa(e: NativeExperts | FusedExperts) -> int:

@@ -74,6 +74,8 @@ def _lib() -> ctypes.CDLL | None:
     # the layer's weights (a ctypes Structure by reference), then the call's tensors and sizes
     lib.afd_bf16_mla_decode_layer.argtypes = [p] * 11 + [i] * 4 + [f, i, i, p, p, p]
     lib.afd_bf16_mla_decode_layer.restype = i
+    lib.afd_bf16_mlp_add.argtypes = [p, p, p, p, i, i, i, i, f, f, i, i]
+    lib.afd_bf16_mlp_add.restype = i
     lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i, i, p, p, i, i, i, p, p]
     lib.afd_bf16_decode_layer.restype = i
     layer_ext = lib.afd_bf16_decode_layer.argtypes + [p, p, p, i, p, i]

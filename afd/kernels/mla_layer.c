@@ -18,23 +18,8 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "mla_layer.h"
 
-/* mla_layer.py's MLALayer: the same fields in the same order. Matmul weights laid out for the
- * call's isa; w_uk [nh, r, dn] and w_uv [nh, dv, r] head by head (heads.c). */
-typedef struct {
-  const uint16_t *attn_norm, *ffn_norm; /* [H] */
-  const uint16_t *w_a;                  /* [q_in + r + dr, H] */
-  const uint16_t *q_a_norm;             /* [qr], or NULL: no query rank */
-  const uint16_t *w_qb;                 /* [nh (dn + dr), qr], or NULL */
-  const uint16_t *kv_a_norm;            /* [r] */
-  const uint16_t *w_uk, *w_uv, *w_o;    /* w_o [H, nh dv] */
-  const uint16_t *w_router;             /* [E, H] or NULL */
-  const float *router_bias;             /* [E] or NULL: the routing's selection bias */
-  int64_t H, qr, nh, dn, dr, r, dv, E;
-  int64_t topk, norm, route, groups, topk_groups; /* topk 0: the caller routes */
-  double eps, latent_eps; /* the model's, and the latent norms' own */
-  double scaling;         /* on the routing weights */
-} afd_mla_layer;
 
 int afd_route_rows(const uint16_t *logits, const float *bias, int T, int E, int k, int route,
                    int norm, int G, int kg, float scaling, int32_t *ids, float *w);

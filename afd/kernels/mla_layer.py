@@ -79,6 +79,10 @@ class NativeMLALayer:
         nh, r, dn = mw.uk.heads, mw.uk.n, mw.uk.k
         dv = mw.uv.n
         self.isa = gemm.ISAS[mw.isa]
+        # the sizes the decode stack compares across its layers (decode_stack.py: usable);
+        # GQA's q_in, kvh and d mean nothing here
+        self.hidden, self.nh, self.eps, self.norm_topk = H, nh, eps, norm_topk
+        self.q_in, self.kvh, self.d = 0, 1, 0
         self.experts = w_router.shape[0] if w_router is not None else 0
         self.topk = topk if self.experts else 0
         if self.topk:

@@ -12,7 +12,8 @@ import torch
 
 from afd.kernels import gemm
 
-if TYPE_CHECKING:  # mxfp4.py imports this module
+if TYPE_CHECKING:  # mxfp4.py and mlp.py import this module
+    from afd.kernels.mlp import NativeMLP
     from afd.kernels.mxfp4 import FusedExperts
 
 # an activation as the fused calls take it: (kind, limit, alpha), services/ffn/kinds.py's
@@ -129,3 +130,5 @@ class InlineExperts:
     native: NativeExperts | FusedExperts  # bf16, or MXFP4 multiplied as stored (mxfp4.py)
     first: int  # global id of native's first expert
     rows_below: int  # the shard takes this call below this many rows per expert (else oneDNN)
+    shared: NativeMLP | None = None  # the shared expert (mlp.py), where the layer has one
+    shared_rows_below: int = 0  # the shard takes `shared` below this many rows (else oneDNN)

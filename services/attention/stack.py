@@ -190,9 +190,13 @@ class DecodeStack:
             cos, sin = lw.kind.rope.tables(torch.bfloat16)
             k, v, scale = cache.k[i], cache.v[i], lw.kind.scale
             runs[-1].append(
-                LayerParts(lw.fused, experts.native, experts.first, k, v, cos, sin, scale)
+                LayerParts(
+                    lw.fused, experts.native, experts.first, k, v, cos, sin, scale, experts.shared
+                )
             )
             attention_rows = min(attention_rows, lw.o_proj.onednn_from)
+            if experts.shared is not None:  # the shared expert's matmuls take every row
+                attention_rows = min(attention_rows, experts.shared_rows_below)
             expert_rows = min(expert_rows, experts.rows_below)
         self._head = None
         for start, parts in zip(starts, runs, strict=True):

@@ -105,18 +105,26 @@ class FFNEngine:
     def inline_experts(self, layer: int) -> InlineExperts | None:
         """This layer's experts for a caller in this process that computes the decode step
         natively (the attention side's decode stack), where compute() would answer a bf16
-        message with that call alone: no shared expert or dense MLP here, no injected delay,
-        bf16 on the CPU. None where anything else would run."""
+        message with that call alone (and its shared expert's native call, where it has one):
+        no dense MLP here, no injected delay, bf16 on the CPU. None where anything else would
+        run."""
         g = self.experts.get(layer)
-        if g is None or self.inject_delay_s or layer in self.shared or layer in self.dense:
+        if g is None or self.inject_delay_s or layer in self.dense:
             return None
         if self.dtype != torch.bfloat16 or self.device.type != "cpu":
             return None
+        shared, shared_rows = None, 0
+        if layer in self.shared:  # added by the same call as mlp.add_into adds it (mlp.c)
+            m = self.shared[layer]
+            shared, shared_rows = m.native, min(m.w13.onednn_from, m.w2.onednn_from)
+            if shared is None:
+                return None
         if g.fused_mx is not None and native_mxfp4.usable():  # routed_experts' first choice,
-            return InlineExperts(g.fused_mx, g.first, paths.NEVER)  # at every batch size
+            # at every batch size
+            return InlineExperts(g.fused_mx, g.first, paths.NEVER, shared, shared_rows)
         if g.native is None or g.workspace is not None:
             return None
-        return InlineExperts(g.native, g.first, g.w13[0].onednn_from)
+        return InlineExperts(g.native, g.first, g.w13[0].onednn_from, shared, shared_rows)
 
     def _compute(self, layer: int, group: list[FFNRequest]) -> list[torch.Tensor]:
         """The requests' tensors go to this engine's device (wire bytes before the FP8 decode:
@@ -155,7 +163,7 @@ def _add_dense(mlp: MLPWeights, x: torch.Tensor, out: torch.Tensor, group: list[
     """out += the shared expert's (or the dense MLP's) output, on the rows of the requests
     that leave it to this server (in an elastic pool one member computes it)."""
     if not any(r.skip_dense for r in group):
-        out += mlp(x)  # [T, H]
+        mlp.add_into(x, out)  # [T, H]
         return
     rows, start = [], 0
     for r in group:

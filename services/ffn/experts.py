@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd.kernels import mxfp4 as native_mxfp4
+from afd.kernels.mlp import NativeMLP
 from afd.kernels.moe import ActSpec, NativeExperts
 from afd.ops import Linear
 from services.ffn.kinds import Activation, mlp, native_spec, swiglu
@@ -18,9 +19,30 @@ class MLPWeights:
     w13: Linear  # [2I, H]: gate rows then up rows
     w2: Linear  # [H, I]
     act: Activation = swiglu
+    # the same MLP in one native call (mlp.c), where both matmuls are afd's kernels: what
+    # add_into runs at the rows they take, and what the decode stack runs (stack.py)
+    native: NativeMLP | None = field(init=False, default=None)
+
+    def __post_init__(self):
+        w13, w2, spec = self.w13, self.w2, native_spec(self.act)
+        biased = w13.bias is not None or w2.bias is not None
+        if spec is None or biased or w13.isa is None or w13.isa != w2.isa:
+            return
+        if NativeMLP.usable(w13.w, w2.w):
+            object.__setattr__(self, "native", NativeMLP(w13.w, w2.w, w13.isa, spec))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return mlp(x, self.w13, self.w2, self.act)
+
+    def add_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out [T, H] += the MLP of x [T, H], in place."""
+        T = x.shape[0]
+        n = self.native
+        cpu_bf16 = x.dtype == out.dtype == torch.bfloat16 and x.device.type == "cpu"
+        if n is not None and cpu_bf16 and self.w13.ours(T) and self.w2.ours(T):
+            n.add_into(x.contiguous(), out)
+            return
+        out += self(x)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,11 @@ def _deepseek(config_cls, model_cls, out: Path, seed: int, kw: dict) -> Path:
     return out
 
 
+# MLA dims the fused decode layer takes (afd/kernels/heads.py: whole AMX tiles a head for W_UK
+# and W_UV; a rotary width of 16): the shared shape's are smaller
+MLA_FUSED_DIMS = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+
+
 def deepseek_v3(out: Path, seed: int = 4, **over) -> Path:
     """The shared DeepSeek shape (q_lora_rank=None for a full q_proj) with YaRN RoPE and both
     mscales."""

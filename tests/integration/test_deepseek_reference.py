@@ -17,7 +17,13 @@ from services.attention import sparse_attention
 from services.attention.kinds import mla as mla_kind
 from services.attention.kv_cache import CacheLayout
 from services.attention.model import AttentionModel
-from tests.helpers.checkpoints import deepseek_v3, deepseek_v32, hf_greedy, hf_model
+from tests.helpers.checkpoints import (
+    MLA_FUSED_DIMS,
+    deepseek_v3,
+    deepseek_v32,
+    hf_greedy,
+    hf_model,
+)
 from tests.integration.test_engine_reference import (
     BF16_GAP,
     NEW,
@@ -47,8 +53,8 @@ def ds_aligned(tmp_path_factory):
     """Dims the fused MLA decode layer takes (whole AMX tiles a head for W_UK and W_UV, a
     rotary width of 16): (checkpoint, float32 transformers model, how far transformers' own
     bf16 greedy strays from it)."""
-    dims = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
-    path = deepseek_v3(tmp_path_factory.mktemp("ds_aligned") / "ckpt", seed=10, **dims)
+    path = tmp_path_factory.mktemp("ds_aligned") / "ckpt"
+    path = deepseek_v3(path, seed=10, **MLA_FUSED_DIMS)
     ref = hf_model(path, torch.float32)
     return path, ref, _gaps_summary(ref, hf_greedy(hf_model(path, torch.bfloat16), PROMPTS, NEW))
 

@@ -4,8 +4,10 @@ logprobs, the same routing counted, and every layer's timing kept. Qwen3-MoE's t
 has a dense layer between two MoE layers (two stacks and the loop between them), Mixtral's is
 MoE throughout (one stack); gpt-oss's (biases, sinks, sliding windows, its own router, experts
 with biases and the clamped SwiGLU) once with BF16 experts and once with MXFP4 ones multiplied
-as stored. A tie across a layer's top-k cut leaves that layer to torch and the
-stack goes on from the next; a failing experts call fails the step with its cause."""
+as stored; DeepSeek-V3's (MLA, grouped sigmoid routing with a selection bias, a shared expert,
+a dense first layer); Step-3's (MFA, a shared expert, dense layers: the demo model's shape). A
+tie across a layer's top-k cut leaves that layer to torch and the stack goes on from the next;
+a failing experts call fails the step with its cause."""
 
 from __future__ import annotations
 
@@ -57,7 +59,10 @@ def _generate(path, stack: bool, prepare=None, logprobs: int | None = 1):
         return tokens, logprobs, eng.dispatcher.expert_load.clone(), ran, inline
 
 
-@pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir", "gpt_oss_dir", "gpt_oss_mxfp4_dir"])
+@pytest.mark.parametrize(
+    "ckpt",
+    ["qwen3_dir", "mixtral_dir", "gpt_oss_dir", "gpt_oss_mxfp4_dir", "deepseek_dir", "step3_dir"],
+)
 def test_the_stack_gives_the_layer_loops_tokens_and_logprobs(native_path, ckpt, request):
     path = request.getfixturevalue(ckpt)
     tokens, logprobs, load, ran, inline = _generate(path, stack=True)

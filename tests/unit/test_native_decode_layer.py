@@ -16,35 +16,18 @@ import pytest
 import torch
 
 from afd.config import ModelConfig
-from afd.demo import TINY_CONFIG, write_step3_checkpoint
 from afd.kernels import gemm
 from afd.kernels.mla_layer import NativeMLALayer
 from services.attention.kv_cache import KVCache
 from services.attention.model import AttentionModel
 from services.attention.paged_attention import AttnMeta
-from tests.helpers.checkpoints import deepseek_v3
-
-
-@pytest.fixture(scope="module")
-def step3_dir(tmp_path_factory):
-    return write_step3_checkpoint(
-        tmp_path_factory.mktemp("s3") / "ckpt", TINY_CONFIG, seed=5, init_std=0.2
-    )
-
-
-# MLA's fused layer wants whole AMX tiles per head (heads.py) and a rotary width of 16 or more
-_MLA_DIMS = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
-
-
-@pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory):
-    return deepseek_v3(tmp_path_factory.mktemp("ds") / "ckpt", **_MLA_DIMS)
+from tests.helpers.checkpoints import MLA_FUSED_DIMS, deepseek_v3
 
 
 @pytest.fixture(scope="module")
 def deepseek_full_q_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("dsq") / "ckpt"
-    return deepseek_v3(path, seed=8, q_lora_rank=None, **_MLA_DIMS)
+    return deepseek_v3(path, seed=8, q_lora_rank=None, **MLA_FUSED_DIMS)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import torch
 
 from afd.mxfp4 import MXFP4, quantize
 from afd.ops import Linear
-from services.ffn.experts import ExpertGroup, routed_experts
+from services.ffn.experts import ExpertGroup, MLPWeights, routed_experts
 from services.ffn.kinds import swiglu, swiglu_clamped
 from tests.helpers.kernels import NATIVE, NO_NATIVE
 
@@ -117,8 +117,17 @@ def test_the_decode_stack_is_offered_the_call_the_shard_would_make(kernel_path):
                 assert offered.rows_below == paths.NEVER
             else:
                 assert offered.native is group.native
-            engine.shared = {0: object()}  # a shared expert: the shard's answer is more
-            assert engine.inline_experts(0) is None
+            # a shared expert: offered with its native call (mlp.c, as the shard adds it) ...
+            H = group.w13[0].in_features
+            w13, w2 = torch.randn(64, H).to(torch.bfloat16), torch.randn(H, 32).to(torch.bfloat16)
+            shared = MLPWeights(Linear(w13), Linear(w2))
+            engine.shared = {0: shared}
+            offered = engine.inline_experts(0)
+            assert offered is not None and offered.shared is shared.native is not None
+            # ... and none where the shard would compute it otherwise (torch's matmuls)
+            with paths.use("torch"):
+                engine.shared = {0: MLPWeights(Linear(w13), Linear(w2))}
+            assert engine.shared[0].native is None and engine.inline_experts(0) is None
 
 
 @pytest.mark.parametrize("kernel_path", PATHS)
