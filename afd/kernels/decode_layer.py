@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afd.kernels import gemm
+from afd.kernels import gemm, paths
 from afd.kernels import topk as topk_ties
 
 Routing = tuple[torch.Tensor, torch.Tensor]  # expert ids [T, k] int32, weights [T, k] float32
@@ -72,6 +72,7 @@ class NativeDecodeLayer:
         ]  # fmt: skip
         self._extra_ptrs = [t.data_ptr() if t is not None else None for t in self._extra]
         self.window = dw.window
+        self.rows_below = paths.NEVER  # no bound of its own (o_proj's is the caller's)
         self.hidden, self.q_in = attn_norm.shape[0], dw.q_in
         self.nh, self.kvh, self.d, self.eps = num_heads, num_kv_heads, head_dim, eps
 

@@ -9,6 +9,16 @@ import torch
 
 from afd.kernels import gemm
 
+# Rows of x from which MLA takes torch's batched matmul for W_UK and W_UV instead (and its
+# decode no fused layer): the per-head calls give each thread whole heads, one at a time.
+# Measured on the Intel Xeon against torch's bmm on oneDNN's AMX (docs/benchmarks.md), a
+# bound that favours torch off AMX, where oneDNN has no tiles (Zen 4) or ops.bmm converts to
+# fp32 (Zen 3): on amx the matmuls alone 1.1-1.4x up to 16 rows, 0.84-0.90x at 32, 0.60-1.09x
+# at 128, while the fused layer and the decode stack they allow made a 32-row decode step
+# 1.19x faster; avx512bf16 and avx2 1.05-1.7x at 1-4 rows (avx2 with 128 heads 0.79-0.92x),
+# 0.65-0.80x at 8.
+ROWS_BELOW = {"amx": 64, "avx512bf16": 8, "avx2": 8}
+
 
 class HeadMatmul:
     """nh matrices W_h [N, K] bf16, laid out for path `isa`'s matmul (gemm.lay_out):
@@ -19,13 +29,13 @@ class HeadMatmul:
             raise ValueError(f"HeadMatmul: {tuple(w.shape)} {w.dtype} on {isa}")
         self.heads, self.n, self.k = w.shape
         self.isa_name, self.isa = isa, gemm.ISAS[isa]
+        self.rows_below = ROWS_BELOW[isa]  # callers take torch's bmm from this many rows
         self.w = torch.stack([gemm.lay_out(m, isa) for m in w])  # [nh, N, K], contiguous
 
     @staticmethod
     def usable(w: torch.Tensor, isa: str | None) -> bool:
         """Where the kernels take these matrices: bf16 on the CPU, whole AMX tiles (16 rows of
-        32 values, so every path's layout is a permutation within a matrix that dense() can
-        undo) and one of afd's own matmuls."""
+        32 values: DeepSeek's shapes; others keep torch's bmm) and one of afd's own matmuls."""
         return (
             isa in gemm.ISAS
             and gemm.available()
@@ -55,13 +65,3 @@ class HeadMatmul:
         if rc:
             raise RuntimeError(f"afd_bf16_head_matmul failed for x {tuple(x.shape)}")
         return y
-
-    def dense(self) -> torch.Tensor:  # [nh, N, K], row-major; not to be written
-        """The matrices as given (for torch's batched matmuls: MLA's expanded prefill), a copy
-        where the path's layout differs from row-major."""
-        nh, n, k = self.w.shape
-        if self.isa_name == "amx":  # gemm.pack_tiles undone
-            return self.w.view(nh, n // 16, k // 32, 16, 32).transpose(2, 3).reshape(nh, n, k)
-        if self.isa_name == "avx2":  # gemm.pack undone (N % 4 == 0: every row in a group)
-            return self.w.view(nh, n // 4, k // 8, 4, 8).transpose(2, 3).reshape(nh, n, k)
-        return self.w

@@ -83,6 +83,7 @@ class NativeMLALayer:
         # GQA's q_in, kvh and d mean nothing here
         self.hidden, self.nh, self.eps, self.norm_topk = H, nh, eps, norm_topk
         self.q_in, self.kvh, self.d = 0, 1, 0
+        self.rows_below = mw.uk.rows_below  # the per-op path's per-head matmuls' bound
         self.experts = w_router.shape[0] if w_router is not None else 0
         self.topk = topk if self.experts else 0
         if self.topk:

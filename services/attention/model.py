@@ -157,6 +157,8 @@ class AttentionModel:
         ours = lw.o_proj.ours(h.shape[0])  # else oneDNN's matmuls are faster (ops.Linear)
         if lw.fused is None or not (decode_only and ours and h.dtype == torch.bfloat16):
             return None
+        if h.shape[0] >= lw.fused.rows_below:  # MLA: torch's bmm from there (heads.py)
+            return None
         if cache.k[layer].dtype != torch.bfloat16:  # an FP8 cache: the kernel reads bf16 only
             return None
         cos, sin = lw.kind.rope.tables(torch.bfloat16)

@@ -194,7 +194,7 @@ class DecodeStack:
                     lw.fused, experts.native, experts.first, k, v, cos, sin, scale, experts.shared
                 )
             )
-            attention_rows = min(attention_rows, lw.o_proj.onednn_from)
+            attention_rows = min(attention_rows, lw.o_proj.onednn_from, lw.fused.rows_below)
             if experts.shared is not None:  # the shared expert's matmuls take every row
                 attention_rows = min(attention_rows, experts.shared_rows_below)
             expert_rows = min(expert_rows, experts.rows_below)

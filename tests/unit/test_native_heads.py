@@ -1,7 +1,7 @@
 """Each head's own matmul (afd/kernels/heads.c), MLA's absorbed W_UK and W_UV: on every native
 path, each head's result is the path's Linear matmul of that head's matrix bit for bit (the same
 kernel), within bf16 rounding of a float32 reference, reading strided heads and writing into a
-slice of a wider buffer; dense() gives back the matrices as given."""
+slice of a wider buffer."""
 
 from __future__ import annotations
 
@@ -34,12 +34,6 @@ def test_each_head_is_its_own_linear(native_path, T, nh, N, K):
     assert torch.equal(hm(x), y)  # a fresh result: the same
 
 
-def test_dense_gives_back_the_matrices(native_path):
-    w = torch.randn(3, 48, 64).to(torch.bfloat16)
-    hm = HeadMatmul(w, native_path.matmul)
-    assert torch.equal(hm.dense(), w)
-
-
 def test_shapes_the_kernels_do_not_take_are_refused(native_path):
     isa = native_path.matmul
     assert HeadMatmul.usable(torch.zeros(2, 16, 32, dtype=torch.bfloat16), isa)
@@ -49,3 +43,32 @@ def test_shapes_the_kernels_do_not_take_are_refused(native_path):
     assert not HeadMatmul.usable(torch.zeros(2, 16, 32, dtype=torch.bfloat16), "onednn")
     with pytest.raises(ValueError, match="HeadMatmul"):
         HeadMatmul(torch.zeros(2, 24, 32, dtype=torch.bfloat16), isa)
+
+
+def test_mla_takes_torchs_bmm_from_the_per_head_bound(native_path, deepseek_dir, monkeypatch):
+    """MLA's W_UK and W_UV run per head below HeadMatmul's rows, torch's bmm from there (the
+    fused layer stops at the same bound); both ways give the same values to bf16 rounding."""
+    from afd.config import ModelConfig
+    from afd.kernels.heads import ROWS_BELOW
+    from services.attention.model import AttentionModel
+
+    cfg = ModelConfig.from_hf(deepseek_dir)
+    model = AttentionModel(cfg, torch.bfloat16, progress=False)
+    lw = model.layers[0]
+    bound = ROWS_BELOW[native_path.matmul]
+    assert lw.kind.uk is not None and lw.fused.rows_below == bound
+    calls = []
+    real = HeadMatmul.__call__
+    spy = lambda s, *a, **k: calls.append(1) or real(s, *a, **k)  # noqa: E731
+    monkeypatch.setattr(HeadMatmul, "__call__", spy)
+    m, nh = cfg.mla, cfg.num_heads
+    g = torch.Generator().manual_seed(0)
+    q_nope = torch.randn(bound, nh, m.qk_nope_head_dim, generator=g).to(torch.bfloat16)
+    q_pe = torch.randn(bound, nh, m.qk_rope_head_dim, generator=g).to(torch.bfloat16)
+    o = torch.randn(bound, nh * m.kv_lora_rank, generator=g).to(torch.bfloat16)
+    per_head = [lw.kind.absorb(q_nope[:-1], q_pe[:-1]), lw.kind.values(o[:-1])]
+    assert len(calls) == 2
+    by_torch = [lw.kind.absorb(q_nope, q_pe), lw.kind.values(o)]
+    assert len(calls) == 2  # none more at the bound
+    for a, b in zip(per_head, by_torch, strict=True):
+        torch.testing.assert_close(a.float(), b[:-1].float(), rtol=2**-7, atol=2e-2)

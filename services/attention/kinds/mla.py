@@ -69,34 +69,24 @@ class MLA(AttentionKind):
             self.a_split = [nh * (dn + dr), r + dr]
         self.kv_a_norm = w[f"{b}.kv_a_norm"]
         kv_b = w.pop(f"{b}.kv_b_proj").view(nh, dn + dv, r)  # dense: the loader expands it
-        # Each head's W_UK and W_UV on afd's kernels where they run (heads.c), laid out as the
-        # path's Linear lays out a weight: the only copy kept (dense() gives the expanded
-        # prefill its row-major matrices); elsewhere plain tensors for torch's bmm.
+        self.w_uk = kv_b[:, :dn].contiguous()  # [nh, dn, r]: q_nope -> latent space
+        self.w_uv = kv_b[:, dn:].transpose(1, 2).contiguous()  # [nh, r, dv]: latent -> value
+        # Each head's W_UK and W_UV also on afd's kernels where they run (heads.c), laid out
+        # as the path's Linear lays out a weight: a second copy of kv_b_proj, taken below
+        # HeadMatmul's rows (decode batches, short absorbed prefills); torch's bmm above it
+        # and in the expanded prefill.
         isa = paths.active().matmul if native() else None
-        uk, uv = kv_b[:, :dn].transpose(1, 2), kv_b[:, dn:]  # W_h [r, dn] and [dv, r]
+        uk, uv = self.w_uk.transpose(1, 2), self.w_uv.transpose(1, 2)  # W_h [r, dn], [dv, r]
         self.uk: HeadMatmul | None = None
         self.uv: HeadMatmul | None = None
-        self._w_uk: torch.Tensor | None = None
-        self._w_uv: torch.Tensor | None = None
         if HeadMatmul.usable(uk, isa) and HeadMatmul.usable(uv, isa):
             self.uk, self.uv = HeadMatmul(uk, isa), HeadMatmul(uv, isa)
-        else:
-            self._w_uk = kv_b[:, :dn].contiguous()  # [nh, dn, r]: q_nope -> latent space
-            self._w_uv = uv.transpose(1, 2).contiguous()  # [nh, r, dv]: latent -> value
         self.out_width = nh * dv
         # From how many query rows a prefill runs expanded: per (query, key) pair the absorbed
         # form does nh(2r + dr) multiply-adds and the expanded one nh(dn + dr + dv), which
         # first pays nh r (dn + dv) per key to expand it.
         saved = nh * (2 * r + dr - (dn + dr + dv))
         self.expand_from = -(-nh * r * (dn + dv) // saved) if saved > 0 else NEVER
-
-    @property
-    def w_uk(self) -> torch.Tensor:  # [nh, dn, r]: q_nope -> latent space
-        return self._w_uk if self.uk is None else self.uk.dense().transpose(1, 2)
-
-    @property
-    def w_uv(self) -> torch.Tensor:  # [nh, r, dv]: latent -> value
-        return self._w_uv if self.uv is None else self.uv.dense().transpose(1, 2)
 
     def decode_weights(self) -> MLAWeights | None:
         """The fused layer's weights (afd/kernels/mla_layer.c) where every matmul of the
@@ -176,7 +166,7 @@ class MLA(AttentionKind):
 
     def absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """Queries in latent space [T, nh, r + dr]: each head's q_nope through W_UK."""
-        if self.uk is not None and q_nope.dtype == torch.bfloat16:
+        if self._heads(q_nope):
             T, nh, r = q_nope.shape[0], q_nope.shape[1], self.m.kv_lora_rank
             q = torch.empty(T, nh, r + q_pe.shape[-1], dtype=q_nope.dtype)
             self.uk(q_nope, out=q[..., :r])
@@ -217,10 +207,16 @@ class MLA(AttentionKind):
         o = o.squeeze(1)  # [nh, n, dv]
         return o.transpose(0, 1).reshape(n, -1)  # [n, nh * dv]
 
+    def _heads(self, x: torch.Tensor) -> bool:
+        """Whether W_UK and W_UV multiply x's rows on afd's per-head kernel (else torch's bmm);
+        the fused layer (mla_layer.c) runs below the same bound."""
+        uk = self.uk
+        return uk is not None and x.dtype == torch.bfloat16 and x.shape[0] < uk.rows_below
+
     def values(self, o: torch.Tensor) -> torch.Tensor:
         """Attention-weighted latents [T, nh * r] -> each head's value [T, nh * dv]."""
         T, nh, r = o.shape[0], self.cfg.num_heads, self.m.kv_lora_rank
-        if self.uv is not None and o.dtype == torch.bfloat16:
+        if self._heads(o):
             return self.uv(o.view(T, nh, r)).view(T, -1)
         o = bmm(o.view(T, nh, r).transpose(0, 1), self.w_uv)  # [nh, T, dv]
         return o.transpose(0, 1).reshape(T, -1)
