@@ -157,6 +157,34 @@ def test_bf16_torch_path_1a2f_gives_the_in_process_tokens(qwen3_dir, tmp_path):
         procs.stop_all()
 
 
+def test_bf16_fused_mla_1a1f_over_tcp_gives_the_in_process_tokens(
+    deepseek_dir, tmp_path, monkeypatch
+):
+    """DeepSeek at dims MLA's fused layer takes, bf16 on this machine's own kernel path and on
+    the wire: the attention server's fused MLA layers (mla_layer.c) with an FFN process over
+    tcp (the shared expert in mlp.c's call) give exactly the tokens of one process, where the
+    decode stack runs the same calls; test_deepseek_reference checks those against
+    transformers. (Two FFN shards would add their partial sums in bf16: other bits.)"""
+    from afd.kernels import paths
+    from tests.integration.test_engine_reference import PROMPTS as P
+    from tests.integration.test_engine_reference import afd_greedy, engine_cfg
+
+    if not paths.active().native:
+        pytest.skip("afd's kernels are not built or the CPU lacks AVX2")
+    env = {"AFD_ONEDNN_FROM_ROWS": "0"}  # afd's matmuls at every row count, here and there
+    monkeypatch.setenv("AFD_ONEDNN_FROM_ROWS", "0")
+    want, _ = afd_greedy(engine_cfg(deepseek_dir, dtype="bfloat16", S=1), num_ffn=1)
+    procs = Procs(tmp_path)
+    try:
+        _, att = _start_cluster(procs, deepseek_dir, "tcp", 1, 1, 1, tmp_path, dtype="bfloat16",
+                                env=env)  # fmt: skip
+        with ThreadPoolExecutor(len(P)) as ex:
+            got = [f.result()[0] for f in [ex.submit(generate, att[0], p, 16) for p in P]]
+        assert got == want
+    finally:
+        procs.stop_all()
+
+
 def test_gpt_oss_mxfp4_1a2f_over_tcp_matches_transformers(tmp_path):
     """gpt-oss (sinks and sliding windows on the attention server) with its experts in MXFP4
     (the released layout, which transformers dequantizes on load) kept in 4 bits by two FFN
