@@ -6,7 +6,8 @@
  *         DeepSeek's MLA: afd_bf16_mla_decode_layer, mla_layer.c)
  *     y = afd_bf16_moe_ext(x, routing) into zeros    (moe.c: what the FFN shard computes;
  *         afd_mxfp4_moe for MXFP4 experts, mxfp4_moe.c)
- *     y = bf16(y + shared(x)) where the layer has a shared expert (mlp.c, as the shard adds it)
+ *     y = bf16(y + shared(x)) where the layer has a shared expert (mlp.c, as the shard adds it);
+ *         a dense layer (no experts, no router) has its MLP there, into zeros
  *     h = bf16(h' + y)                               (the residual add of the pipeline)
  *   and, where the caller asks (the call ends at the model's last layer): the LM head,
  *     logits = fp32(rms_norm(h, final_norm) @ w_head^T)  (services/attention/model.py: logits)
@@ -77,7 +78,8 @@ typedef struct {
   /* an MLA layer (its own weights and sizes; the GQA fields above unused but the caches, cos,
    * sin and scale), or NULL */
   const afd_mla_layer *mla;
-  /* the shared expert (w13 [2I_s, H], w2 [H, I_s], the experts' activation), or NULL */
+  /* the shared expert (w13 [2I_s, H], w2 [H, I_s], the experts' activation), or NULL; a
+   * dense layer (experts 0): its MLP, with the activation in act, limit, alpha */
   const uint16_t *s13, *s2;
   int64_t shared_inter;
 } afd_stack_layer;
@@ -173,8 +175,11 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
       break;
     }
     memset(y, 0, (size_t)T * H * sizeof(uint16_t)); /* the shard's output starts at zero */
-    int e;
-    if (w->mx_b13) {
+    int e = 0;
+    if (!w->experts) { /* a dense layer: no routing (ids -1, counted as none) */
+      memset(ids_l, 0xff, (size_t)T * topk * sizeof(int32_t));
+      memset(weights_l, 0, (size_t)T * topk * sizeof(float));
+    } else if (w->mx_b13) {
       e = afd_mxfp4_moe(x, ids_l, weights_l, topk, (int)w->first, w->mx_b13, w->mx_s13, w->b13,
                         w->mx_b2, w->mx_s2, w->b2, y, T, (int)w->experts, H, I, (int)w->act,
                         (float)w->limit, (float)w->alpha, threads, isa);

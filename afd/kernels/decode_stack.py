@@ -51,8 +51,10 @@ class StackLayer(ctypes.Structure):
 class LayerParts:
     """What one layer of the stack is made of."""
 
-    attention: NativeDecodeLayer | NativeMLALayer  # with its router and its top-k (topk > 0)
-    experts: NativeExperts | FusedExperts  # every routed expert of the layer (bf16 or MXFP4)
+    attention: NativeDecodeLayer | NativeMLALayer  # with its router and top-k (a dense layer:
+    # neither)
+    experts: NativeExperts | FusedExperts | None  # every routed expert (bf16 or MXFP4); None:
+    # a dense layer, whose MLP is `shared`
     first: int  # the global id of experts' first
     k_cache: torch.Tensor  # [kvh, NB, bs, D] bf16, contiguous (MLA: the latent rows)
     v_cache: torch.Tensor  # (MLA: the latent's leading columns, a view of k_cache)
@@ -60,6 +62,7 @@ class LayerParts:
     sin: torch.Tensor
     scale: float  # the attention's softmax scale
     shared: NativeMLP | None = None  # the shared expert, added to the routed experts' sum
+    # (a dense layer's MLP)
 
 
 @dataclass(frozen=True)
@@ -103,12 +106,15 @@ class NativeDecodeStack:
     def __init__(self, parts: list[LayerParts]):
         if not self.usable(parts):
             raise ValueError("these layers cannot run as one native decode stack")
-        a, e = parts[0].attention, parts[0].experts
+        a = parts[0].attention
+        moe = next(p for p in parts if p.experts is not None)
         self.parts = parts
         self.num_layers = len(parts)
         self.hidden, self.q_in, self.nh, self.kvh, self.d = a.hidden, a.q_in, a.nh, a.kvh, a.d
-        self.eps, self.isa, self.topk, self.norm = a.eps, a.isa, a.topk, a.norm_topk
-        self.router_experts, self.inter = a.experts, e.inter
+        self.eps, self.isa = a.eps, a.isa
+        self.topk, self.norm = moe.attention.topk, moe.attention.norm_topk
+        self.router_experts, self.inter = moe.attention.experts, moe.experts.inter
+        self.dense = [p.experts is None for p in parts]  # their routing: ids -1
         self._layers = (StackLayer * len(parts))()
         for s, p in zip(self._layers, parts, strict=True):
             s.cos, s.sin = p.cos.data_ptr(), p.sin.data_ptr()
@@ -120,11 +126,16 @@ class NativeDecodeStack:
                     setattr(s, name, v)  # the weights: the pointers before the caches'
                 s.b_qkv, s.b_o, s.sinks, s.router_bias = p.attention._extra_ptrs
                 s.window, s.route = p.attention.window, p.attention.route
-            s.experts, s.first, s.scale = p.experts.count, p.first, p.scale
+            s.scale = p.scale
             if p.shared is not None:
                 s.s13, s.s2 = p.shared.w13.data_ptr(), p.shared.w2.data_ptr()
                 s.shared_inter = p.shared.inter
             e = p.experts
+            if e is None:  # a dense layer: its MLP's activation
+                s.experts, s.first = 0, 0
+                s.act, s.limit, s.alpha = p.shared.act, p.shared.limit, p.shared.alpha
+                continue
+            s.experts, s.first = e.count, p.first
             if isinstance(e, FusedExperts):  # pointer arrays: blocks, scales, biases per side
                 b13, s13, bias13, b2, s2, bias2 = (_address(a) for a in e._p)
                 s.mx_b13, s.mx_s13, s.b13, s.mx_b2, s.mx_s2, s.b2 = b13, s13, bias13, b2, s2, bias2
@@ -136,22 +147,16 @@ class NativeDecodeStack:
 
     @staticmethod
     def usable(parts: list[LayerParts]) -> bool:
-        """One shape and kernel for every layer, routing in the call, caches as the call reads."""
-        if not parts or not gemm.available():
+        """One shape and kernel for every layer, routing in the call, caches as the call reads;
+        dense layers (no router, their MLP native) among MoE ones."""
+        moe = [p for p in parts if p.experts is not None]
+        if not moe or not gemm.available():
             return False
-        a0, e0, c0 = parts[0].attention, parts[0].experts, parts[0].k_cache
-        same_attention = ("hidden", "q_in", "nh", "kvh", "d", "eps", "isa", "experts", "topk")
+        a0, e0, c0 = moe[0].attention, moe[0].experts, parts[0].k_cache
+        same_attention = ("hidden", "q_in", "nh", "kvh", "d", "eps", "isa")
         for p in parts:
-            a, e = p.attention, p.experts
+            a, e, sh = p.attention, p.experts, p.shared
             if any(getattr(a, f) != getattr(a0, f) for f in same_attention):
-                return False
-            if a.norm_topk != a0.norm_topk or a.topk <= 0 or a.experts == 0:
-                return False
-            if (e.inter, e.hidden) != (e0.inter, e0.hidden) or e.hidden != a.hidden:
-                return False
-            if _experts_isa(e) != a.isa:  # the call passes one instruction set to both
-                return False
-            if p.first < 0 or p.first + e.count > a.experts:
                 return False
             if type(a) is not type(a0):  # one kind of attention: the call's sizes are its
                 return False
@@ -161,8 +166,21 @@ class NativeDecodeStack:
                     return False
             if mla and p.v_cache.data_ptr() != p.k_cache.data_ptr():
                 return False  # MLA's V: the latent rows' leading columns
-            sh = p.shared
             if sh is not None and (sh.isa != a.isa or sh.hidden != a.hidden):
+                return False
+            if e is None:  # a dense layer: no router in its call, its MLP native
+                if a.experts or sh is None:
+                    return False
+                continue
+            if (a.experts, a.topk, a.norm_topk) != (a0.experts, a0.topk, a0.norm_topk):
+                return False
+            if a.topk <= 0 or a.experts == 0:
+                return False
+            if (e.inter, e.hidden) != (e0.inter, e0.hidden) or e.hidden != a.hidden:
+                return False
+            if _experts_isa(e) != a.isa:  # the call passes one instruction set to both
+                return False
+            if p.first < 0 or p.first + e.count > a.experts:
                 return False
             if sh is not None and (sh.act, sh.limit, sh.alpha) != _experts_act(e):
                 return False  # the call applies the experts' activation to both

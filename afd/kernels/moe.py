@@ -127,7 +127,8 @@ class InlineExperts:
     message to the shard (afd/kernels/decode_stack.py): only where the shard's whole answer to
     that layer would be this one call (FFNEngine.inline_experts)."""
 
-    native: NativeExperts | FusedExperts  # bf16, or MXFP4 multiplied as stored (mxfp4.py)
+    native: NativeExperts | FusedExperts | None  # bf16, or MXFP4 multiplied as stored
+    # (mxfp4.py); None: a dense layer, `shared` its MLP
     first: int  # global id of native's first expert
     rows_below: int  # the shard takes this call below this many rows per expert (else oneDNN)
     shared: NativeMLP | None = None  # the shared expert (mlp.py), where the layer has one

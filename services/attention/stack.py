@@ -177,11 +177,12 @@ class DecodeStack:
         attention_rows = expert_rows = 1 << 30
         for i, lw in enumerate(model.layers):
             experts = serving.inline_experts(i)
+            count = 0 if experts is None or experts.native is None else experts.native.count
             fits = (
                 lw.fused is not None
                 and experts is not None
                 and cache.k[i].dtype == torch.bfloat16
-                and experts.native.count == lw.fused.experts  # the whole layer: one shard
+                and count == lw.fused.experts  # the whole layer: one shard (dense: none)
             )
             if not fits:
                 runs.append([])
@@ -195,7 +196,7 @@ class DecodeStack:
                 )
             )
             attention_rows = min(attention_rows, lw.o_proj.onednn_from, lw.fused.rows_below)
-            if experts.shared is not None:  # the shared expert's matmuls take every row
+            if experts.shared is not None:  # the shared (dense) MLP's matmuls take every row
                 attention_rows = min(attention_rows, experts.shared_rows_below)
             expert_rows = min(expert_rows, experts.rows_below)
         self._head = None

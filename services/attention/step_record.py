@@ -64,8 +64,9 @@ class RoutedLoad:
 
 def _flat_ids(layer: int, ids: torch.Tensor, e: int) -> np.ndarray:
     """ids [T, k] of `layer`, or [n, T, k] of layers layer .. layer + n - 1, as flat indices
-    into the [L, E] load."""
+    into the [L, E] load; -1 (a dense layer inside a decode stack's run) counts as none."""
     a = to_host(ids).numpy()
     if a.ndim == 3:
-        return (a + (layer + np.arange(a.shape[0]))[:, None, None] * e).ravel()
+        flat = (a + (layer + np.arange(a.shape[0]))[:, None, None] * e).ravel()
+        return flat[a.ravel() >= 0] if bool((a < 0).any()) else flat
     return a.ravel() + layer * e

@@ -105,14 +105,18 @@ class FFNEngine:
     def inline_experts(self, layer: int) -> InlineExperts | None:
         """This layer's experts for a caller in this process that computes the decode step
         natively (the attention side's decode stack), where compute() would answer a bf16
-        message with that call alone (and its shared expert's native call, where it has one):
-        no dense MLP here, no injected delay, bf16 on the CPU. None where anything else would
-        run."""
+        message with that call alone (and its shared expert's native call, where it has one;
+        a dense layer's MLP where that is one native call): no injected delay, bf16 on the CPU.
+        None where anything else would run."""
         g = self.experts.get(layer)
-        if g is None or self.inject_delay_s or layer in self.dense:
+        if self.inject_delay_s or self.dtype != torch.bfloat16 or self.device.type != "cpu":
             return None
-        if self.dtype != torch.bfloat16 or self.device.type != "cpu":
-            return None
+        if g is None:  # a dense layer: its MLP in one native call, where it has one
+            m = self.dense.get(layer)
+            if m is None or m.native is None:
+                return None
+            rows = min(m.w13.onednn_from, m.w2.onednn_from)
+            return InlineExperts(None, 0, paths.NEVER, m.native, rows)
         shared, shared_rows = None, 0
         if layer in self.shared:  # added by the same call as mlp.add_into adds it (mlp.c)
             m = self.shared[layer]

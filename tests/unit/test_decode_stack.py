@@ -1,8 +1,8 @@
 """A decode step's layers as one native call (services/attention/stack.py) against the layer
 loop it replaces: on each of afd's kernel paths this machine runs, the same tokens with the same
 logprobs, the same routing counted, and every layer's timing kept. Qwen3-MoE's test checkpoint
-has a dense layer between two MoE layers (two stacks and the loop between them), Mixtral's is
-MoE throughout (one stack); gpt-oss's (biases, sinks, sliding windows, its own router, experts
+has a dense layer between two MoE layers (its MLP in the stack too), Mixtral's is MoE
+throughout; gpt-oss's (biases, sinks, sliding windows, its own router, experts
 with biases and the clamped SwiGLU) once with BF16 experts and once with MXFP4 ones multiplied
 as stored; DeepSeek-V3's (MLA, grouped sigmoid routing with a selection bias, a shared expert,
 a dense first layer); Step-3's (MFA, a shared expert, dense layers: the demo model's shape). A
@@ -104,7 +104,7 @@ def test_the_stack_embeds_the_tokens_and_its_head_picks_greedy_ones(
 ):
     """Greedy steps without logprobs: a stack that starts the model embeds the step's tokens in
     its call, and its head's argmax is the step's pick (the sampler reads no logits); the
-    tokens are the layer loop's. Qwen3's second stack starts after its dense layer."""
+    tokens are the layer loop's (Qwen3's dense layer inside the stack)."""
     from services.attention import sampler
     from services.attention.model import AttentionModel
     from services.attention.stack import DecodeStack
@@ -142,14 +142,27 @@ def test_a_token_outside_the_embedding_fails_the_call_before_it_runs(native_path
         assert torch.equal(stack.parts[0].k_cache, k), "a layer ran"
 
 
-def test_a_dense_layer_splits_the_stack(native_path, qwen3_dir):
+def test_a_dense_layer_joins_the_stack_where_its_mlp_is_one_native_call(
+    native_path, qwen3_dir, monkeypatch
+):
+    """Qwen3's test checkpoint has a dense layer between MoE layers: its MLP runs in the stack
+    (mlp.c), so one stack runs every layer (and can run bursts); where that MLP is not one
+    native call, the dense layer splits the stack and runs in the loop."""
+    from afd.kernels.mlp import NativeMLP
+
     cfg = ModelConfig.from_hf(qwen3_dir)
     dense = [i for i in range(cfg.num_layers) if not cfg.is_moe(i)]
     assert dense, "the test checkpoint lost its dense layer"
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     with local_engine(_config(qwen3_dir, True), 1, progress=False) as eng:
-        eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-        starts = sorted(eng.runner.stack._stacks)
-    assert starts == [0, dense[0] + 1]
+        eng.generate([[1, 2, 3]], sp)
+        stacks = eng.runner.stack._stacks
+        assert sorted(stacks) == [0]
+        assert stacks[0].dense == [i in dense for i in range(cfg.num_layers)]
+    monkeypatch.setattr(NativeMLP, "usable", staticmethod(lambda w13, w2: False))
+    with local_engine(_config(qwen3_dir, True), 1, progress=False) as eng:
+        eng.generate([[1, 2, 3]], sp)
+        assert sorted(eng.runner.stack._stacks) == [0, dense[0] + 1]
 
 
 def _tie(layer: int):
