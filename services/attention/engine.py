@@ -302,9 +302,12 @@ class Engine:
             if req.finished:
                 self.runner.release(req.request_id)
         drafted = [len(s.draft_ids) for s in plan.scheduled if s.draft_ids]
-        kept = sum(map(len, done.kept.values()))
+        # the drafts kept of the requests that drafted (a burst's tokens come back as kept
+        # drafts too, runner.py, but were never drafted: a burst's step drafts nothing)
+        ids = [s.request.request_id for s in plan.scheduled if s.draft_ids]
+        lengths = [len(done.kept.get(rid, ())) for rid in ids]
+        kept = sum(lengths)
         drafts = (len(drafted), sum(drafted), kept)
-        lengths = [len(k) for k in done.kept.values()]
         kept_at = tuple(sum(n > i for n in lengths) for i in range(max(lengths, default=0)))
         if drafted and self.scheduler.drafter is not None:  # how far each guesses next
             for s in plan.scheduled:

@@ -180,6 +180,31 @@ def test_bf16_drafts_change_no_token_on_each_native_path(refs, family, native_pa
     assert got == plain
 
 
+def test_a_bursts_tokens_are_not_counted_as_kept_drafts(refs, native_path, monkeypatch):
+    """Mixtral's test model runs as one decode stack, so its plain decode steps burst (a burst
+    hands its tokens back as kept drafts, runner.py): the drafts counted kept are the verified
+    ones only, never more than were drafted, and the tokens are the plain engine's."""
+    from services.attention import burst
+
+    bursts = []
+    extend = burst.extend
+
+    def spy(*a, **kw):
+        plan = extend(*a, **kw)
+        bursts.extend(s.burst for s in plan.scheduled if s.burst > 1)
+        return plan
+
+    monkeypatch.setattr(burst, "extend", spy)
+    path, _ = refs["mixtral"]
+    cfg = replace(engine_cfg(path, dtype="bfloat16", budget=64), decode_stack=True)
+    plain, *_ = spec_greedy(cfg)
+    bursts.clear()
+    got, drafted, kept, _ = spec_greedy(replace(cfg, speculative=SPEC))
+    assert bursts and drafted > 0, "no burst, or no draft, to tell apart"
+    assert 0 <= kept <= drafted
+    assert got == plain
+
+
 def test_random_greedy_requests_draft_to_the_same_tokens(refs):
     """A differential check over many mixed parameter sets (fixed seeds): a batch of greedy
     requests with random max_tokens, min_tokens, stop tokens, penalties, logit biases, bad
