@@ -30,6 +30,11 @@ class DecodeWeights:
     window: int = 0  # > 0: the keys a query sees, itself included (gpt-oss's sliding layers)
 
 
+def cpu_bf16(*tensors: torch.Tensor | None) -> bool:
+    """Every tensor given (None: absent) is bf16 on the CPU: what the fused calls read."""
+    return all(t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu") for t in tensors)
+
+
 class NativeDecodeLayer:
     """One layer's weights (bf16, contiguous, kept referenced here) for the fused call."""
 
@@ -88,9 +93,7 @@ class NativeDecodeLayer:
             and dw.q_in % 8 == 0
             and num_heads % num_kv_heads == 0
             and (dw.w_q is not None or dw.q_in == num_heads * head_dim)
-            and all(
-                t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu") for t in tensors
-            )
+            and cpu_bf16(*tensors)
         )
 
     def __call__(

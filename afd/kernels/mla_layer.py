@@ -11,7 +11,7 @@ import torch
 
 from afd.kernels import gemm
 from afd.kernels import topk as topk_ties
-from afd.kernels.decode_layer import Routing
+from afd.kernels.decode_layer import Routing, cpu_bf16
 from afd.kernels.heads import HeadMatmul
 
 _POINTERS = (
@@ -113,9 +113,7 @@ class NativeMLALayer:
             and q_in % 8 == 0
             and mw.uv.n % 8 == 0
             and (mw.qr == 0) == (mw.w_qb is None)
-            and all(
-                t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu") for t in tensors
-            )
+            and cpu_bf16(*tensors)
         )
 
     def __call__(

@@ -146,13 +146,18 @@ def test_bf16_torch_path_1a2f_gives_the_in_process_tokens(qwen3_dir, tmp_path):
 
     with paths.use("torch"):
         want, _ = afd_greedy(engine_cfg(qwen3_dir, dtype="bfloat16", S=2), num_ffn=2)
+    assert _bf16_cluster_tokens(qwen3_dir, 2, 2, tmp_path, TORCH_PATH, P) == want
+
+
+def _bf16_cluster_tokens(model, n_ffn: int, S: int, tmp_path, env, prompts) -> list[list[int]]:
+    """16 greedy tokens a prompt from one attention server and n_ffn FFN processes over tcp,
+    bf16 on the wire."""
     procs = Procs(tmp_path)
     try:
-        _, att = _start_cluster(procs, qwen3_dir, "tcp", 1, 2, 2, tmp_path, dtype="bfloat16",
-                                env=TORCH_PATH)  # fmt: skip
-        with ThreadPoolExecutor(len(P)) as ex:
-            got = [f.result()[0] for f in [ex.submit(generate, att[0], p, 16) for p in P]]
-        assert got == want
+        _, att = _start_cluster(procs, model, "tcp", 1, n_ffn, S, tmp_path, dtype="bfloat16",
+                                env=env)  # fmt: skip
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            return [f.result()[0] for f in [ex.submit(generate, att[0], p, 16) for p in prompts]]
     finally:
         procs.stop_all()
 
@@ -174,15 +179,7 @@ def test_bf16_fused_mla_1a1f_over_tcp_gives_the_in_process_tokens(
     env = {"AFD_ONEDNN_FROM_ROWS": "0"}  # afd's matmuls at every row count, here and there
     monkeypatch.setenv("AFD_ONEDNN_FROM_ROWS", "0")
     want, _ = afd_greedy(engine_cfg(deepseek_dir, dtype="bfloat16", S=1), num_ffn=1)
-    procs = Procs(tmp_path)
-    try:
-        _, att = _start_cluster(procs, deepseek_dir, "tcp", 1, 1, 1, tmp_path, dtype="bfloat16",
-                                env=env)  # fmt: skip
-        with ThreadPoolExecutor(len(P)) as ex:
-            got = [f.result()[0] for f in [ex.submit(generate, att[0], p, 16) for p in P]]
-        assert got == want
-    finally:
-        procs.stop_all()
+    assert _bf16_cluster_tokens(deepseek_dir, 1, 1, tmp_path, env, P) == want
 
 
 def test_gpt_oss_mxfp4_1a2f_over_tcp_matches_transformers(tmp_path):
