@@ -20,7 +20,6 @@
 #include "bf16.h"
 #include "mla_layer.h"
 
-
 int afd_route_rows(const uint16_t *logits, const float *bias, int T, int E, int k, int route,
                    int norm, int G, int kg, float scaling, int32_t *ids, float *w);
 

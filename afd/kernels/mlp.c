@@ -5,7 +5,8 @@
  *   out = bf16(out + act(x @ w13^T) @ w2^T)     w13 [2I, H]: gate rows, then up rows
  *
  * the matmuls on the path's kernels (afd_gemm_isa), the activation experts.c's (each step
- * rounded to bf16 as the torch path rounds it), the add rounded once as torch's `out += y`. */
+ * rounded to bf16 as the torch path rounds it; its exp may differ from torch's in the last bit,
+ * experts.h), the add rounded once as torch's `out += y`. */
 #include <stdlib.h>
 
 #include "bf16.h"
