@@ -139,11 +139,10 @@ class NativeDecodeStack:
             if isinstance(e, FusedExperts):  # pointer arrays: blocks, scales, biases per side
                 b13, s13, bias13, b2, s2, bias2 = (_address(a) for a in e._p)
                 s.mx_b13, s.mx_s13, s.b13, s.mx_b2, s.mx_s2, s.b2 = b13, s13, bias13, b2, s2, bias2
-                s.act, s.limit, s.alpha = e.act, e.limit, e.alpha
             else:
                 s.w13, s.w2 = _address(e._p13), _address(e._p2)
                 s.b13, s.b2 = _address(e._pb13), _address(e._pb2)
-                s.act, s.limit, s.alpha = ACTS[e.act[0]], e.act[1], e.act[2]
+            s.act, s.limit, s.alpha = _experts_act(e)
 
     @staticmethod
     def usable(parts: list[LayerParts]) -> bool:

@@ -115,12 +115,11 @@ class FFNEngine:
             m = self.dense.get(layer)
             if m is None or m.native is None:
                 return None
-            rows = min(m.w13.onednn_from, m.w2.onednn_from)
-            return InlineExperts(None, 0, paths.NEVER, m.native, rows)
+            return InlineExperts(None, 0, paths.NEVER, m.native, m.native_below)
         shared, shared_rows = None, 0
         if layer in self.shared:  # added by the same call as mlp.add_into adds it (mlp.c)
             m = self.shared[layer]
-            shared, shared_rows = m.native, min(m.w13.onednn_from, m.w2.onednn_from)
+            shared, shared_rows = m.native, m.native_below
             if shared is None:
                 return None
         if g.fused_mx is not None and native_mxfp4.usable():  # routed_experts' first choice,

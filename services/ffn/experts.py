@@ -34,12 +34,16 @@ class MLPWeights:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return mlp(x, self.w13, self.w2, self.act)
 
+    @property
+    def native_below(self) -> int:
+        """The rows of x below which `native` runs (its matmuls' rule, ops.Linear.ours)."""
+        return min(self.w13.onednn_from, self.w2.onednn_from)
+
     def add_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, H] += the MLP of x [T, H], in place."""
-        T = x.shape[0]
         n = self.native
         cpu_bf16 = x.dtype == out.dtype == torch.bfloat16 and x.device.type == "cpu"
-        if n is not None and cpu_bf16 and self.w13.ours(T) and self.w2.ours(T):
+        if n is not None and cpu_bf16 and x.shape[0] < self.native_below:
             n.add_into(x.contiguous(), out)
             return
         out += self(x)
