@@ -44,6 +44,14 @@ def deepseek_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def dsa_dir(tmp_path_factory):
+    """DeepSeek-V3.2 (sparse attention, 8 tokens kept per query) at the fused MLA layer's dims,
+    its indexer's keys wider than the rotary part they share."""
+    path = tmp_path_factory.mktemp("dsa") / "ckpt"
+    return checkpoints.deepseek_v32(path, index_head_dim=32, **checkpoints.MLA_FUSED_DIMS)
+
+
+@pytest.fixture(scope="session")
 def gpt_oss_mxfp4_dir(gpt_oss_dir, tmp_path_factory):
     """The same model with its experts in MXFP4 (the checkpoint layout)."""
     return checkpoints.gpt_oss_mxfp4(gpt_oss_dir, tmp_path_factory.mktemp("gpt_oss_mx"))[0]

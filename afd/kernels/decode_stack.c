@@ -82,6 +82,7 @@ typedef struct {
    * dense layer (experts 0): its MLP, with the activation in act, limit, alpha */
   const uint16_t *s13, *s2;
   int64_t shared_inter;
+  uint16_t *index_cache; /* a DSA layer's indexer keys [NB, bs, dim], or NULL */
 } afd_stack_layer;
 
 static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamps are its */
@@ -159,9 +160,9 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
     *at = l;
     stamps[3 * l] = wall_seconds();
     int r = w->mla ? afd_bf16_mla_decode_layer(w->mla, h, h_attn, x, w->cos, w->sin, pos, slots,
-                                               w->k_cache, blocks, lens, T, NB, bs, nb,
-                                               (float)w->scale, threads, isa, logits, ids_l,
-                                               weights_l)
+                                               w->k_cache, w->index_cache, blocks, lens, T, NB,
+                                               bs, nb, (float)w->scale, threads, isa, logits,
+                                               ids_l, weights_l)
                    : afd_bf16_decode_layer_ext(
                          h, h_attn, x, w->attn_norm, w->ffn_norm, w->w_qkv, w->q_norm, w->k_norm,
                          w->inter_norm, w->w_q, w->w_o, w->cos, w->sin, pos, slots, w->k_cache,

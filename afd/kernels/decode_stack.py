@@ -44,6 +44,7 @@ class StackLayer(ctypes.Structure):
         ("alpha", ctypes.c_double),
         *((name, ctypes.c_void_p) for name in ("mla", "s13", "s2")),
         ("shared_inter", ctypes.c_int64),
+        ("index_cache", ctypes.c_void_p),
     ]
 
 
@@ -63,6 +64,7 @@ class LayerParts:
     scale: float  # the attention's softmax scale
     shared: NativeMLP | None = None  # the shared expert, added to the routed experts' sum
     # (a dense layer's MLP)
+    index_cache: torch.Tensor | None = None  # [NB, bs, dim] bf16: a DSA layer's indexer keys
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,8 @@ class NativeDecodeStack:
             s.k_cache, s.v_cache = p.k_cache.data_ptr(), p.v_cache.data_ptr()
             if isinstance(p.attention, NativeMLALayer):
                 s.mla = ctypes.addressof(p.attention.layer)
+                if p.index_cache is not None:
+                    s.index_cache = p.index_cache.data_ptr()
             else:
                 for name, v in zip(_POINTERS, p.attention._ptrs, strict=False):
                     setattr(s, name, v)  # the weights: the pointers before the caches'
@@ -165,6 +169,8 @@ class NativeDecodeStack:
                     return False
             if mla and p.v_cache.data_ptr() != p.k_cache.data_ptr():
                 return False  # MLA's V: the latent rows' leading columns
+            if not _index_cache_fits(p):
+                return False
             if sh is not None and (sh.isa != a.isa or sh.hidden != a.hidden):
                 return False
             if e is None:  # a dense layer: no router in its call, its MLP native
@@ -280,6 +286,21 @@ class NativeDecodeStack:
             rc, h, h_attn, x, logits, ids[: n * L], weights[: n * L], stamps[: n * L],
             out[n - 1], argmax[n - 1], argmax[:n], out[:n],
         )  # fmt: skip
+
+
+def _index_cache_fits(p: LayerParts) -> bool:
+    """A DSA layer (an indexed MLA call) has its indexer keys as the call reads them; no other
+    layer has any."""
+    a, ix = p.attention, p.index_cache
+    if not (isinstance(a, NativeMLALayer) and a.indexed):
+        return ix is None
+    _, NB, bs, _ = p.k_cache.shape
+    return (
+        ix is not None
+        and ix.dtype == torch.bfloat16
+        and ix.is_contiguous()
+        and tuple(ix.shape) == (NB, bs, a.index_dim)
+    )
 
 
 def _address(ptrs) -> int | None:

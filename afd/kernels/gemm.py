@@ -62,7 +62,12 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_prefill_softmax.restype = i
     lib.afd_bf16_index_scores.argtypes = [p, p, p, p, i, p, i, i, i, i, i, i, f, i]
     lib.afd_bf16_index_scores.restype = i
+    i64 = ctypes.c_int64
+    lib.afd_topk_positions.argtypes = [p, i, i64, i, p, p, i]
+    lib.afd_topk_positions.restype = i
     L = ctypes.c_long
+    lib.afd_bf16_layer_norm.argtypes = [p, L, p, p, p, i, i, f]
+    lib.afd_bf16_layer_norm.restype = i
     lib.afd_bf16_rms_norm.argtypes = [p, L, L, p, p, i, i, i, f, i, i]
     lib.afd_bf16_rms_norm.restype = i
     lib.afd_bf16_rope.argtypes = [p, L, p, i, i, i, p, p, p, i, i]
@@ -72,7 +77,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_head_matmul.argtypes = [p, L, L, p, p, L, L, i, i, i, i, i, i]
     lib.afd_bf16_head_matmul.restype = i
     # the layer's weights (a ctypes Structure by reference), then the call's tensors and sizes
-    lib.afd_bf16_mla_decode_layer.argtypes = [p] * 11 + [i] * 4 + [f, i, i, p, p, p]
+    lib.afd_bf16_mla_decode_layer.argtypes = [p] * 12 + [i] * 4 + [f, i, i, p, p, p]
     lib.afd_bf16_mla_decode_layer.restype = i
     lib.afd_bf16_mlp_add.argtypes = [p, p, p, p, i, i, i, i, f, f, i, i]
     lib.afd_bf16_mlp_add.restype = i

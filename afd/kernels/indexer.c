@@ -10,9 +10,13 @@
  *
  * Work is split over (row, block) pairs; a block's bs positions are scored 8 at a time, each
  * query head's 8 dot products reduced together. */
+#include <math.h>
 #include <omp.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
+#include "indexer.h"
 
 /* Scores of up to 8 positions whose keys (fp32, zero-padded) are kt[8][D]. */
 static inline __m256 score8(const float *q, const float *w, const float *kt, int H, int D,
@@ -75,4 +79,136 @@ int afd_bf16_index_scores(const float *q, const float *w, const uint16_t *pool,
     }
   }
   return bad ? -1 : 0;
+}
+
+/* A float's order as an unsigned key (larger value, larger key); both zeros the same key, so
+ * their tie goes by position like any other. */
+static inline uint32_t order_key(float f) {
+  uint32_t u;
+  if (f == 0.0f) f = 0.0f;
+  memcpy(&u, &f, sizeof u);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* One row's selection: the k highest scores above -inf (NaN counts as none), ascending
+ * positions, ties at the cut to the lower positions. The k-th highest key is found a byte at a
+ * time from the top (a radix select: four counting passes over the row, whatever its values). */
+static int64_t topk_row(const float *s, int64_t L, int k, int64_t *pos) {
+  int64_t m = 0;
+  for (int64_t l = 0; l < L; l++) m += s[l] > -INFINITY;
+  int64_t c = 0;
+  if (m <= k) {
+    for (int64_t l = 0; l < L; l++)
+      if (s[l] > -INFINITY) pos[c++] = l;
+    return c;
+  }
+  uint32_t prefix = 0, mask = 0;
+  int64_t want = k; /* the rank of the k-th highest among the keys under prefix */
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    int64_t hist[256] = {0};
+    for (int64_t l = 0; l < L; l++) {
+      if (!(s[l] > -INFINITY)) continue;
+      uint32_t key = order_key(s[l]);
+      if ((key & mask) == prefix) hist[(key >> shift) & 255]++;
+    }
+    int b = 255;
+    for (; b > 0 && hist[b] < want; b--) want -= hist[b];
+    prefix |= (uint32_t)b << shift, mask |= 255u << shift;
+  }
+  /* every key above prefix, and `want` of those equal to it, the first ones */
+  for (int64_t l = 0; l < L; l++) {
+    if (!(s[l] > -INFINITY)) continue;
+    uint32_t key = order_key(s[l]);
+    if (key > prefix || (key == prefix && want-- > 0)) pos[c++] = l;
+  }
+  return c;
+}
+
+/* scores [n, L] fp32 -> pos [n, k] int64 (each row's first count[i] entries: its selection,
+ * ascending; the rest 0) and count [n] int64. The rule both DSA decode paths select by
+ * (sparse_attention.py's native path, the fused layer below), so they read the same rows;
+ * torch's topk breaks ties its own way. Returns 0, or -1 for k < 1. */
+int afd_topk_positions(const float *scores, int n, int64_t L, int k, int64_t *pos,
+                       int64_t *count, int threads) {
+  if (k < 1) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 1)
+  for (int i = 0; i < n; i++) {
+    int64_t *p = pos + (size_t)i * k;
+    int64_t c = topk_row(scores + (size_t)i * L, L, k, p);
+    for (int64_t j = c; j < k; j++) p[j] = 0;
+    count[i] = c;
+  }
+  return 0;
+}
+
+static int by_value(const void *a, const void *b) {
+  int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return (x > y) - (x < y);
+}
+
+#define GEMM(x, w, y, M, N, K) afd_gemm_isa(x, w, y, M, N, K, threads, isa)
+
+int afd_bf16_layer_norm(const uint16_t *x, long sa, const uint16_t *w, const uint16_t *b,
+                        uint16_t *y, int A, int D, float eps);
+
+/* A decode micro-batch's selection, as sparse_attention.py's DSA.index_query and select
+ * compute it op by op (the same kernels, so the same rows): from the attention's normed input
+ * xn [T, H] and the normalised query latent ql [T, qr],
+ *   q = rope(ql @ w_q^T) per head [T, heads, dim]; [k | weights] = xn @ w_k^T
+ *   k = rope(layer_norm(k)), written at each token's slot of index_cache [NB, bs, dim]
+ *   score[l] = weight_scale * sum_h weights_h relu(score_scale q_h . k_l), for l < lens[t]
+ * RoPE (half-split) turns each head's first dr values. Out: table [T, K] int64 (K = min(topk,
+ * nb * bs)), each row's selected slots ascending in its first counts[t] entries (the rest
+ * NB * bs, never read), counts [T]. Returns 0, or -1 (bad sizes, memory short, a slot or
+ * block outside the pools, a row with nothing to attend). */
+int afd_dsa_decode_select(const afd_indexer *ix, const uint16_t *xn, const uint16_t *ql, int H,
+                          int qr, int dr, const uint16_t *cos, const uint16_t *sin,
+                          const int64_t *pos, const int64_t *slots, uint16_t *index_cache,
+                          const int64_t *blocks, const int64_t *lens, int T, int NB, int bs,
+                          int nb, int threads, int isa, int64_t *table, int64_t *counts) {
+  const int hI = (int)ix->heads, Di = (int)ix->dim, W = Di + hI, Q = hI * Di;
+  const int64_t L = (int64_t)nb * bs, rows = (int64_t)NB * bs;
+  const int K = ix->topk < L ? (int)ix->topk : (int)L;
+  if (Di % 8 || Di > 256 || dr % 16 || dr > Di || qr <= 0 || K < 1) return -1;
+  uint16_t *q = (uint16_t *)afd_alloc64((size_t)T * Q * 2);
+  uint16_t *kw = (uint16_t *)afd_alloc64((size_t)T * W * 2);
+  uint16_t *kn = (uint16_t *)afd_alloc64((size_t)T * Di * 2);
+  float *qf = (float *)afd_alloc64((size_t)T * Q * 4);
+  float *wf = (float *)afd_alloc64((size_t)T * hI * 4);
+  float *scores = (float *)afd_alloc64((size_t)T * L * 4);
+  int64_t *sel = (int64_t *)afd_alloc64((size_t)T * K * 8);
+  int rc = -1;
+  if (!q || !kw || !kn || !qf || !wf || !scores || !sel) goto done;
+  if (GEMM(ql, ix->w_q, q, T, Q, qr) || GEMM(xn, ix->w_k, kw, T, W, H)) goto done;
+  if (afd_bf16_layer_norm(kw, W, ix->k_norm, ix->k_bias, kn, T, Di, (float)ix->norm_eps))
+    goto done;
+  if (afd_bf16_rope_heads(q, Q, Di, q, Q, Di, T, hI, dr, cos, sin, pos, threads, isa) ||
+      afd_bf16_rope_heads(kn, Di, Di, kn, Di, Di, T, 1, dr, cos, sin, pos, threads, isa))
+    goto done;
+  for (int t = 0; t < T; t++) {
+    if (slots[t] < 0 || slots[t] >= rows || lens[t] < 1 || lens[t] > L) goto done;
+    memcpy(index_cache + (size_t)slots[t] * Di, kn + (size_t)t * Di, (size_t)Di * 2);
+  }
+  for (size_t i = 0; i < (size_t)T * Q; i++) qf[i] = bf16_value(q[i]);
+  const float wscale = (float)ix->weight_scale;
+  for (int t = 0; t < T; t++)
+    for (int h = 0; h < hI; h++) wf[t * hI + h] = bf16_value(kw[(size_t)t * W + Di + h]) * wscale;
+  if (afd_bf16_index_scores(qf, wf, index_cache, blocks, 0, scores, T, hI, Di, NB, nb, bs,
+                            (float)ix->score_scale, threads))
+    goto done;
+  for (int t = 0; t < T; t++)
+    for (int64_t l = lens[t]; l < L; l++) scores[(size_t)t * L + l] = -INFINITY;
+  if (afd_topk_positions(scores, T, L, K, sel, counts, threads)) goto done;
+  for (int t = 0; t < T; t++) {
+    int64_t *row = table + (size_t)t * K;
+    const int64_t *p = sel + (size_t)t * K, *bt = blocks + (size_t)t * nb;
+    for (int64_t j = 0; j < counts[t]; j++) row[j] = bt[p[j] / bs] * bs + p[j] % bs;
+    qsort(row, (size_t)counts[t], sizeof(int64_t), by_value);
+    for (int64_t j = counts[t]; j < K; j++) row[j] = rows;
+    if (counts[t] < 1) goto done;
+  }
+  rc = 0;
+done:
+  free(q), free(kw), free(kn), free(qf), free(wf), free(scores), free(sel);
+  return rc;
 }

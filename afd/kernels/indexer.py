@@ -1,8 +1,12 @@
-"""The sparse-attention indexer's scores in one native call (afd_bf16_index_scores in
-indexer.c): the bf16 key pool read in place, where the torch path gathers a row's blocks and
-widens them to fp32 before its matmul."""
+"""The sparse-attention indexer in native calls (indexer.c): its scores (the bf16 key pool read
+in place, where the torch path gathers a row's blocks and widens them to fp32 before its
+matmul), the top-k rule both DSA decode paths select by, and the weights the fused MLA layer
+takes to select a decode batch's rows itself."""
 
 from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -45,3 +49,60 @@ def index_scores(
     if rc:
         raise RuntimeError("afd_bf16_index_scores: a block id outside the pool")
     return out
+
+
+def topk_positions(
+    scores: torch.Tensor,  # [n, L] float32: -inf (or NaN) never selected
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # pos [n, k] long, count [n] long
+    """Each row's (up to) k highest scores' positions, ascending in its first count[i] entries
+    (the rest 0); among equal scores at the cut the lower positions. torch's topk breaks such
+    ties its own way, so the fused layer's selection and the per-op path's agree only if both
+    take this one."""
+    n, L = scores.shape
+    scores = scores.float().contiguous()
+    pos = torch.empty(n, k, dtype=torch.long)
+    count = torch.empty(n, dtype=torch.long)
+    rc = gemm._lib().afd_topk_positions(
+        scores.data_ptr(), n, L, k, pos.data_ptr(), count.data_ptr(), torch.get_num_threads()
+    )
+    if rc:
+        raise ValueError(f"topk_positions: k must be at least 1, not {k}")
+    return pos, count
+
+
+@dataclass(frozen=True)
+class IndexerWeights:
+    """What DSA adds to the fused MLA layer (dsa.py: decode_weights): the indexer's matmul
+    weights laid out for the layer's path, its key's LayerNorm and sizes."""
+
+    w_q: torch.Tensor  # [heads * dim, qr]
+    w_k: torch.Tensor  # [dim + heads, H]: the key, then the heads' weights
+    k_norm: torch.Tensor  # [dim] bf16
+    k_bias: torch.Tensor  # [dim] bf16
+    heads: int
+    dim: int
+    topk: int
+    norm_eps: float
+
+
+class Indexer(ctypes.Structure):
+    """indexer.h's afd_indexer: the same fields in the same order."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("w_q", "w_k", "k_norm", "k_bias")] + [
+        ("heads", ctypes.c_int64),
+        ("dim", ctypes.c_int64),
+        ("topk", ctypes.c_int64),
+        ("weight_scale", ctypes.c_double),
+        ("score_scale", ctypes.c_double),
+        ("norm_eps", ctypes.c_double),
+    ]
+
+    @classmethod
+    def of(cls, iw: IndexerWeights) -> Indexer:
+        """The struct for iw (whose tensors the caller keeps referenced); the scales as
+        dsa.py computes them, in double, cast to float by the call."""
+        return cls(
+            iw.w_q.data_ptr(), iw.w_k.data_ptr(), iw.k_norm.data_ptr(), iw.k_bias.data_ptr(),
+            iw.heads, iw.dim, iw.topk, iw.heads**-0.5, iw.dim**-0.5, iw.norm_eps,
+        )  # fmt: skip

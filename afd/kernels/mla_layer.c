@@ -7,7 +7,8 @@
  *   q  = rms_norm(q_in, q_a_norm) @ w_qb^T        (q_in itself where there is no query rank)
  *   the cache row at each token's slot = [rms_norm(latent, kv_a_norm), rope(k_pe)]
  *   each head's absorbed query = [q_nope @ W_UK_h, rope(q_pe)]      width r + dr
- *   o_h = paged decode attention over the latent rows (V = their first r values)
+ *   o_h = paged decode attention over the latent rows (V = their first r values); with DSA's
+ *         indexer (ix), over the rows it selects only (indexer.c: afd_dsa_decode_select)
  *   v_h = o_h @ W_UV_h;  h' = bf16(h + v @ w_o^T);  x = rms_norm(h', ffn_norm)
  *   with w_router: logits = x @ w_router^T, and with topk > 0 the routing (decode_layer.c's
  *   afd_route_rows: DeepSeek's sigmoid, selection bias and groups)
@@ -26,14 +27,15 @@ int afd_route_rows(const uint16_t *logits, const float *bias, int T, int E, int 
 #define GEMM(x, w, y, M, N, K) afd_gemm_isa(x, w, y, M, N, K, threads, isa)
 
 /* h [T, H] in; h_out, x_out [T, H] out. cos, sin [P, dr]; pos, slots [T]; cache [NB, bs, r + dr]
- * (the layer's one latent head); blocks [T, nb]; lens [T]; logits [T, E] out where w_router,
+ * (the layer's one latent head); index_cache [NB, bs, ix->dim] where ix (else unused); blocks
+ * [T, nb]; lens [T]; logits [T, E] out where w_router,
  * and ids [T, topk] int32, weights [T, topk] float32 where topk > 0 too. Returns 0; 1 where
  * the routing is left to the caller (a tie across a top-k cut; every other output written);
  * -1 (bad sizes, memory short, a length past the block table). */
 int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_t *h_out,
                               uint16_t *x_out, const uint16_t *cos, const uint16_t *sin,
                               const int64_t *pos, const int64_t *slots, uint16_t *cache,
-                              const int64_t *blocks, const int64_t *lens, int T, int NB, int bs,
+                              uint16_t *index_cache, const int64_t *blocks, const int64_t *lens, int T, int NB, int bs,
                               int nb, float scale, int threads, int isa, uint16_t *logits,
                               int32_t *ids, float *weights) {
   const int H = (int)L->H, qr = (int)L->qr, nh = (int)L->nh, dn = (int)L->dn, dr = (int)L->dr;
@@ -49,8 +51,13 @@ int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_
   uint16_t *qa = (uint16_t *)afd_alloc64((size_t)T * nh * D * 2); /* the absorbed queries */
   uint16_t *att = (uint16_t *)afd_alloc64((size_t)T * nh * r * 2);
   uint16_t *o = (uint16_t *)afd_alloc64((size_t)T * nh * dv * 2);
+  /* the attention's rows: the block table, or DSA's selection as one-row blocks */
+  const int64_t L_ix = (int64_t)nb * bs, K_ix = L->ix && L->ix->topk < L_ix ? L->ix->topk : L_ix;
+  int64_t *table = L->ix ? (int64_t *)afd_alloc64((size_t)T * K_ix * 8) : NULL;
+  int64_t *counts = L->ix ? (int64_t *)afd_alloc64((size_t)T * 8) : NULL;
   int rc = -1;
   if (!xn || !a || (qr && (!ql || !qb)) || !qa || !att || !o) goto done;
+  if (L->ix && (!table || !counts || !qr || !index_cache)) goto done;
   if (afd_bf16_rms_norm(h, H, 0, L->attn_norm, xn, T, 1, H, eps, threads, isa)) goto done;
   if (GEMM(xn, L->w_a, a, T, A, H)) goto done;
   /* this step's cache rows: the normed latent, then the rotary key */
@@ -73,8 +80,15 @@ int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_
     goto done;
   if (afd_bf16_head_matmul(q, qs, hd, L->w_uk, qa, (long)nh * D, D, T, nh, r, dn, threads, isa))
     goto done;
-  if (afd_bf16_decode_attention_ext(qa, cache, cache, blocks, lens, att, T, 1, nh, D, r, NB, bs,
-                                    nb, scale, NULL, 0, threads, isa))
+  if (L->ix) { /* before xn is reused below */
+    if (afd_dsa_decode_select(L->ix, xn, ql, H, qr, dr, cos, sin, pos, slots, index_cache, blocks,
+                              lens, T, NB, bs, nb, threads, isa, table, counts))
+      goto done;
+    if (afd_bf16_decode_attention_ext(qa, cache, cache, table, counts, att, T, 1, nh, D, r,
+                                      NB * bs, 1, (int)K_ix, scale, NULL, 0, threads, isa))
+      goto done;
+  } else if (afd_bf16_decode_attention_ext(qa, cache, cache, blocks, lens, att, T, 1, nh, D, r,
+                                           NB, bs, nb, scale, NULL, 0, threads, isa))
     goto done;
   if (afd_bf16_head_matmul(att, (long)nh * r, r, L->w_uv, o, (long)nh * dv, dv, T, nh, dv, r,
                            threads, isa))
@@ -89,6 +103,6 @@ int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_
                         (int)L->norm, (int)L->groups, (int)L->topk_groups, (float)L->scaling,
                         ids, weights);
 done:
-  free(xn), free(a), free(ql), free(qb), free(qa), free(att), free(o);
+  free(xn), free(a), free(ql), free(qb), free(qa), free(att), free(o), free(table), free(counts);
   return rc;
 }

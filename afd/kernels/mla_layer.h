@@ -4,6 +4,8 @@
 #define AFD_MLA_LAYER_H
 #include <stdint.h>
 
+#include "indexer.h"
+
 /* mla_layer.py's MLALayer: the same fields in the same order. Matmul weights laid out for the
  * call's isa; w_uk [nh, r, dn] and w_uv [nh, dv, r] head by head (heads.c). */
 typedef struct {
@@ -15,6 +17,8 @@ typedef struct {
   const uint16_t *w_uk, *w_uv, *w_o;    /* w_o [H, nh dv] */
   const uint16_t *w_router;             /* [E, H] or NULL */
   const float *router_bias;             /* [E] or NULL: the routing's selection bias */
+  const afd_indexer *ix;                /* DSA's indexer (its layer attends to the rows it
+                                           selects), or NULL */
   int64_t H, qr, nh, dn, dr, r, dv, E;
   int64_t topk, norm, route, groups, topk_groups; /* topk 0: the caller routes */
   double eps, latent_eps; /* the model's, and the latent norms' own */
@@ -24,7 +28,7 @@ typedef struct {
 int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_t *h_out,
                               uint16_t *x_out, const uint16_t *cos, const uint16_t *sin,
                               const int64_t *pos, const int64_t *slots, uint16_t *cache,
-                              const int64_t *blocks, const int64_t *lens, int T, int NB, int bs,
+                              uint16_t *index_cache, const int64_t *blocks, const int64_t *lens, int T, int NB, int bs,
                               int nb, float scale, int threads, int isa, uint16_t *logits,
                               int32_t *ids, float *weights);
 #endif

@@ -1,6 +1,7 @@
 """A DeepSeek MLA attention layer of a decode-only micro-batch in one native call
 (mla_layer.c): the absorbed form of services/attention/kinds/mla.py on the same kernels, so the
-same bits, minus ~30 Python-level calls a layer."""
+same bits, minus ~30 Python-level calls a layer; DSA's (kinds/dsa.py) with its indexer's
+selection too."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from afd.kernels import gemm
 from afd.kernels import topk as topk_ties
 from afd.kernels.decode_layer import Routing, cpu_bf16
 from afd.kernels.heads import HeadMatmul
+from afd.kernels.indexer import Indexer, IndexerWeights
 
 _POINTERS = (
     "attn_norm", "ffn_norm", "w_a", "q_a_norm", "w_qb", "kv_a_norm", "w_uk", "w_uv", "w_o",
-    "w_router", "router_bias",
+    "w_router", "router_bias", "ix",
 )  # fmt: skip
 _SIZES = (
     "H", "qr", "nh", "dn", "dr", "r", "dv", "E", "topk", "norm", "route", "groups",
@@ -51,6 +53,7 @@ class MLAWeights:
     rope_dim: int  # dr
     latent_eps: float  # the latent norms' epsilon
     isa: str  # the path the weights are laid out for
+    indexer: IndexerWeights | None = None  # DSA: attention over the rows its indexer selects
 
 
 class NativeMLALayer:
@@ -92,13 +95,20 @@ class NativeMLALayer:
         self.router_bias = bias  # [E] float32: the call's own copy
         norms = (attn_norm.contiguous(), ffn_norm.contiguous(), mw.kv_a_norm.contiguous())
         q_a_norm = mw.q_a_norm.contiguous() if mw.q_a_norm is not None else None
-        self._keep = (*norms, mw.w_a, q_a_norm, mw.w_qb, mw.uk, mw.uv, w_o, w_router, bias)
+        # DSA: the call selects each row's rows itself, from the index cache it is given
+        self.indexed = mw.indexer is not None
+        self.index_dim = mw.indexer.dim if mw.indexer is not None else 0
+        ix = Indexer.of(mw.indexer) if mw.indexer is not None else None
+        self._keep = (
+            *norms, mw.w_a, q_a_norm, mw.w_qb, mw.uk, mw.uv, w_o, w_router, bias, mw.indexer, ix,
+        )  # fmt: skip
         ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
         self.layer = MLALayer(
             ptr(norms[0]), ptr(norms[1]), ptr(mw.w_a), ptr(q_a_norm), ptr(mw.w_qb),
             ptr(norms[2]), mw.uk.w.data_ptr(), mw.uv.w.data_ptr(), ptr(w_o), ptr(w_router),
-            ptr(bias), H, mw.qr, nh, dn, mw.rope_dim, r, dv, self.experts, self.topk,
-            int(norm_topk), ROUTES[route], groups, topk_groups, eps, mw.latent_eps, scaling,
+            ptr(bias), ctypes.addressof(ix) if ix is not None else None, H, mw.qr, nh, dn,
+            mw.rope_dim, r, dv, self.experts, self.topk, int(norm_topk), ROUTES[route], groups,
+            topk_groups, eps, mw.latent_eps, scaling,
         )  # fmt: skip
 
     @staticmethod
@@ -106,6 +116,11 @@ class NativeMLALayer:
         """The kernels' sizes (mla_layer.c) and bf16 weights on the CPU."""
         tensors = (mw.w_a, mw.q_a_norm, mw.w_qb, mw.kv_a_norm, *ws)
         q_in = mw.qr or mw.uk.heads * (mw.uk.k + mw.rope_dim)
+        ix = mw.indexer
+        if ix is not None:  # indexer.c's sizes: the query latent it reads, its keys' width
+            if not (mw.qr and ix.dim % 8 == 0 and mw.rope_dim <= ix.dim <= 256 and ix.topk > 0):
+                return False
+            tensors += (ix.w_q, ix.w_k, ix.k_norm, ix.k_bias)
         return (
             gemm.available()
             and hidden % 8 == 0
@@ -128,14 +143,23 @@ class NativeMLALayer:
         cos: torch.Tensor,  # [P, dr] bf16
         sin: torch.Tensor,
         scale: float,
+        index_cache: torch.Tensor | None = None,  # [NB, bs, dim] bf16, contiguous: DSA's keys
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Routing | None]:
         """(h + attention [T, H], ffn_norm of it [T, H], router logits [T, E] bf16 or None,
         (expert ids [T, k] int32, weights [T, k] float32) or None where the caller routes),
-        as NativeDecodeLayer's call."""
+        as NativeDecodeLayer's call. An indexed (DSA) layer writes this step's indexer keys
+        into index_cache and attends over the rows it selects."""
         T = h.shape[0]
+        if self.indexed != (index_cache is not None):
+            raise ValueError("a DSA layer takes its index cache, and only a DSA layer does")
         h = h if h.is_contiguous() else h.contiguous()
         h_out, x_out = torch.empty_like(h), torch.empty_like(h)
         _, NB, bs, _ = k_cache.shape
+        if index_cache is not None:
+            dim = self.index_dim
+            ok = index_cache.dtype == torch.bfloat16 and index_cache.is_contiguous()
+            if not ok or tuple(index_cache.shape) != (NB, bs, dim):
+                raise ValueError(f"the index cache must be bf16 [{NB}, {bs}, {dim}], contiguous")
         blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
         E, k = self.experts, self.topk
         logits = torch.empty(T, E, dtype=torch.bfloat16) if E else None
@@ -144,7 +168,8 @@ class NativeMLALayer:
         rc = gemm._lib().afd_bf16_mla_decode_layer(
             ctypes.addressof(self.layer), h.data_ptr(), h_out.data_ptr(), x_out.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-            k_cache.data_ptr(), blocks.data_ptr(), lens.data_ptr(), T, NB, bs, blocks.shape[1],
+            k_cache.data_ptr(), index_cache.data_ptr() if index_cache is not None else None,
+            blocks.data_ptr(), lens.data_ptr(), T, NB, bs, blocks.shape[1],
             scale, torch.get_num_threads(), self.isa,
             logits.data_ptr() if E else None, ids.data_ptr() if k else None,
             weights.data_ptr() if k else None,

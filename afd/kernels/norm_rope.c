@@ -155,3 +155,30 @@ int afd_bf16_rope(const uint16_t *x, long st, uint16_t *y, int T, int H, int D, 
                   const uint16_t *sin, const int64_t *pos, int threads, int isa) {
   return afd_bf16_rope_heads(x, st, D, y, (long)H * D, D, T, H, D, cos, sin, pos, threads, isa);
 }
+
+/* x rows [A, D] with row stride sa (elements); w, b [D]; y contiguous [A, D]:
+ * y = bf16((x - mean) * rstd * w + b), rstd = 1 / sqrt(mean((x - mean)^2) + eps), all in fp32
+ * over the bf16 values, as F.layer_norm computes a bf16 tensor (its sums in another order, so
+ * a last-bit difference of the statistics). DSA's indexer key (indexer.py); a serial loop,
+ * the same bits on every isa. Returns 0, or -1 for D < 1. */
+int afd_bf16_layer_norm(const uint16_t *x, long sa, const uint16_t *w, const uint16_t *b,
+                        uint16_t *y, int A, int D, float eps) {
+  if (D < 1) return -1;
+  for (int a = 0; a < A; a++) {
+    const uint16_t *row = x + a * sa;
+    uint16_t *out = y + (size_t)a * D;
+    float sum = 0.0f, sq = 0.0f;
+    for (int d = 0; d < D; d++) sum += bf16_value(row[d]);
+    const float mean = sum / (float)D;
+    for (int d = 0; d < D; d++) {
+      float c = bf16_value(row[d]) - mean;
+      sq += c * c;
+    }
+    const float rstd = 1.0f / sqrtf(sq / (float)D + eps);
+    for (int d = 0; d < D; d++) {
+      float v = (bf16_value(row[d]) - mean) * rstd;
+      out[d] = to_bf16(v * bf16_value(w[d]) + bf16_value(b[d]));
+    }
+  }
+  return 0;
+}

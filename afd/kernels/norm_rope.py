@@ -72,3 +72,24 @@ def rope(
     if rc:
         raise RuntimeError(f"afd_bf16_rope failed for {tuple(x.shape)}")
     return y
+
+
+def layer_norm(
+    x: torch.Tensor,  # [T, D] bf16, rows may be strided (a split of a fused projection)
+    weight: torch.Tensor,  # [D]
+    bias: torch.Tensor,  # [D]
+    eps: float,
+) -> torch.Tensor:  # [T, D] contiguous
+    """F.layer_norm of bf16 rows, statistics in fp32 (norm_rope.c: afd_bf16_layer_norm): the
+    call DSA's fused layer makes, so its per-op path makes it too."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    T, D = x.shape
+    w, b = weight.to(torch.bfloat16).contiguous(), bias.to(torch.bfloat16).contiguous()
+    y = torch.empty(T, D, dtype=torch.bfloat16)
+    rc = gemm._lib().afd_bf16_layer_norm(
+        x.data_ptr(), x.stride(0), w.data_ptr(), b.data_ptr(), y.data_ptr(), T, D, eps
+    )
+    if rc:
+        raise RuntimeError(f"afd_bf16_layer_norm failed for {tuple(x.shape)}")
+    return y

@@ -161,10 +161,16 @@ class AttentionModel:
             return None
         if cache.k[layer].dtype != torch.bfloat16:  # an FP8 cache: the kernel reads bf16 only
             return None
+        index = None
+        if isinstance(lw.fused, NativeMLALayer) and lw.fused.indexed:  # DSA: its indexer keys
+            index = cache.index[layer]
+            if index.dtype != torch.bfloat16:
+                return None
         cos, sin = lw.kind.rope.tables(torch.bfloat16)
+        extra = {} if index is None else {"index_cache": index}
         return lw.fused(
             h, meta.positions, meta.slots, meta.decode_blocks, meta.decode_lens,
-            cache.k[layer], cache.v[layer], cos, sin, lw.kind.scale,
+            cache.k[layer], cache.v[layer], cos, sin, lw.kind.scale, **extra,
         )  # fmt: skip
 
     def _attention_ops(

@@ -46,17 +46,19 @@ def select(
     G, nb = blocks.shape
     bs = index_pool.shape[1]
     L = nb * bs
+    k = min(topk, L)
+    table = blocks.expand(iq.q[rows].shape[0], nb) if G == 1 else blocks
     if indexer.usable(index_pool, iq.q):  # the pool read in place, one pass
         index = indexer.index_scores(iq.q[rows], iq.weights[rows], index_pool, blocks, iq.scale)
-    else:
-        keys = index_pool.index_select(0, blocks.reshape(-1)).view(G, L, -1).float()
-        q = iq.q[rows].float()  # [n, hI, Di]
-        scores = torch.relu(torch.matmul(q, keys.transpose(1, 2)) * iq.scale)  # [n, hI, L]
-        index = torch.matmul(iq.weights[rows].unsqueeze(1), scores).squeeze(1)  # [n, L]
-    index = index + bias
-    k = min(topk, L)
-    best, pos = index.topk(k, dim=-1)  # [n, k]
-    table = blocks.expand(pos.shape[0], nb) if G == 1 else blocks
+        # the fused layer's selection rule (mla_layer.c), so both read the same rows
+        pos, count = indexer.topk_positions(index + bias, k)
+        slots = table.gather(1, pos // bs) * bs + pos % bs
+        return slots, torch.arange(k).unsqueeze(0) < count.unsqueeze(1)
+    keys = index_pool.index_select(0, blocks.reshape(-1)).view(G, L, -1).float()
+    q = iq.q[rows].float()  # [n, hI, Di]
+    scores = torch.relu(torch.matmul(q, keys.transpose(1, 2)) * iq.scale)  # [n, hI, L]
+    index = torch.matmul(iq.weights[rows].unsqueeze(1), scores).squeeze(1)  # [n, L]
+    best, pos = (index + bias).topk(k, dim=-1)  # [n, k]
     slots = table.gather(1, pos // bs) * bs + pos % bs
     return slots, best > -torch.inf
 

@@ -190,11 +190,12 @@ class DecodeStack:
                 continue
             cos, sin = lw.kind.rope.tables(torch.bfloat16)
             k, v, scale = cache.k[i], cache.v[i], lw.kind.scale
-            runs[-1].append(
-                LayerParts(
-                    lw.fused, experts.native, experts.first, k, v, cos, sin, scale, experts.shared
-                )
-            )
+            index = cache.index[i] if getattr(lw.fused, "indexed", False) else None  # DSA's keys
+            parts = LayerParts(
+                lw.fused, experts.native, experts.first, k, v, cos, sin, scale, experts.shared,
+                index,
+            )  # fmt: skip
+            runs[-1].append(parts)
             attention_rows = min(attention_rows, lw.o_proj.onednn_from, lw.fused.rows_below)
             if experts.shared is not None:  # the shared (dense) MLP's matmuls take every row
                 attention_rows = min(attention_rows, experts.shared_rows_below)

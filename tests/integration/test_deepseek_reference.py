@@ -60,28 +60,53 @@ def ds_aligned(tmp_path_factory):
     return path, ref, _gaps_summary(ref, hf_greedy(hf_model(path, torch.bfloat16), PROMPTS, NEW))
 
 
+@pytest.fixture(scope="module")
+def dsa_aligned(tmp_path_factory):
+    """ds_aligned's dims with V3.2's sparse attention (8 tokens kept per query). Where a bf16
+    rounding flips a selection the tokens after it wander, so the bf16 tolerance is noisy
+    here: over seeds 5, 11, 12, 13 afd's worst gap / transformers' own bf16 one were 3.27 /
+    3.66, 4.67 / 4.00, 6.83 / 6.83, 2.03 / 3.91 (the same before the fused layer); seed 5 is
+    one where the bound holds, and the fused layer's tokens must equal the per-op path's."""
+    path = tmp_path_factory.mktemp("dsa_aligned") / "ckpt"
+    path = deepseek_v32(path, seed=5, index_head_dim=32, **MLA_FUSED_DIMS)
+    ref = hf_model(path, torch.float32)
+    return path, ref, _gaps_summary(ref, hf_greedy(hf_model(path, torch.bfloat16), PROMPTS, NEW))
+
+
+@pytest.mark.parametrize("ckpt", ["ds_aligned", "dsa_aligned"])
 @pytest.mark.parametrize("S", [1, 2])
 def test_fused_mla_decode_in_bf16_within_near_tie_tolerance(
-    ds_aligned, native_path, S, monkeypatch
+    native_path, S, ckpt, request, monkeypatch
 ):
-    """On each native path the bf16 decode runs MLA's fused layer (mla_layer.c, heads.c) and
-    stays as close to the float32 reference as transformers' own bf16 forward does."""
-    path, ref_model, (hf_gap, hf_agree) = ds_aligned
+    """On each native path the bf16 decode runs MLA's fused layer (mla_layer.c, heads.c; V3.2:
+    its indexer's selection too, indexer.c) and stays as close to the float32 reference as
+    transformers' own bf16 forward does."""
+    path, ref_model, (hf_gap, hf_agree) = request.getfixturevalue(ckpt)
+    sparse = ckpt == "dsa_aligned"
     calls = []  # the layer's own call (S = 2), or the decode stack running it (S = 1)
     layer, stack = NativeMLALayer.__call__, NativeDecodeStack.__call__
-    monkeypatch.setattr(NativeMLALayer, "__call__", lambda s, *a: calls.append(1) or layer(s, *a))
-    monkeypatch.setattr(
-        NativeDecodeStack,
-        "__call__",
-        lambda s, *a: (
-            calls.append(isinstance(s.parts[0].attention, NativeMLALayer)) or stack(s, *a)
-        ),
-    )
+
+    def layer_call(s, *a, **kw):
+        calls.append(s.indexed == sparse)
+        return layer(s, *a, **kw)
+
+    def stack_call(s, *a, **kw):
+        a0 = s.parts[0].attention
+        calls.append(isinstance(a0, NativeMLALayer) and a0.indexed == sparse)
+        return stack(s, *a, **kw)
+
+    monkeypatch.setattr(NativeMLALayer, "__call__", layer_call)
+    monkeypatch.setattr(NativeDecodeStack, "__call__", stack_call)
     got = afd_greedy(engine_cfg(path, dtype="bfloat16", S=S))[0]
-    assert any(calls), "the fused MLA layer never ran"
+    assert calls and all(calls), "the fused MLA layer never ran (or not with its indexer)"
     gap, agree = _gaps_summary(ref_model, got)
     assert gap <= max(BF16_GAP, hf_gap), f"afd chose a token {gap:.3f} below the reference best"
     assert agree >= min(0.9, hf_agree - 0.05), f"afd bf16 agrees at only {agree:.0%}"
+    if sparse:  # the selection in the call is the per-op path's: the same tokens
+        monkeypatch.setattr(AttentionModel, "_fused", lambda self, lw: None)
+        calls.clear()
+        assert afd_greedy(engine_cfg(path, dtype="bfloat16", S=S))[0] == got
+        assert not calls
 
 
 @pytest.fixture

@@ -74,6 +74,15 @@ def test_bursts_give_one_steps_tokens_and_transformers_greedy(
     assert agree >= min(0.9, hf_agree - 0.05), f"at the reference's argmax {agree:.0%}"
 
 
+def test_a_sparse_attention_burst_gives_one_steps_tokens(native_path, dsa_dir, monkeypatch):
+    """DeepSeek-V3.2: each step of a burst writes its indexer keys before the next selects
+    from them (the fused layer's call, indexer.c), as one step a call does."""
+    sp = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    tokens, lengths = _run(dsa_dir, 4, PROMPTS, sp, monkeypatch=monkeypatch)
+    assert lengths and max(lengths) == 4, "no burst ran"
+    assert tokens == _run(dsa_dir, 1, PROMPTS, sp)[0]
+
+
 def test_bursts_give_one_steps_tokens_with_mxfp4_experts(
     native_path, gpt_oss_mxfp4_dir, monkeypatch
 ):

@@ -3,7 +3,8 @@ replaces in AttentionModel.attention_and_route: the same kernels in the same ord
 same bits, in the hidden states, the FFN input, the KV cache and the router's logits (its
 matmul joins the call on MoE layers); for GQA with and without q/k norm (Qwen3-MoE, Mixtral),
 gpt-oss's GQA (biases, sinks, sliding windows shorter than the rows' contexts), Step-3's MFA
-and DeepSeek's MLA in its absorbed form (mla_layer.c; with and without a query rank). The
+and DeepSeek's MLA in its absorbed form (mla_layer.c; with and without a query rank, and
+V3.2's sparse attention: the indexer's selection in the call, indexer.c). The
 routers in the call (softmax-then-top-k; gpt-oss's biased top-k-then-softmax) pick the same
 experts as torch.topk with weights within float32 rounding, and leave a tie across the top-k
 cut to torch."""
@@ -32,8 +33,11 @@ def deepseek_full_q_dir(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "ckpt",
-    ["qwen3_dir", "mixtral_dir", "step3_dir", "gpt_oss_dir", "deepseek_dir", "deepseek_full_q_dir"],
-)
+    [
+        "qwen3_dir", "mixtral_dir", "step3_dir", "gpt_oss_dir", "deepseek_dir",
+        "deepseek_full_q_dir", "dsa_dir",
+    ],
+)  # fmt: skip
 def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckpt, request):
     cfg = ModelConfig.from_hf(request.getfixturevalue(ckpt))
     model = AttentionModel(cfg, torch.bfloat16, progress=False)
@@ -41,6 +45,7 @@ def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckp
     if cfg.mla is not None:
         assert all(isinstance(lw.fused, NativeMLALayer) for lw in model.layers)
         assert (cfg.mla.q_lora_rank == 0) == (ckpt == "deepseek_full_q_dir")
+        assert all(lw.fused.indexed == (ckpt == "dsa_dir") for lw in model.layers)
     moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
     assert moe and all(model.layers[i].fused.experts == cfg.num_experts for i in moe)
     g = torch.Generator().manual_seed(0)
@@ -56,6 +61,7 @@ def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckp
         decode_blocks=blocks,
         prefills=(),
         decode_lens=lens,
+        block_size=bs,
     )
     h = (torch.randn(5, cfg.hidden_size, generator=g) * 4).to(torch.bfloat16)
     caches = []
@@ -67,6 +73,10 @@ def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckp
         v = torch.randn(caches[0].v[layer].shape, generator=g).to(torch.bfloat16)
         for c in caches:
             c.k[layer].copy_(k), c.v[layer].copy_(v)
+        if caches[0].index:  # DSA's indexer keys: the rows its selection scores
+            ik = torch.randn(caches[0].index[layer].shape, generator=g).to(torch.bfloat16)
+            for c in caches:
+                c.index[layer].copy_(ik)
     fused = model.layers
     plain = [replace(lw, fused=None) for lw in fused]
     for layer in range(cfg.num_layers):
@@ -79,6 +89,8 @@ def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckp
         assert_same_routing(ids1, w1, ids2, w2)
         assert torch.equal(caches[0].k[layer], caches[1].k[layer])
         assert torch.equal(caches[0].v[layer], caches[1].v[layer])
+        if caches[0].index:
+            assert torch.equal(caches[0].index[layer], caches[1].index[layer])
         assert not torch.equal(h1, h)  # attention did add something
         h = h1
 

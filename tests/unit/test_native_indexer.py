@@ -1,6 +1,7 @@
 """The sparse-attention indexer's native scores (afd/kernels/indexer.c) against the torch path
 they replace in services/attention/sparse_attention.select: the same scores to fp32 summation
-order, the same selected tokens, for rows with their own block tables and rows sharing one."""
+order, the same selected tokens, for rows with their own block tables and rows sharing one; the
+top-k rule both decode paths select by (afd_topk_positions)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,32 @@ def test_native_scores_match_the_torch_path(native_path, shared, monkeypatch):
     got = sparse_attention.select(iq, slice(0, 5), pool, blocks, bias, 24)
     monkeypatch.setattr(indexer, "usable", lambda *a: False)
     want = sparse_attention.select(iq, slice(0, 5), pool, blocks, bias, 24)
-    for s_got, s_want in zip(got, want, strict=True):
-        assert torch.equal(s_got, s_want)
+    assert _chosen(*got) == _chosen(*want)  # torch's topk (by score) and the native rule agree
+    assert all(len(row) == min(24, n) for row, n in zip(_chosen(*got), bias.isfinite().sum(1)))
+
+
+def _chosen(slots: torch.Tensor, visible: torch.Tensor) -> list[list[int]]:
+    """Each row's selected slots, ascending (the order attend_selected reads them in)."""
+    return [sorted(s[v].tolist()) for s, v in zip(slots, visible, strict=True)]
+
+
+def test_topk_positions_rule():
+    """The k highest above -inf, ascending; ties at the cut to the lower positions (both zeros
+    alike); NaN and -inf never; fewer than k where fewer are finite."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 300, generator=g)
+    pos, count = indexer.topk_positions(x, 17)
+    assert count.tolist() == [17] * 4
+    for i in range(4):
+        assert pos[i].tolist() == sorted(x[i].topk(17).indices.tolist())
+    row = torch.tensor([[1.0, 0.0, -0.0, 2.0, 0.0, float("nan"), -torch.inf, 0.5, -0.0]])
+    assert indexer.topk_positions(row, 4)[0].tolist() == [[0, 1, 3, 7]]
+    assert indexer.topk_positions(row, 5)[0].tolist() == [[0, 1, 2, 3, 7]]
+    few = torch.tensor([[-torch.inf, 3.0, float("nan"), -torch.inf, -1.0]])
+    pos, count = indexer.topk_positions(few, 4)
+    assert count.tolist() == [2] and pos.tolist() == [[1, 4, 0, 0]]
+    with pytest.raises(ValueError, match="at least 1"):
+        indexer.topk_positions(x, 0)
 
 
 def test_a_block_outside_the_pool_is_an_error(native_path):

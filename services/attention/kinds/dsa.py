@@ -4,11 +4,16 @@ RoPE on its first rotary dims) live in a pool of their own beside the latent cac
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
 from afd.blockfp8 import cat_rows
 from afd.config import ModelConfig
+from afd.kernels import norm_rope
+from afd.kernels.indexer import IndexerWeights
+from afd.kernels.mla_layer import MLAWeights
 from afd.ops import Linear
 from services.attention.kinds.mla import MLA
 from services.attention.kv_cache import CacheLayout, KVCache
@@ -30,10 +35,21 @@ class DSA(MLA):
         self.w_ik = Linear(cat_rows([w.pop(f"{b}.index_wk"), w.pop(f"{b}.index_weights")]))
         self.k_norm = (w[f"{b}.index_k_norm"], w[f"{b}.index_k_norm_bias"])
 
-    def decode_weights(self) -> None:
-        """No fused layer: its decode reads the rows the indexer selects (sparse_attention.py),
-        which the fused MLA layer's dense attention does not."""
-        return None
+    def decode_weights(self) -> MLAWeights | None:
+        """MLA's fused layer with the indexer's weights: the call selects each decode row's
+        rows (indexer.c) and attends over them, as index_query and sparse_attention do here,
+        where the indexer's matmuls run on the layer's path too."""
+        mw = super().decode_weights()
+        lins = (self.w_iq, self.w_ik)
+        if mw is None or any(lin.isa != mw.isa or lin.bias is not None for lin in lins):
+            return None
+        ix = self.ix
+        iw = IndexerWeights(
+            w_q=self.w_iq.w, w_k=self.w_ik.w, k_norm=self.k_norm[0].contiguous(),
+            k_bias=self.k_norm[1].contiguous(), heads=ix.n_heads, dim=ix.head_dim,
+            topk=ix.topk, norm_eps=_K_NORM_EPS,
+        )  # fmt: skip
+        return replace(mw, indexer=iw)
 
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> CacheLayout:
@@ -49,7 +65,10 @@ class DSA(MLA):
         ix, dr, T = self.ix, self.m.qk_rope_head_dim, x.shape[0]
         q = self.w_iq(q_lat).view(T, ix.n_heads, ix.head_dim)
         k, weights = self.w_ik(x).split([ix.head_dim, ix.n_heads], dim=-1)
-        k = F.layer_norm(k, (ix.head_dim,), *self.k_norm, _K_NORM_EPS)
+        if norm_rope.usable(k, 1):  # the fused layer's call (mla_layer.c), so the same bits
+            k = norm_rope.layer_norm(k, *self.k_norm, _K_NORM_EPS)
+        else:
+            k = F.layer_norm(k, (ix.head_dim,), *self.k_norm, _K_NORM_EPS)
         # half-split RoPE on the first dr dims (the latent attention's pairs are interleaved)
         q_rot, k_rot = self.rope(q[..., :dr], k[:, None, :dr], meta.positions)
         q = torch.cat([q_rot, q[..., dr:]], dim=-1)
