@@ -5,7 +5,8 @@ has a dense layer between two MoE layers (its MLP in the stack too), Mixtral's i
 throughout; gpt-oss's (biases, sinks, sliding windows, its own router, experts
 with biases and the clamped SwiGLU) once with BF16 experts and once with MXFP4 ones multiplied
 as stored; DeepSeek-V3's (MLA, grouped sigmoid routing with a selection bias, a shared expert,
-a dense first layer) and V3.2's (its indexer's selection in each layer's call); Step-3's (MFA, a shared expert, dense layers: the demo model's shape). A
+a dense first layer) and V3.2's (its indexer's selection in each layer's call); Step-3's
+(MFA, a shared expert, dense layers: the demo model's shape). A
 tie across a layer's top-k cut leaves that layer to torch and the stack goes on from the next;
 a failing experts call fails the step with its cause."""
 
