@@ -82,24 +82,26 @@ int afd_bf16_index_scores(const float *q, const float *w, const uint16_t *pool,
 }
 
 /* A float's order as an unsigned key (larger value, larger key); both zeros the same key, so
- * their tie goes by position like any other. */
+ * their tie goes by position like any other; NaN the lowest key of all (-inf never asked). */
 static inline uint32_t order_key(float f) {
   uint32_t u;
+  if (f != f) return 0;
   if (f == 0.0f) f = 0.0f;
   memcpy(&u, &f, sizeof u);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-/* One row's selection: the k highest scores above -inf (NaN counts as none), ascending
- * positions, ties at the cut to the lower positions. The k-th highest key is found a byte at a
- * time from the top (a radix select: four counting passes over the row, whatever its values). */
+/* One row's selection among its visible positions (those not -inf): all of them where they
+ * are at most k, whatever their scores; else the k highest scores (NaN below every number),
+ * ties at the cut to the lower positions. Ascending positions. The k-th highest key is found a
+ * byte at a time from the top (a radix select: four counting passes, whatever the values). */
 static int64_t topk_row(const float *s, int64_t L, int k, int64_t *pos) {
   int64_t m = 0;
-  for (int64_t l = 0; l < L; l++) m += s[l] > -INFINITY;
+  for (int64_t l = 0; l < L; l++) m += s[l] != -INFINITY;
   int64_t c = 0;
   if (m <= k) {
     for (int64_t l = 0; l < L; l++)
-      if (s[l] > -INFINITY) pos[c++] = l;
+      if (s[l] != -INFINITY) pos[c++] = l;
     return c;
   }
   uint32_t prefix = 0, mask = 0;
@@ -107,7 +109,7 @@ static int64_t topk_row(const float *s, int64_t L, int k, int64_t *pos) {
   for (int shift = 24; shift >= 0; shift -= 8) {
     int64_t hist[256] = {0};
     for (int64_t l = 0; l < L; l++) {
-      if (!(s[l] > -INFINITY)) continue;
+      if (s[l] == -INFINITY) continue;
       uint32_t key = order_key(s[l]);
       if ((key & mask) == prefix) hist[(key >> shift) & 255]++;
     }
@@ -117,7 +119,7 @@ static int64_t topk_row(const float *s, int64_t L, int k, int64_t *pos) {
   }
   /* every key above prefix, and `want` of those equal to it, the first ones */
   for (int64_t l = 0; l < L; l++) {
-    if (!(s[l] > -INFINITY)) continue;
+    if (s[l] == -INFINITY) continue;
     uint32_t key = order_key(s[l]);
     if (key > prefix || (key == prefix && want-- > 0)) pos[c++] = l;
   }
@@ -157,7 +159,8 @@ int afd_bf16_layer_norm(const uint16_t *x, long sa, const uint16_t *w, const uin
  *   q = rope(ql @ w_q^T) per head [T, heads, dim]; [k | weights] = xn @ w_k^T
  *   k = rope(layer_norm(k)), written at each token's slot of index_cache [NB, bs, dim]
  *   score[l] = weight_scale * sum_h weights_h relu(score_scale q_h . k_l), for l < lens[t]
- * RoPE (half-split) turns each head's first dr values. Out: table [T, K] int64 (K = min(topk,
+ * RoPE (half-split) turns each head's first dr values. A row with no more than K positions
+ * keeps them all; where every row does, the query and the scores are not computed. Out: table [T, K] int64 (K = min(topk,
  * nb * bs)), each row's selected slots ascending in its first counts[t] entries (the rest
  * NB * bs, never read), counts [T]. Returns 0, or -1 (bad sizes, memory short, a slot or
  * block outside the pools, a row with nothing to attend). */
@@ -179,23 +182,33 @@ int afd_dsa_decode_select(const afd_indexer *ix, const uint16_t *xn, const uint1
   int64_t *sel = (int64_t *)afd_alloc64((size_t)T * K * 8);
   int rc = -1;
   if (!q || !kw || !kn || !qf || !wf || !scores || !sel) goto done;
-  if (GEMM(ql, ix->w_q, q, T, Q, qr) || GEMM(xn, ix->w_k, kw, T, W, H)) goto done;
-  if (afd_bf16_layer_norm(kw, W, ix->k_norm, ix->k_bias, kn, T, Di, (float)ix->norm_eps))
-    goto done;
-  if (afd_bf16_rope_heads(q, Q, Di, q, Q, Di, T, hI, dr, cos, sin, pos, threads, isa) ||
-      afd_bf16_rope_heads(kn, Di, Di, kn, Di, Di, T, 1, dr, cos, sin, pos, threads, isa))
-    goto done;
+  int scored = 0; /* a row with more positions than it keeps: the scores choose */
   for (int t = 0; t < T; t++) {
     if (slots[t] < 0 || slots[t] >= rows || lens[t] < 1 || lens[t] > L) goto done;
-    memcpy(index_cache + (size_t)slots[t] * Di, kn + (size_t)t * Di, (size_t)Di * 2);
+    scored |= lens[t] > K;
   }
-  for (size_t i = 0; i < (size_t)T * Q; i++) qf[i] = bf16_value(q[i]);
-  const float wscale = (float)ix->weight_scale;
-  for (int t = 0; t < T; t++)
-    for (int h = 0; h < hI; h++) wf[t * hI + h] = bf16_value(kw[(size_t)t * W + Di + h]) * wscale;
-  if (afd_bf16_index_scores(qf, wf, index_cache, blocks, 0, scores, T, hI, Di, NB, nb, bs,
-                            (float)ix->score_scale, threads))
+  if (GEMM(xn, ix->w_k, kw, T, W, H)) goto done;
+  if (afd_bf16_layer_norm(kw, W, ix->k_norm, ix->k_bias, kn, T, Di, (float)ix->norm_eps))
     goto done;
+  if (afd_bf16_rope_heads(kn, Di, Di, kn, Di, Di, T, 1, dr, cos, sin, pos, threads, isa))
+    goto done;
+  for (int t = 0; t < T; t++)
+    memcpy(index_cache + (size_t)slots[t] * Di, kn + (size_t)t * Di, (size_t)Di * 2);
+  if (scored) {
+    if (GEMM(ql, ix->w_q, q, T, Q, qr)) goto done;
+    if (afd_bf16_rope_heads(q, Q, Di, q, Q, Di, T, hI, dr, cos, sin, pos, threads, isa))
+      goto done;
+    for (size_t i = 0; i < (size_t)T * Q; i++) qf[i] = bf16_value(q[i]);
+    const float wscale = (float)ix->weight_scale;
+    for (int t = 0; t < T; t++)
+      for (int h = 0; h < hI; h++)
+        wf[t * hI + h] = bf16_value(kw[(size_t)t * W + Di + h]) * wscale;
+    if (afd_bf16_index_scores(qf, wf, index_cache, blocks, 0, scores, T, hI, Di, NB, nb, bs,
+                              (float)ix->score_scale, threads))
+      goto done;
+  } else { /* every row keeps all its positions (topk_row does not read their scores) */
+    for (size_t i = 0; i < (size_t)T * L; i++) scores[i] = 0.0f;
+  }
   for (int t = 0; t < T; t++)
     for (int64_t l = lens[t]; l < L; l++) scores[(size_t)t * L + l] = -INFINITY;
   if (afd_topk_positions(scores, T, L, K, sel, counts, threads)) goto done;

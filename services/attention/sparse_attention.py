@@ -42,23 +42,33 @@ def select(
     topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # slots [n, k] long, visible [n, k] bool
     """The `topk` (or fewer, in a shorter context) best-scoring visible tokens of each row:
-    score = sum over heads of weight * relu(scale * q . k), as the indexer defines it."""
+    score = sum over heads of weight * relu(scale * q . k), as the indexer defines it. Where
+    every row has no more than topk visible tokens it keeps them all, unscored on the CPU.
+    On afd's kernels the selection is indexer.c's rule (ties at the cut to the lower
+    positions), which the fused layer (mla_layer.c) selects by too; torch's topk breaks ties
+    its own way."""
     G, nb = blocks.shape
     bs = index_pool.shape[1]
     L = nb * bs
     k = min(topk, L)
     table = blocks.expand(iq.q[rows].shape[0], nb) if G == 1 else blocks
-    if indexer.usable(index_pool, iq.q):  # the pool read in place, one pass
+    native = indexer.usable(index_pool, iq.q)
+    # (on a device the count would cost a host sync: its torch path scores every row)
+    if bias.device.type == "cpu" and int(torch.isfinite(bias).sum(-1).max()) <= k:
+        index = bias  # the scores would not change the selection
+    elif native:  # the pool read in place, one pass
         index = indexer.index_scores(iq.q[rows], iq.weights[rows], index_pool, blocks, iq.scale)
-        # the fused layer's selection rule (mla_layer.c), so both read the same rows
-        pos, count = indexer.topk_positions(index + bias, k)
+        index = index.masked_fill_(torch.isneginf(bias), -torch.inf)
+    else:
+        keys = index_pool.index_select(0, blocks.reshape(-1)).view(G, L, -1).float()
+        q = iq.q[rows].float()  # [n, hI, Di]
+        scores = torch.relu(torch.matmul(q, keys.transpose(1, 2)) * iq.scale)  # [n, hI, L]
+        index = torch.matmul(iq.weights[rows].unsqueeze(1), scores).squeeze(1) + bias  # [n, L]
+    if native:
+        pos, count = indexer.topk_positions(index, k)
         slots = table.gather(1, pos // bs) * bs + pos % bs
         return slots, torch.arange(k).unsqueeze(0) < count.unsqueeze(1)
-    keys = index_pool.index_select(0, blocks.reshape(-1)).view(G, L, -1).float()
-    q = iq.q[rows].float()  # [n, hI, Di]
-    scores = torch.relu(torch.matmul(q, keys.transpose(1, 2)) * iq.scale)  # [n, hI, L]
-    index = torch.matmul(iq.weights[rows].unsqueeze(1), scores).squeeze(1)  # [n, L]
-    best, pos = (index + bias).topk(k, dim=-1)  # [n, k]
+    best, pos = index.topk(k, dim=-1)  # [n, k]
     slots = table.gather(1, pos // bs) * bs + pos % bs
     return slots, best > -torch.inf
 

@@ -48,9 +48,32 @@ def test_fused_decode_layer_is_bit_identical_to_the_per_op_path(native_path, ckp
         assert all(lw.fused.indexed == (ckpt == "dsa_dir") for lw in model.layers)
     moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
     assert moe and all(model.layers[i].fused.experts == cfg.num_experts for i in moe)
+    _fused_vs_per_op(cfg, model, torch.tensor([1, 17, 40, 33, 64]))
+
+
+def test_a_sparse_layer_keeps_every_position_of_short_rows_unscored(
+    native_path, dsa_dir, monkeypatch
+):
+    """DSA rows with no more positions than index_topk keep them all: where every row of the
+    batch does, neither path scores (the fused layer computes no indexer query either), and
+    the two still give the same bits."""
+    cfg = ModelConfig.from_hf(dsa_dir)
+    model = AttentionModel(cfg, torch.bfloat16, progress=False)
+    from afd.kernels import indexer
+
+    def never(*a):
+        raise AssertionError("scored rows that keep all their positions")
+
+    monkeypatch.setattr(indexer, "index_scores", never)
+    topk = cfg.indexer.topk
+    _fused_vs_per_op(cfg, model, torch.tensor([1, topk, 3, topk - 1, topk]))
+
+
+def _fused_vs_per_op(cfg, model, lens: torch.Tensor):  # lens [5]: keys per row, this step's
+    # token included
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
     g = torch.Generator().manual_seed(0)
     num_blocks, bs = 24, 16
-    lens = torch.tensor([1, 17, 40, 33, 64])  # keys per row, this step's token included
     blocks = torch.randperm(num_blocks, generator=g)[:20].view(5, 4)
     pos = lens - 1
     slots = blocks.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs

@@ -51,8 +51,9 @@ def _chosen(slots: torch.Tensor, visible: torch.Tensor) -> list[list[int]]:
 
 
 def test_topk_positions_rule():
-    """The k highest above -inf, ascending; ties at the cut to the lower positions (both zeros
-    alike); NaN and -inf never; fewer than k where fewer are finite."""
+    """Among the positions not -inf: all where they are at most k, else the k highest (NaN
+    below every number), ties at the cut to the lower positions (both zeros alike);
+    ascending."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 300, generator=g)
     pos, count = indexer.topk_positions(x, 17)
@@ -64,7 +65,8 @@ def test_topk_positions_rule():
     assert indexer.topk_positions(row, 5)[0].tolist() == [[0, 1, 2, 3, 7]]
     few = torch.tensor([[-torch.inf, 3.0, float("nan"), -torch.inf, -1.0]])
     pos, count = indexer.topk_positions(few, 4)
-    assert count.tolist() == [2] and pos.tolist() == [[1, 4, 0, 0]]
+    assert count.tolist() == [3] and pos.tolist() == [[1, 2, 4, 0]]
+    assert indexer.topk_positions(few, 2)[0].tolist() == [[1, 4]]
     with pytest.raises(ValueError, match="at least 1"):
         indexer.topk_positions(x, 0)
 
