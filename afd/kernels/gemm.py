@@ -60,10 +60,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_decode_attention_ext.restype = i
     lib.afd_bf16_prefill_softmax.argtypes = [p, i, i, i, i, p, p, f, p, p, i, i]
     lib.afd_bf16_prefill_softmax.restype = i
-    lib.afd_bf16_index_scores.argtypes = [p, p, p, p, i, p, i, i, i, i, i, i, f, i]
+    lib.afd_bf16_index_scores.argtypes = [p, p, p, p, i, p, i, i, i, i, i, i, f, i, i]
     lib.afd_bf16_index_scores.restype = i
     i64 = ctypes.c_int64
-    lib.afd_topk_positions.argtypes = [p, i, i64, i, p, p, i]
+    lib.afd_topk_positions.argtypes = [p, i, i64, i, p, p, p, i]
     lib.afd_topk_positions.restype = i
     L = ctypes.c_long
     lib.afd_bf16_layer_norm.argtypes = [p, L, p, p, p, i, i, f]

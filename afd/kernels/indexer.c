@@ -43,12 +43,119 @@ static inline __m256 score8(const float *q, const float *w, const float *kt, int
   return acc;
 }
 
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+/* The keys of up to 16 positions (rows of D bf16, D2 = D / 2 pairs) as kt [D2][16]: pair d of
+ * each position, 16 positions a vector, so one vdpbf16ps takes a pair of every position;
+ * positions past m are zeros. */
+static AVX512BF16 void transpose16(const uint16_t *keys, int m, int D2, uint32_t *kt) {
+  const __m512i idx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(D2));
+  const __mmask16 mk = m >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << m) - 1);
+  for (int d = 0; d < D2; d++)
+    _mm512_storeu_si512(kt + (size_t)d * 16,
+                        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mk, idx,
+                                                    (const int *)keys + d, 4));
+}
+
+/* Scores of 16 positions from kt (transpose16) for one row: qp [H][D2] its heads' bf16 pairs,
+ * w [H]. Products exact (bf16 by bf16), each head's summed in one vdpbf16ps chain over its
+ * pairs in order; 8 heads at a time, so 8 chains run side by side on each loaded pair. */
+static AVX512BF16 __m512 score16(const uint32_t *qp, const float *w, const uint32_t *kt, int H,
+                                 int D2, float scale) {
+  const __m512 vscale = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+  __m512 acc = zero;
+  for (int h0 = 0; h0 < H; h0 += 8) {
+    const int u = H - h0 < 8 ? H - h0 : 8;
+    const uint32_t *q = qp + (size_t)h0 * D2;
+    __m512 s[8] = {zero, zero, zero, zero, zero, zero, zero, zero};
+    if (u == 8) {
+      for (int d = 0; d < D2; d++) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + (size_t)d * 16);
+        for (int v = 0; v < 8; v++)
+          s[v] = _mm512_dpbf16_ps(s[v], (__m512bh)_mm512_set1_epi32((int)q[v * D2 + d]), k);
+      }
+    } else {
+      for (int d = 0; d < D2; d++) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + (size_t)d * 16);
+        for (int v = 0; v < u; v++)
+          s[v] = _mm512_dpbf16_ps(s[v], (__m512bh)_mm512_set1_epi32((int)q[v * D2 + d]), k);
+      }
+    }
+    for (int v = 0; v < u; v++) {
+      __m512 sc = _mm512_max_ps(_mm512_mul_ps(s[v], vscale), zero);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(w[h0 + v]), sc, acc);
+    }
+  }
+  return acc;
+}
+
+/* afd_bf16_index_scores on AVX-512 BF16: qb [n, H, D] the queries as bf16 (exact: they are
+ * bf16 values). Shared tables (a prefill's rows) go block by block, each block's keys
+ * transposed once for every row; otherwise per (row, block). */
+static AVX512BF16 int index_scores512(const uint16_t *qb, const float *w, const uint16_t *pool,
+                                      const int64_t *blocks, int shared, float *out, int n,
+                                      int H, int D, int NB, int nb, int bs, float scale,
+                                      int threads) {
+  int bad = 0;
+  const int64_t L = (int64_t)nb * bs;
+  const int D2 = D / 2, groups = (bs + 15) / 16;
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+  {
+    uint32_t *kt = (uint32_t *)malloc((size_t)groups * D2 * 16 * sizeof(uint32_t));
+    int64_t have = -1; /* the block kt holds */
+    if (!kt) bad = 1;
+    /* shared: block-major, so a thread's consecutive tasks reuse one transposed block */
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < (int64_t)n * nb; t++) {
+      if (!kt) continue;
+      int i = shared ? (int)(t % n) : (int)(t / nb), j = shared ? (int)(t / n) : (int)(t % nb);
+      int64_t b = blocks[(shared ? 0 : (int64_t)i * nb) + j];
+      float *o = out + (size_t)i * L + (size_t)j * bs;
+      if (b < 0 || b >= NB) {
+        bad = 1;
+        for (int p = 0; p < bs; p++) o[p] = 0.0f;
+        continue;
+      }
+      if (b != have) {
+        const uint16_t *keys = pool + (size_t)b * bs * D;
+        for (int g = 0; g < groups; g++) {
+          int m = bs - 16 * g < 16 ? bs - 16 * g : 16;
+          transpose16(keys + (size_t)16 * g * D, m, D2, kt + (size_t)g * D2 * 16);
+        }
+        have = b;
+      }
+      const uint32_t *qp = (const uint32_t *)(qb + (size_t)i * H * D);
+      for (int g = 0; g < groups; g++) {
+        int m = bs - 16 * g < 16 ? bs - 16 * g : 16;
+        __m512 sc = score16(qp, w + (size_t)i * H, kt + (size_t)g * D2 * 16, H, D2, scale);
+        _mm512_mask_storeu_ps(o + 16 * g, m >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << m) - 1),
+                              sc);
+      }
+    }
+    free(kt);
+  }
+  return bad ? -1 : 0;
+}
+
 /* q [n, H, D] fp32, w [n, H] fp32, pool [NB, bs, D] bf16, blocks [n or 1, nb] (shared: every
- * row reads row 0), out [n, nb * bs] fp32. D % 8 == 0. Returns 0, or -1 for a block id outside
- * the pool (nothing is read from it). */
+ * row reads row 0), out [n, nb * bs] fp32. D % 8 == 0. isa: ISA_AVX2 sums fp32 products 8
+ * lanes a head (score8); the AVX-512 paths (q's values must be bf16 ones, as the indexer's
+ * are) take vdpbf16ps pairs, another order. Returns 0, or -1 for a block id outside the pool
+ * (nothing is read from it) or memory short. */
 int afd_bf16_index_scores(const float *q, const float *w, const uint16_t *pool,
                           const int64_t *blocks, int shared, float *out, int n, int H, int D,
-                          int NB, int nb, int bs, float scale, int threads) {
+                          int NB, int nb, int bs, float scale, int threads, int isa) {
+  if (isa != ISA_AVX2) {
+    uint16_t *qb = (uint16_t *)afd_alloc64((size_t)n * H * D * sizeof(uint16_t));
+    if (!qb) return -1;
+    for (size_t x = 0; x < (size_t)n * H * D; x++) qb[x] = to_bf16(q[x]);
+    int rc = index_scores512(qb, w, pool, blocks, shared, out, n, H, D, NB, nb, bs, scale,
+                             threads);
+    free(qb);
+    return rc;
+  }
   int bad = 0;
   const int64_t L = (int64_t)nb * bs;
 #pragma omp parallel num_threads(threads) reduction(| : bad)
@@ -82,7 +189,7 @@ int afd_bf16_index_scores(const float *q, const float *w, const uint16_t *pool,
 }
 
 /* A float's order as an unsigned key (larger value, larger key); both zeros the same key, so
- * their tie goes by position like any other; NaN the lowest key of all (-inf never asked). */
+ * their tie goes by position like any other; NaN the lowest key of all. */
 static inline uint32_t order_key(float f) {
   uint32_t u;
   if (f != f) return 0;
@@ -91,56 +198,74 @@ static inline uint32_t order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-/* One row's selection among its visible positions (those not -inf): all of them where they
- * are at most k, whatever their scores; else the k highest scores (NaN below every number),
- * ties at the cut to the lower positions. Ascending positions. The k-th highest key is found a
- * byte at a time from the top (a radix select: four counting passes, whatever the values). */
-static int64_t topk_row(const float *s, int64_t L, int k, int64_t *pos) {
-  int64_t m = 0;
-  for (int64_t l = 0; l < L; l++) m += s[l] != -INFINITY;
-  int64_t c = 0;
+/* Of the digits (key >> shift) & mask of n keys, the highest bin whose count from the top
+ * reaches *want; *want becomes the rank left within that bin. */
+static uint32_t pick_bin(const uint32_t *keys, int64_t n, int shift, uint32_t mask,
+                         int64_t *want) {
+  int64_t hist[2048];
+  memset(hist, 0, (mask + 1) * sizeof(int64_t));
+  for (int64_t i = 0; i < n; i++) hist[(keys[i] >> shift) & mask]++;
+  uint32_t b = mask;
+  for (; b > 0 && hist[b] < *want; b--) *want -= hist[b];
+  return b;
+}
+
+/* One row's selection among its first m positions (the ones it sees): all of them where m <= k
+ * (their scores unread), else the k highest scores (NaN below every number), ties at the cut to
+ * the lower positions; ascending. The k-th highest key is found 11, 11, then 10 bits at a time
+ * (a radix select), each round over the keys left in the bin before: three passes over the
+ * row in all, whatever its values. keys, cand: scratch of m keys each. */
+static int64_t topk_row(const float *s, int64_t m, int k, int64_t *pos, uint32_t *keys,
+                        uint32_t *cand) {
   if (m <= k) {
-    for (int64_t l = 0; l < L; l++)
-      if (s[l] != -INFINITY) pos[c++] = l;
-    return c;
+    for (int64_t l = 0; l < m; l++) pos[l] = l;
+    return m;
   }
-  uint32_t prefix = 0, mask = 0;
-  int64_t want = k; /* the rank of the k-th highest among the keys under prefix */
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    int64_t hist[256] = {0};
-    for (int64_t l = 0; l < L; l++) {
-      if (s[l] == -INFINITY) continue;
-      uint32_t key = order_key(s[l]);
-      if ((key & mask) == prefix) hist[(key >> shift) & 255]++;
-    }
-    int b = 255;
-    for (; b > 0 && hist[b] < want; b--) want -= hist[b];
-    prefix |= (uint32_t)b << shift, mask |= 255u << shift;
-  }
-  /* every key above prefix, and `want` of those equal to it, the first ones */
-  for (int64_t l = 0; l < L; l++) {
-    if (s[l] == -INFINITY) continue;
-    uint32_t key = order_key(s[l]);
-    if (key > prefix || (key == prefix && want-- > 0)) pos[c++] = l;
-  }
+  for (int64_t l = 0; l < m; l++) keys[l] = order_key(s[l]);
+  int64_t want = k; /* the rank of the k-th highest among the keys under the prefix */
+  const uint32_t b1 = pick_bin(keys, m, 21, 2047, &want);
+  int64_t n = 0;
+  for (int64_t l = 0; l < m; l++)
+    if (keys[l] >> 21 == b1) cand[n++] = keys[l];
+  const uint32_t b2 = pick_bin(cand, n, 10, 2047, &want);
+  int64_t n2 = 0;
+  for (int64_t i = 0; i < n; i++)
+    if (((cand[i] >> 10) & 2047) == b2) cand[n2++] = cand[i];
+  const uint32_t cut = b1 << 21 | b2 << 10 | pick_bin(cand, n2, 0, 1023, &want);
+  /* every key above the cut, and `want` of those equal to it, the first ones */
+  int64_t c = 0;
+  for (int64_t l = 0; l < m; l++)
+    if (keys[l] > cut || (keys[l] == cut && want-- > 0)) pos[c++] = l;
   return c;
 }
 
-/* scores [n, L] fp32 -> pos [n, k] int64 (each row's first count[i] entries: its selection,
- * ascending; the rest 0) and count [n] int64. The rule both DSA decode paths select by
- * (sparse_attention.py's native path, the fused layer below), so they read the same rows;
- * torch's topk breaks ties its own way. Returns 0, or -1 for k < 1. */
-int afd_topk_positions(const float *scores, int n, int64_t L, int k, int64_t *pos,
-                       int64_t *count, int threads) {
+/* scores [n, L] fp32 (NULL where no row sees more than k), lens [n] (row i sees its first
+ * lens[i] positions) -> pos [n, k] int64 (each row's first count[i] entries: its selection,
+ * ascending; the rest 0) and count [n] int64. The rule both DSA paths on afd's kernels select
+ * by (sparse_attention.py, the fused layer below), so they read the same rows; torch's topk
+ * breaks ties its own way. Returns 0, or -1 for k < 1, a length outside [0, L] (above k
+ * without scores) or memory short. */
+int afd_topk_positions(const float *scores, int n, int64_t L, int k, const int64_t *lens,
+                       int64_t *pos, int64_t *count, int threads) {
   if (k < 1) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 1)
-  for (int i = 0; i < n; i++) {
-    int64_t *p = pos + (size_t)i * k;
-    int64_t c = topk_row(scores + (size_t)i * L, L, k, p);
-    for (int64_t j = c; j < k; j++) p[j] = 0;
-    count[i] = c;
+  for (int i = 0; i < n; i++)
+    if (lens[i] < 0 || lens[i] > L || (!scores && lens[i] > k)) return -1;
+  int bad = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 1) reduction(| : bad)
+  {
+    uint32_t *keys = (uint32_t *)malloc((size_t)L * 2 * sizeof(uint32_t));
+    bad = !keys;
+#pragma omp for schedule(static)
+    for (int i = 0; i < n; i++) {
+      if (!keys) continue;
+      int64_t *p = pos + (size_t)i * k;
+      int64_t c = topk_row(scores + (size_t)i * L, lens[i], k, p, keys, keys + L);
+      for (int64_t j = c; j < k; j++) p[j] = 0;
+      count[i] = c;
+    }
+    free(keys);
   }
-  return 0;
+  return bad ? -1 : 0;
 }
 
 static int by_value(const void *a, const void *b) {
@@ -204,14 +329,10 @@ int afd_dsa_decode_select(const afd_indexer *ix, const uint16_t *xn, const uint1
       for (int h = 0; h < hI; h++)
         wf[t * hI + h] = bf16_value(kw[(size_t)t * W + Di + h]) * wscale;
     if (afd_bf16_index_scores(qf, wf, index_cache, blocks, 0, scores, T, hI, Di, NB, nb, bs,
-                              (float)ix->score_scale, threads))
+                              (float)ix->score_scale, threads, isa))
       goto done;
-  } else { /* every row keeps all its positions (topk_row does not read their scores) */
-    for (size_t i = 0; i < (size_t)T * L; i++) scores[i] = 0.0f;
-  }
-  for (int t = 0; t < T; t++)
-    for (int64_t l = lens[t]; l < L; l++) scores[(size_t)t * L + l] = -INFINITY;
-  if (afd_topk_positions(scores, T, L, K, sel, counts, threads)) goto done;
+  } /* else every row keeps all its positions: topk_row does not read their scores */
+  if (afd_topk_positions(scores, T, L, K, lens, sel, counts, threads)) goto done;
   for (int t = 0; t < T; t++) {
     int64_t *row = table + (size_t)t * K;
     const int64_t *p = sel + (size_t)t * K, *bt = blocks + (size_t)t * nb;

@@ -17,11 +17,11 @@ typedef struct {
   double norm_eps;     /* the LayerNorm's */
 } afd_indexer;
 
-int afd_topk_positions(const float *scores, int n, int64_t L, int k, int64_t *pos,
-                       int64_t *count, int threads);
+int afd_topk_positions(const float *scores, int n, int64_t L, int k, const int64_t *lens,
+                       int64_t *pos, int64_t *count, int threads);
 int afd_bf16_index_scores(const float *q, const float *w, const uint16_t *pool,
                           const int64_t *blocks, int shared, float *out, int n, int H, int D,
-                          int NB, int nb, int bs, float scale, int threads);
+                          int NB, int nb, int bs, float scale, int threads, int isa);
 int afd_dsa_decode_select(const afd_indexer *ix, const uint16_t *xn, const uint16_t *ql, int H,
                           int qr, int dr, const uint16_t *cos, const uint16_t *sin,
                           const int64_t *pos, const int64_t *slots, uint16_t *index_cache,

@@ -14,10 +14,12 @@ from afd.kernels import gemm, paths
 
 
 def usable(pool: torch.Tensor, q: torch.Tensor) -> bool:
-    """A bf16 pool on the CPU, D a multiple of 8 up to 256, afd's kernels on this path."""
+    """A bf16 pool and queries on the CPU, D a multiple of 8 up to 256, afd's kernels on this
+    path."""
     D = pool.shape[-1]
     return (
         pool.dtype == torch.bfloat16
+        and q.dtype == torch.bfloat16  # the AVX-512 kernels multiply its values as bf16
         and pool.device.type == "cpu"
         and pool.is_contiguous()
         and D % 8 == 0
@@ -44,7 +46,7 @@ def index_scores(
     rc = gemm._lib().afd_bf16_index_scores(
         qf.data_ptr(), wf.data_ptr(), pool.data_ptr(), blocks.data_ptr(),
         int(blocks.shape[0] == 1), out.data_ptr(), n, H, D, NB, nb, bs, scale,
-        torch.get_num_threads(),
+        torch.get_num_threads(), paths.isa(),
     )  # fmt: skip
     if rc:
         raise RuntimeError("afd_bf16_index_scores: a block id outside the pool")
@@ -52,22 +54,34 @@ def index_scores(
 
 
 def topk_positions(
-    scores: torch.Tensor,  # [n, L] float32: -inf (or NaN) never selected
+    scores: torch.Tensor | None,  # [n, L] float32; None where no row sees more than k
     k: int,
+    lens: torch.Tensor,  # [n] long: row i sees its first lens[i] positions
+    L: int | None = None,  # the positions a row has (scores' width, where scores is None)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # pos [n, k] long, count [n] long
-    """Each row's (up to) k highest scores' positions, ascending in its first count[i] entries
-    (the rest 0); among equal scores at the cut the lower positions. torch's topk breaks such
-    ties its own way, so the fused layer's selection and the per-op path's agree only if both
-    take this one."""
-    n, L = scores.shape
-    scores = scores.float().contiguous()
+    """Each row's selection among the positions it sees: all of them where they are at most k
+    (their scores unread), else the k highest scores (NaN below every number; among equal
+    scores at the cut the lower positions), ascending in its first count[i] entries (the rest
+    0). torch's topk breaks such ties its own way, so the fused layer's selection and the
+    per-op path's agree only if both take this one."""
+    n = lens.shape[0]
+    if scores is not None:
+        L = scores.shape[1]
+        scores = scores.float().contiguous()
+    elif L is None:
+        raise ValueError("topk_positions: without scores, L says how many positions a row has")
+    lens = lens.to(torch.long).contiguous()
     pos = torch.empty(n, k, dtype=torch.long)
     count = torch.empty(n, dtype=torch.long)
     rc = gemm._lib().afd_topk_positions(
-        scores.data_ptr(), n, L, k, pos.data_ptr(), count.data_ptr(), torch.get_num_threads()
-    )
+        scores.data_ptr() if scores is not None else None, n, L, k, lens.data_ptr(),
+        pos.data_ptr(), count.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
     if rc:
-        raise ValueError(f"topk_positions: k must be at least 1, not {k}")
+        raise ValueError(
+            f"topk_positions: k {k} below 1, a length outside [0, {L}] (above k without "
+            "scores), or no memory"
+        )
     return pos, count
 
 

@@ -38,36 +38,40 @@ def select(
     rows: slice,
     index_pool: torch.Tensor,  # [NB, bs, Di]
     blocks: torch.Tensor,  # [G, nb] long, G = 1 (rows share it) or the number of rows
-    bias: torch.Tensor,  # [n, L] float32: 0 visible, -inf not (causal, padding)
+    lens: torch.Tensor,  # [n] long: row i sees its table's first lens[i] positions (causal)
     topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # slots [n, k] long, visible [n, k] bool
     """The `topk` (or fewer, in a shorter context) best-scoring visible tokens of each row:
-    score = sum over heads of weight * relu(scale * q . k), as the indexer defines it. Where
-    every row has no more than topk visible tokens it keeps them all, unscored on the CPU.
-    On afd's kernels the selection is indexer.c's rule (ties at the cut to the lower
+    score = sum over heads of weight * relu(scale * q . k), as the indexer defines it. A row
+    that sees no more than topk tokens keeps them all (unscored on the CPU where every row
+    does). On afd's kernels the selection is indexer.c's rule (ties at the cut to the lower
     positions), which the fused layer (mla_layer.c) selects by too; torch's topk breaks ties
     its own way."""
     G, nb = blocks.shape
     bs = index_pool.shape[1]
     L = nb * bs
     k = min(topk, L)
-    table = blocks.expand(iq.q[rows].shape[0], nb) if G == 1 else blocks
-    native = indexer.usable(index_pool, iq.q)
-    # (on a device the count would cost a host sync: its torch path scores every row)
-    if bias.device.type == "cpu" and int(torch.isfinite(bias).sum(-1).max()) <= k:
+    table = blocks.expand(lens.shape[0], nb) if G == 1 else blocks
+    # (on a device the test would cost a host sync: its torch path scores every row)
+    short = lens.device.type == "cpu" and int(lens.max()) <= k
+    if indexer.usable(index_pool, iq.q):  # the pool read in place, one pass
+        index = (
+            None  # every row keeps all its positions
+            if short
+            else indexer.index_scores(iq.q[rows], iq.weights[rows], index_pool, blocks, iq.scale)
+        )
+        pos, count = indexer.topk_positions(index, k, lens, L)
+        slots = table.gather(1, pos // bs) * bs + pos % bs
+        return slots, torch.arange(k).unsqueeze(0) < count.unsqueeze(1)
+    bias = torch.zeros(lens.shape[0], L, device=lens.device)
+    bias.masked_fill_(torch.arange(L, device=lens.device) >= lens.unsqueeze(1), -torch.inf)
+    if short:
         index = bias  # the scores would not change the selection
-    elif native:  # the pool read in place, one pass
-        index = indexer.index_scores(iq.q[rows], iq.weights[rows], index_pool, blocks, iq.scale)
-        index = index.masked_fill_(torch.isneginf(bias), -torch.inf)
     else:
         keys = index_pool.index_select(0, blocks.reshape(-1)).view(G, L, -1).float()
         q = iq.q[rows].float()  # [n, hI, Di]
         scores = torch.relu(torch.matmul(q, keys.transpose(1, 2)) * iq.scale)  # [n, hI, L]
         index = torch.matmul(iq.weights[rows].unsqueeze(1), scores).squeeze(1) + bias  # [n, L]
-    if native:
-        pos, count = indexer.topk_positions(index, k)
-        slots = table.gather(1, pos // bs) * bs + pos % bs
-        return slots, torch.arange(k).unsqueeze(0) < count.unsqueeze(1)
     best, pos = index.topk(k, dim=-1)  # [n, k]
     slots = table.gather(1, pos // bs) * bs + pos % bs
     return slots, best > -torch.inf
@@ -116,17 +120,17 @@ def sparse_attention(
     out = torch.empty(T, nh * dv, dtype=q.dtype, device=q.device)
     nd = meta.num_decode
     if nd:
-        assert meta.decode_blocks is not None and meta.decode_bias is not None
-        slots, vis = select(
-            iq, slice(0, nd), index_pool, meta.decode_blocks, meta.decode_bias[:, 0], topk
-        )
+        assert meta.decode_blocks is not None and meta.decode_lens is not None
+        blocks, lens = meta.decode_blocks, meta.decode_lens
+        slots, vis = select(iq, slice(0, nd), index_pool, blocks, lens, topk)
         out[:nd] = attend_selected(q[:nd], pool, slots, vis, dv, scale, pool_scale)
     for p in meta.prefills:
-        L = p.bias.shape[1]
+        L = p.blocks.shape[0] * p.block_size
         step = max(1, _SCORES_PER_CHUNK // (L * iq.q.shape[1]))
         for a in range(0, p.q_len, step):
             b = min(p.q_len, a + step)
             rows = slice(p.q_start + a, p.q_start + b)
-            slots, vis = select(iq, rows, index_pool, p.blocks.unsqueeze(0), p.bias[a:b], topk)
+            seen = torch.arange(p.start + a + 1, p.start + b + 1, device=p.blocks.device)
+            slots, vis = select(iq, rows, index_pool, p.blocks.unsqueeze(0), seen, topk)
             out[rows] = attend_selected(q[rows], pool, slots, vis, dv, scale, pool_scale)
     return out

@@ -193,8 +193,8 @@ def test_selection_keeps_topk_visible_tokens_per_row():
     iq = sparse_attention.IndexQuery(
         torch.randn(n, hI, Di, generator=g), torch.randn(n, hI, generator=g), Di**-0.5
     )
-    bias = torch.zeros(n, 40).masked_fill(torch.ones(n, 40).triu(1).bool(), -torch.inf)
-    slots, visible = sparse_attention.select(iq, slice(0, n), pool, blocks, bias, topk)
+    lens = torch.arange(1, n + 1)  # row i sees positions 0..i
+    slots, visible = sparse_attention.select(iq, slice(0, n), pool, blocks, lens, topk)
     assert slots.shape == (n, topk)
     table = blocks[0]
     for i in range(n):  # row i sees positions 0..i: min(i + 1, topk) of them, all distinct

@@ -22,13 +22,13 @@ def _case(seed: int, n: int, shared: bool, Di: int = 64, hI: int = 8, nb: int = 
     blocks = torch.randperm(NB, generator=g)[: nb * (1 if shared else n)].view(-1, nb)
     L = nb * bs
     lens = torch.randint(1, L + 1, (n,), generator=g)
-    bias = torch.zeros(n, L).masked_fill(torch.arange(L) >= lens[:, None], -torch.inf)
-    return IndexQuery(q, w, Di**-0.5), pool, blocks, bias
+    return IndexQuery(q, w, Di**-0.5), pool, blocks, lens
 
 
+@pytest.mark.parametrize("bs", [16, 20])  # 20: a last group of 4 positions
 @pytest.mark.parametrize("shared", [False, True])
-def test_native_scores_match_the_torch_path(native_path, shared, monkeypatch):
-    iq, pool, blocks, bias = _case(0, 5, shared)
+def test_native_scores_match_the_torch_path(native_path, shared, bs, monkeypatch):
+    iq, pool, blocks, lens = _case(0, 5, shared, bs=bs)
     assert indexer.usable(pool, iq.q)
     native = indexer.index_scores(iq.q, iq.weights, pool, blocks, iq.scale)
     G, nb = blocks.shape
@@ -37,12 +37,11 @@ def test_native_scores_match_the_torch_path(native_path, shared, monkeypatch):
     ref = torch.matmul(iq.weights.unsqueeze(1), ref).squeeze(1)
     torch.testing.assert_close(native, ref, rtol=1e-5, atol=1e-5)
 
-    got = sparse_attention.select(iq, slice(0, 5), pool, blocks, bias, 24)
+    got = sparse_attention.select(iq, slice(0, 5), pool, blocks, lens, 24)
     monkeypatch.setattr(indexer, "usable", lambda *a: False)
-    want = sparse_attention.select(iq, slice(0, 5), pool, blocks, bias, 24)
+    want = sparse_attention.select(iq, slice(0, 5), pool, blocks, lens, 24)
     assert _chosen(*got) == _chosen(*want)  # torch's topk (by score) and the native rule agree
-    visible = bias.isfinite().sum(1).tolist()
-    assert [len(row) for row in _chosen(*got)] == [min(24, n) for n in visible]
+    assert [len(row) for row in _chosen(*got)] == [min(24, n) for n in lens.tolist()]
 
 
 def _chosen(slots: torch.Tensor, visible: torch.Tensor) -> list[list[int]]:
@@ -51,24 +50,40 @@ def _chosen(slots: torch.Tensor, visible: torch.Tensor) -> list[list[int]]:
 
 
 def test_topk_positions_rule():
-    """Among the positions not -inf: all where they are at most k, else the k highest (NaN
-    below every number), ties at the cut to the lower positions (both zeros alike);
-    ascending."""
+    """Among the positions a row sees: all where they are at most k (scores unread), else the k
+    highest (NaN below every number), ties at the cut to the lower positions (both zeros
+    alike); ascending. Scores of every order of magnitude and sign, so each of the radix
+    select's three rounds decides somewhere."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(4, 300, generator=g)
-    pos, count = indexer.topk_positions(x, 17)
-    assert count.tolist() == [17] * 4
-    for i in range(4):
-        assert pos[i].tolist() == sorted(x[i].topk(17).indices.tolist())
+    x = torch.randn(6, 3000, generator=g) * torch.logspace(-30, 30, 3000)[torch.randperm(3000)]
+    x[4] = torch.randn(3000, generator=g).round(decimals=2)  # many ties
+    x[5] = 1.0 + torch.randint(0, 4, (3000,), generator=g) * 2**-23  # one exponent, 4 values
+    lens = torch.tensor([3000, 2999, 17, 1000, 3000, 3000])
+    for k in (1, 17, 300, 2999):
+        pos, count = indexer.topk_positions(x, k, lens)
+        assert count.tolist() == [min(k, n) for n in lens.tolist()]
+        for i, n in enumerate(lens.tolist()):
+            row = x[i, :n]
+            if n <= k:
+                assert pos[i, :n].tolist() == list(range(n))
+                continue
+            cut = row.sort(descending=True, stable=True).values[k - 1]
+            above = (row > cut).nonzero().flatten().tolist()
+            tied = (row == cut).nonzero().flatten().tolist()[: k - len(above)]
+            assert pos[i].tolist() == sorted(above + tied)
     row = torch.tensor([[1.0, 0.0, -0.0, 2.0, 0.0, float("nan"), -torch.inf, 0.5, -0.0]])
-    assert indexer.topk_positions(row, 4)[0].tolist() == [[0, 1, 3, 7]]
-    assert indexer.topk_positions(row, 5)[0].tolist() == [[0, 1, 2, 3, 7]]
-    few = torch.tensor([[-torch.inf, 3.0, float("nan"), -torch.inf, -1.0]])
-    pos, count = indexer.topk_positions(few, 4)
-    assert count.tolist() == [3] and pos.tolist() == [[1, 2, 4, 0]]
-    assert indexer.topk_positions(few, 2)[0].tolist() == [[1, 4]]
-    with pytest.raises(ValueError, match="at least 1"):
-        indexer.topk_positions(x, 0)
+    nine = torch.tensor([9])
+    assert indexer.topk_positions(row, 4, nine)[0].tolist() == [[0, 1, 3, 7]]
+    assert indexer.topk_positions(row, 5, nine)[0].tolist() == [[0, 1, 2, 3, 7]]
+    assert indexer.topk_positions(row, 8, nine)[0].tolist() == [[0, 1, 2, 3, 4, 6, 7, 8]]  # NaN out
+    pos, count = indexer.topk_positions(None, 4, torch.tensor([3, 0]), L=9)  # unscored
+    assert count.tolist() == [3, 0] and pos.tolist() == [[0, 1, 2, 0], [0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="below 1"):
+        indexer.topk_positions(row, 0, nine)
+    with pytest.raises(ValueError, match="outside"):
+        indexer.topk_positions(row, 4, torch.tensor([10]))
+    with pytest.raises(ValueError, match="without"):
+        indexer.topk_positions(None, 4, torch.tensor([5]), L=9)
 
 
 def test_a_block_outside_the_pool_is_an_error(native_path):
