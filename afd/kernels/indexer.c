@@ -47,16 +47,41 @@ static inline __m256 score8(const float *q, const float *w, const float *kt, int
 
 /* The keys of up to 16 positions (rows of D bf16, D2 = D / 2 pairs) as kt [D2][16]: pair d of
  * each position, 16 positions a vector, so one vdpbf16ps takes a pair of every position;
- * positions past m are zeros. */
+ * positions past m are zeros. 16 pairs at a time: 16 loads and a 16 x 16 transpose of 32-bit
+ * values in registers (pairs within 128-bit lanes, then the lanes). */
 static AVX512BF16 void transpose16(const uint16_t *keys, int m, int D2, uint32_t *kt) {
-  const __m512i idx = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(D2));
-  const __mmask16 mk = m >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << m) - 1);
-  for (int d = 0; d < D2; d++)
-    _mm512_storeu_si512(kt + (size_t)d * 16,
-                        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mk, idx,
-                                                    (const int *)keys + d, 4));
+  const uint32_t *k32 = (const uint32_t *)keys; /* position p's pairs at k32 + p * D2 */
+  for (int d0 = 0; d0 < D2; d0 += 16) {
+    const int w = D2 - d0 < 16 ? D2 - d0 : 16;
+    const __mmask16 mc = w >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << w) - 1);
+    __m512i r[16], t[16], u[16], v[16];
+    for (int p = 0; p < 16; p++)
+      r[p] = p < m ? _mm512_maskz_loadu_epi32(mc, k32 + (size_t)p * D2 + d0)
+                   : _mm512_setzero_si512();
+    for (int p = 0; p < 16; p += 2) { /* lane k: pairs 4k..4k+3 of positions p, p + 1 */
+      t[p] = _mm512_unpacklo_epi32(r[p], r[p + 1]);
+      t[p + 1] = _mm512_unpackhi_epi32(r[p], r[p + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) { /* u[g + j], lane k: pair 4k + j of positions g..g+3 */
+      u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+      u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+      u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+      u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* v[j]: pairs j, 8 + j; v[4 + j]: 4 + j, 12 + j */
+      v[j] = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+      v[4 + j] = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+      v[8 + j] = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+      v[12 + j] = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+    }
+    for (int c = 0; c < 8; c++) { /* pair c from v[c]'s even lanes, pair c + 8 its odd ones */
+      if (c < w)
+        _mm512_storeu_si512(kt + (size_t)(d0 + c) * 16, _mm512_shuffle_i32x4(v[c], v[c + 8], 0x88));
+      if (c + 8 < w)
+        _mm512_storeu_si512(kt + (size_t)(d0 + c + 8) * 16,
+                            _mm512_shuffle_i32x4(v[c], v[c + 8], 0xdd));
+    }
+  }
 }
 
 /* Scores of 16 positions from kt (transpose16) for one row: qp [H][D2] its heads' bf16 pairs,

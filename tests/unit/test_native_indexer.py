@@ -25,10 +25,11 @@ def _case(seed: int, n: int, shared: bool, Di: int = 64, hI: int = 8, nb: int = 
     return IndexQuery(q, w, Di**-0.5), pool, blocks, lens
 
 
-@pytest.mark.parametrize("bs", [16, 20])  # 20: a last group of 4 positions
+# bs 20: a last group of 4 positions; Di 40 and 16: key pairs not a multiple of 16
+@pytest.mark.parametrize("bs,Di", [(16, 64), (20, 40), (16, 16)])
 @pytest.mark.parametrize("shared", [False, True])
-def test_native_scores_match_the_torch_path(native_path, shared, bs, monkeypatch):
-    iq, pool, blocks, lens = _case(0, 5, shared, bs=bs)
+def test_native_scores_match_the_torch_path(native_path, shared, bs, Di, monkeypatch):
+    iq, pool, blocks, lens = _case(0, 5, shared, Di=Di, bs=bs)
     assert indexer.usable(pool, iq.q)
     native = indexer.index_scores(iq.q, iq.weights, pool, blocks, iq.scale)
     G, nb = blocks.shape
