@@ -46,6 +46,12 @@ class HeadMatmul:
             and w.shape[2] % 32 == 0
         )
 
+    def transposed(self) -> torch.Tensor | None:
+        """Each W_h^T [nh, K, N] as a view of the laid-out matrices where the path keeps them
+        row-major (avx512bf16), so a caller needing them for torch's matmuls keeps no copy of
+        its own; None where the layout is the path's own (packed, tiles)."""
+        return self.w.transpose(1, 2) if self.isa_name == "avx512bf16" else None
+
     def __call__(
         self,
         x: torch.Tensor,  # [T, nh, K] bf16, last dim contiguous

@@ -72,3 +72,23 @@ def test_mla_takes_torchs_bmm_from_the_per_head_bound(native_path, deepseek_dir,
     assert len(calls) == 2  # none more at the bound
     for a, b in zip(per_head, by_torch, strict=True):
         torch.testing.assert_close(a.float(), b[:-1].float(), rtol=2**-7, atol=2e-2)
+
+
+def test_mla_holds_kv_b_once_where_the_path_keeps_it_row_major(native_path, deepseek_dir):
+    """W_UK and W_UV for torch's matmuls (decode batches above the bound, the expanded
+    prefill) are views of the per-head kernel's matrices on avx512bf16 (row-major there), a
+    copy of their own on the paths that re-lay them out; the same values either way."""
+    from afd.checkpoint import load_weights
+    from afd.config import ModelConfig
+    from services.attention.model import AttentionModel
+
+    cfg = ModelConfig.from_hf(deepseek_dir)
+    kind = AttentionModel(cfg, torch.bfloat16, progress=False).layers[0].kind
+    m, nh = cfg.mla, cfg.num_heads
+    dn = m.qk_nope_head_dim
+    kv_b = load_weights(cfg, "attention", torch.bfloat16, None, False)["layers.0.kv_b_proj"]
+    kv_b = kv_b.view(nh, dn + m.v_head_dim, m.kv_lora_rank)
+    assert torch.equal(kind.w_uk, kv_b[:, :dn]) and torch.equal(kind.w_uv, kv_b[:, dn:].mT)
+    shared = kind.w_uk.data_ptr() == kind.uk.w.data_ptr()
+    assert shared == (native_path.matmul == "avx512bf16")
+    assert shared == (kind.w_uv.data_ptr() == kind.uv.w.data_ptr())

@@ -72,15 +72,19 @@ class MLA(AttentionKind):
         self.w_uk = kv_b[:, :dn].contiguous()  # [nh, dn, r]: q_nope -> latent space
         self.w_uv = kv_b[:, dn:].transpose(1, 2).contiguous()  # [nh, r, dv]: latent -> value
         # Each head's W_UK and W_UV also on afd's kernels where they run (heads.c), laid out
-        # as the path's Linear lays out a weight: a second copy of kv_b_proj, taken below
-        # HeadMatmul's rows (decode batches, short absorbed prefills); torch's bmm above it
-        # and in the expanded prefill.
+        # as the path's Linear lays out a weight, taken below HeadMatmul's rows (decode
+        # batches, short absorbed prefills); torch's bmm above it and in the expanded prefill
+        # reads w_uk and w_uv: views of the laid-out copy where it is row-major, else a second
+        # copy of kv_b_proj.
         isa = paths.active().matmul if native() else None
         uk, uv = self.w_uk.transpose(1, 2), self.w_uv.transpose(1, 2)  # W_h [r, dn], [dv, r]
         self.uk: HeadMatmul | None = None
         self.uv: HeadMatmul | None = None
         if HeadMatmul.usable(uk, isa) and HeadMatmul.usable(uv, isa):
             self.uk, self.uv = HeadMatmul(uk, isa), HeadMatmul(uv, isa)
+            uk_t, uv_t = self.uk.transposed(), self.uv.transposed()
+            if uk_t is not None and uv_t is not None:  # one copy of kv_b_proj, not two
+                self.w_uk, self.w_uv = uk_t, uv_t
         self.out_width = nh * dv
         # From how many query rows a prefill runs expanded: per (query, key) pair the absorbed
         # form does nh(2r + dr) multiply-adds and the expanded one nh(dn + dr + dv), which
