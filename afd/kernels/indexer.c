@@ -45,6 +45,16 @@ static inline __m256 score8(const float *q, const float *w, const float *kt, int
 
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
+/* Task (row i, table entry j)'s block, or -1 where the table names none of the pool's NB (its
+ * bs outputs at o then zeros: nothing is read from it). */
+static inline int64_t task_block(const int64_t *blocks, int shared, int i, int j, int nb, int NB,
+                                 float *o, int bs) {
+  int64_t b = blocks[(shared ? 0 : (int64_t)i * nb) + j];
+  if (b >= 0 && b < NB) return b;
+  for (int p = 0; p < bs; p++) o[p] = 0.0f;
+  return -1;
+}
+
 /* The keys of up to 16 positions (rows of D bf16, D2 = D / 2 pairs) as kt [D2][16]: pair d of
  * each position, 16 positions a vector, so one vdpbf16ps takes a pair of every position;
  * positions past m are zeros. 16 pairs at a time: 16 loads and a 16 x 16 transpose of 32-bit
@@ -76,7 +86,8 @@ static AVX512BF16 void transpose16(const uint16_t *keys, int m, int D2, uint32_t
     }
     for (int c = 0; c < 8; c++) { /* pair c from v[c]'s even lanes, pair c + 8 its odd ones */
       if (c < w)
-        _mm512_storeu_si512(kt + (size_t)(d0 + c) * 16, _mm512_shuffle_i32x4(v[c], v[c + 8], 0x88));
+        _mm512_storeu_si512(kt + (size_t)(d0 + c) * 16,
+                            _mm512_shuffle_i32x4(v[c], v[c + 8], 0x88));
       if (c + 8 < w)
         _mm512_storeu_si512(kt + (size_t)(d0 + c + 8) * 16,
                             _mm512_shuffle_i32x4(v[c], v[c + 8], 0xdd));
@@ -136,11 +147,10 @@ static AVX512BF16 int index_scores512(const uint16_t *qb, const float *w, const 
     for (int64_t t = 0; t < (int64_t)n * nb; t++) {
       if (!kt) continue;
       int i = shared ? (int)(t % n) : (int)(t / nb), j = shared ? (int)(t / n) : (int)(t % nb);
-      int64_t b = blocks[(shared ? 0 : (int64_t)i * nb) + j];
       float *o = out + (size_t)i * L + (size_t)j * bs;
-      if (b < 0 || b >= NB) {
+      int64_t b = task_block(blocks, shared, i, j, nb, NB, o, bs);
+      if (b < 0) {
         bad = 1;
-        for (int p = 0; p < bs; p++) o[p] = 0.0f;
         continue;
       }
       if (b != have) {
@@ -154,9 +164,9 @@ static AVX512BF16 int index_scores512(const uint16_t *qb, const float *w, const 
       const uint32_t *qp = (const uint32_t *)(qb + (size_t)i * H * D);
       for (int g = 0; g < groups; g++) {
         int m = bs - 16 * g < 16 ? bs - 16 * g : 16;
+        const __mmask16 mk = m >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << m) - 1);
         __m512 sc = score16(qp, w + (size_t)i * H, kt + (size_t)g * D2 * 16, H, D2, scale);
-        _mm512_mask_storeu_ps(o + 16 * g, m >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << m) - 1),
-                              sc);
+        _mm512_mask_storeu_ps(o + 16 * g, mk, sc);
       }
     }
     free(kt);
@@ -189,11 +199,10 @@ int afd_bf16_index_scores(const float *q, const float *w, const uint16_t *pool,
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < (int64_t)n * nb; t++) {
       int i = (int)(t / nb), j = (int)(t % nb);
-      int64_t b = blocks[(shared ? 0 : (int64_t)i * nb) + j];
       float *o = out + (size_t)i * L + (size_t)j * bs;
-      if (b < 0 || b >= NB) {
+      int64_t b = task_block(blocks, shared, i, j, nb, NB, o, bs);
+      if (b < 0) {
         bad = 1;
-        for (int p = 0; p < bs; p++) o[p] = 0.0f;
         continue;
       }
       const uint16_t *keys = pool + (size_t)b * bs * D;
@@ -310,10 +319,10 @@ int afd_bf16_layer_norm(const uint16_t *x, long sa, const uint16_t *w, const uin
  *   k = rope(layer_norm(k)), written at each token's slot of index_cache [NB, bs, dim]
  *   score[l] = weight_scale * sum_h weights_h relu(score_scale q_h . k_l), for l < lens[t]
  * RoPE (half-split) turns each head's first dr values. A row with no more than K positions
- * keeps them all; where every row does, the query and the scores are not computed. Out: table [T, K] int64 (K = min(topk,
- * nb * bs)), each row's selected slots ascending in its first counts[t] entries (the rest
- * NB * bs, never read), counts [T]. Returns 0, or -1 (bad sizes, memory short, a slot or
- * block outside the pools, a row with nothing to attend). */
+ * keeps them all; where every row does, the query and the scores are not computed. Out:
+ * table [T, K] int64 (K = min(topk, nb * bs)), each row's selected slots ascending in its
+ * first counts[t] entries (the rest NB * bs, never read), counts [T]. Returns 0, or -1 (bad
+ * sizes, memory short, a slot or block outside the pools, a row with nothing to attend). */
 int afd_dsa_decode_select(const afd_indexer *ix, const uint16_t *xn, const uint16_t *ql, int H,
                           int qr, int dr, const uint16_t *cos, const uint16_t *sin,
                           const int64_t *pos, const int64_t *slots, uint16_t *index_cache,

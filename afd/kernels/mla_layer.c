@@ -35,9 +35,10 @@ int afd_route_rows(const uint16_t *logits, const float *bias, int T, int E, int 
 int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_t *h_out,
                               uint16_t *x_out, const uint16_t *cos, const uint16_t *sin,
                               const int64_t *pos, const int64_t *slots, uint16_t *cache,
-                              uint16_t *index_cache, const int64_t *blocks, const int64_t *lens, int T, int NB, int bs,
-                              int nb, float scale, int threads, int isa, uint16_t *logits,
-                              int32_t *ids, float *weights) {
+                              uint16_t *index_cache, const int64_t *blocks,
+                              const int64_t *lens, int T, int NB, int bs, int nb, float scale,
+                              int threads, int isa, uint16_t *logits, int32_t *ids,
+                              float *weights) {
   const int H = (int)L->H, qr = (int)L->qr, nh = (int)L->nh, dn = (int)L->dn, dr = (int)L->dr;
   const int r = (int)L->r, dv = (int)L->dv, hd = dn + dr, D = r + dr;
   const int q_in = qr ? qr : nh * hd, A = q_in + r + dr;
