@@ -162,14 +162,17 @@ def _bf16_cluster_tokens(model, n_ffn: int, S: int, tmp_path, env, prompts) -> l
         procs.stop_all()
 
 
+@pytest.mark.parametrize("ckpt", ["deepseek_dir", "dsa_dir"])
 def test_bf16_fused_mla_1a1f_over_tcp_gives_the_in_process_tokens(
-    deepseek_dir, tmp_path, monkeypatch
+    ckpt, request, tmp_path, monkeypatch
 ):
     """DeepSeek at dims MLA's fused layer takes, bf16 on this machine's own kernel path and on
-    the wire: the attention server's fused MLA layers (mla_layer.c) with an FFN process over
-    tcp (the shared expert in mlp.c's call) give exactly the tokens of one process, where the
-    decode stack runs the same calls; test_deepseek_reference checks those against
-    transformers. (Two FFN shards would add their partial sums in bf16: other bits.)"""
+    the wire: the attention server's fused MLA layers (mla_layer.c; V3.2's with its indexer's
+    selection) with an FFN process over tcp (the shared expert in mlp.c's call) give exactly
+    the tokens of one process, where the decode stack runs the same calls;
+    test_deepseek_reference checks those against transformers. (Two FFN shards would add
+    their partial sums in bf16: other bits.)"""
+    deepseek_dir = request.getfixturevalue(ckpt)
     from afd.kernels import paths
     from tests.integration.test_engine_reference import PROMPTS as P
     from tests.integration.test_engine_reference import afd_greedy, engine_cfg
