@@ -1,20 +1,21 @@
-/* DeepSeek Sparse Attention's lightning-indexer scores over the paged indexer-key pool
- * (loaded with ctypes by afd/kernels/indexer.py).
+/* DeepSeek Sparse Attention's lightning indexer (loaded with ctypes by afd/kernels/indexer.py):
+ * its scores over the paged indexer-key pool, the top-k selection, and a decode batch's whole
+ * selection for the fused MLA layer (mla_layer.c).
  *
  * For query row i and each position l of its block table,
  *   index[i, l] = sum_h w[i, h] * relu(scale * (q[i, h] . k_l))
- * with q and w in fp32 and the keys bf16 in the pool, read in place: the torch path gathers
- * the row's blocks into a copy and widens it to fp32 before one matmul, four passes over
- * bytes that this reads once. Products are exact (bf16 widened to fp32); the sums' order is
- * this kernel's, so scores differ from the torch path's in the last fp32 bits.
- *
- * Work is split over (row, block) pairs; a block's bs positions are scored 8 at a time, each
- * query head's 8 dot products reduced together. */
+ * with the keys bf16 in the pool, read in place: the torch path gathers the row's blocks into
+ * a copy and widens it to fp32 before one matmul. Products are exact (bf16 by bf16); the sums'
+ * order is each kernel's (fp32 FMAs on AVX2, vdpbf16ps pairs on AVX-512, tile products on
+ * AMX), so scores differ from the torch path's, and between paths, in the last fp32 bits.
+ * Work is split over (row, block) pairs, block-major where the rows share one table (a
+ * prefill's), so a block's keys are prepared once for every row. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "indexer.h"
 
@@ -174,11 +175,117 @@ static AVX512BF16 int index_scores512(const uint16_t *qb, const float *w, const 
   return bad ? -1 : 0;
 }
 
+/* Each row's queries qb [n][H][D] bf16 as AMX B tiles, per row T C tiles of 1 KiB (T: 16
+ * heads, C: 32 values of D): tile (t, c), row r, column j = pair 16c + r of head 16t + j (zero
+ * past H); w [n][H] -> wp [n][16 T], zero past H. */
+static void pack_rows_amx(const uint16_t *qb, const float *w, int n, int H, int D, uint32_t *qp,
+                          float *wp) {
+  const int C = D / 32, T = (H + 15) / 16, D2 = D / 2;
+  const size_t per = (size_t)T * C * 256;
+  const uint32_t *pairs = (const uint32_t *)qb;
+  memset(qp, 0, (size_t)n * per * sizeof(uint32_t));
+  memset(wp, 0, (size_t)n * T * 16 * sizeof(float));
+  for (int i = 0; i < n; i++)
+    for (int h = 0; h < H; h++) {
+      uint32_t *dst = qp + i * per + (size_t)(h / 16) * C * 256 + h % 16;
+      const uint32_t *src = pairs + ((size_t)i * H + h) * D2;
+      for (int d = 0; d < D2; d++) dst[(size_t)(d / 16) * 256 + (d % 16) * 16] = src[d];
+      wp[(size_t)i * T * 16 + h] = w[(size_t)i * H + h];
+    }
+}
+
+/* afd_bf16_index_scores on AMX tiles (D % 32 == 0): per 16 positions, the keys as A tiles
+ * read in place (rows D apart; a block's last few copied, zero-padded), each row's heads as
+ * B tiles, up to 4 tiles of 16 heads' sums at a time; then each position's weighted relu of
+ * its heads' sums, 16 heads a vector, added across the head tiles and summed last. */
+static AMX int index_scores_amx(const uint16_t *qb, const float *w, const uint16_t *pool,
+                                const int64_t *blocks, int shared, float *out, int n, int H,
+                                int D, int NB, int nb, int bs, float scale, int threads) {
+  const int64_t L = (int64_t)nb * bs;
+  const int C = D / 32, T = (H + 15) / 16, groups = (bs + 15) / 16;
+  const size_t per = (size_t)T * C * 256;
+  uint32_t *qp = (uint32_t *)afd_alloc64((size_t)n * per * sizeof(uint32_t));
+  float *wp = (float *)afd_alloc64((size_t)n * T * 16 * sizeof(float));
+  int bad = !qp || !wp;
+  if (!bad) pack_rows_amx(qb, w, n, H, D, qp, wp);
+#pragma omp parallel num_threads(threads) reduction(| : bad) if (!bad)
+  {
+    uint16_t *rows = (uint16_t *)afd_alloc64((size_t)16 * D * sizeof(uint16_t));
+    float *sums = (float *)afd_alloc64(4 * 256 * sizeof(float));
+    const __m512 vscale = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+    if (!rows || !sums) bad = 1;
+    afd_amx_configure();
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < (int64_t)n * nb; t++) {
+      if (!rows || !sums || !qp || !wp) continue;
+      int i = shared ? (int)(t % n) : (int)(t / nb), j = shared ? (int)(t / n) : (int)(t % nb);
+      float *o = out + (size_t)i * L + (size_t)j * bs;
+      int64_t b = task_block(blocks, shared, i, j, nb, NB, o, bs);
+      if (b < 0) {
+        bad = 1;
+        continue;
+      }
+      const uint32_t *q = qp + i * per;
+      const float *wi = wp + (size_t)i * T * 16;
+      for (int g = 0; g < groups; g++) {
+        const int m = bs - 16 * g < 16 ? bs - 16 * g : 16;
+        const uint16_t *a = pool + ((size_t)b * bs + 16 * g) * D;
+        if (m < 16) {
+          memset(rows, 0, (size_t)16 * D * sizeof(uint16_t));
+          memcpy(rows, a, (size_t)m * D * sizeof(uint16_t));
+          a = rows;
+        }
+        __m512 part[16];
+        for (int p = 0; p < 16; p++) part[p] = zero;
+        for (int t0 = 0; t0 < T; t0 += 4) {
+          const int k = T - t0 < 4 ? T - t0 : 4;
+          const uint32_t *qt = q + (size_t)t0 * C * 256;
+          afd_amx_zero_sums();
+          for (int c = 0; c < C; c++) {
+            _tile_loadd(4, a + 32 * c, D * 2);
+            _tile_loadd(6, qt + (size_t)c * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (k > 1) {
+              _tile_loadd(7, qt + (size_t)(C + c) * 256, 64);
+              _tile_dpbf16ps(1, 4, 7);
+            }
+            if (k > 2) {
+              _tile_loadd(6, qt + (size_t)(2 * C + c) * 256, 64);
+              _tile_dpbf16ps(2, 4, 6);
+            }
+            if (k > 3) {
+              _tile_loadd(7, qt + (size_t)(3 * C + c) * 256, 64);
+              _tile_dpbf16ps(3, 4, 7);
+            }
+          }
+          _tile_stored(0, sums, 64);
+          if (k > 1) _tile_stored(1, sums + 256, 64);
+          if (k > 2) _tile_stored(2, sums + 512, 64);
+          if (k > 3) _tile_stored(3, sums + 768, 64);
+          for (int u = 0; u < k; u++) { /* row p of a tile: position p's 16 heads */
+            const __m512 wv = _mm512_loadu_ps(wi + (size_t)(t0 + u) * 16);
+            for (int p = 0; p < 16; p++) {
+              __m512 r = _mm512_loadu_ps(sums + u * 256 + p * 16);
+              part[p] = _mm512_fmadd_ps(wv, _mm512_max_ps(_mm512_mul_ps(r, vscale), zero),
+                                        part[p]);
+            }
+          }
+        }
+        for (int p = 0; p < m; p++) o[16 * g + p] = _mm512_reduce_add_ps(part[p]);
+      }
+    }
+    _tile_release();
+    free(rows), free(sums);
+  }
+  free(qp), free(wp);
+  return bad ? -1 : 0;
+}
+
 /* q [n, H, D] fp32, w [n, H] fp32, pool [NB, bs, D] bf16, blocks [n or 1, nb] (shared: every
  * row reads row 0), out [n, nb * bs] fp32. D % 8 == 0. isa: ISA_AVX2 sums fp32 products 8
  * lanes a head (score8); the AVX-512 paths (q's values must be bf16 ones, as the indexer's
- * are) take vdpbf16ps pairs, another order. Returns 0, or -1 for a block id outside the pool
- * (nothing is read from it) or memory short. */
+ * are) take vdpbf16ps pairs, another order, and ISA_AMX tiles where D % 32 == 0, a third.
+ * Returns 0, or -1 for a block id outside the pool (nothing is read from it) or memory short. */
 int afd_bf16_index_scores(const float *q, const float *w, const uint16_t *pool,
                           const int64_t *blocks, int shared, float *out, int n, int H, int D,
                           int NB, int nb, int bs, float scale, int threads, int isa) {
@@ -186,8 +293,11 @@ int afd_bf16_index_scores(const float *q, const float *w, const uint16_t *pool,
     uint16_t *qb = (uint16_t *)afd_alloc64((size_t)n * H * D * sizeof(uint16_t));
     if (!qb) return -1;
     for (size_t x = 0; x < (size_t)n * H * D; x++) qb[x] = to_bf16(q[x]);
-    int rc = index_scores512(qb, w, pool, blocks, shared, out, n, H, D, NB, nb, bs, scale,
-                             threads);
+    int rc = isa == ISA_AMX && D % 32 == 0
+                 ? index_scores_amx(qb, w, pool, blocks, shared, out, n, H, D, NB, nb, bs,
+                                    scale, threads)
+                 : index_scores512(qb, w, pool, blocks, shared, out, n, H, D, NB, nb, bs,
+                                   scale, threads);
     free(qb);
     return rc;
   }
