@@ -25,11 +25,14 @@ def _case(seed: int, n: int, shared: bool, Di: int = 64, hI: int = 8, nb: int = 
     return IndexQuery(q, w, Di**-0.5), pool, blocks, lens
 
 
-# bs 20: a last group of 4 positions; Di 40 and 16: key pairs not a multiple of 16
-@pytest.mark.parametrize("bs,Di", [(16, 64), (20, 40), (16, 16)])
+# bs 20: a last group of 4 positions; Di 40 and 16: key pairs not a multiple of 16 (and off
+# AMX's tiles); 40 and 72 heads: AMX's head tiles, 3 of them, and more than the 4 summed at once
+@pytest.mark.parametrize(
+    "bs,Di,hI", [(16, 64, 8), (20, 40, 8), (16, 16, 8), (16, 64, 40), (20, 32, 72)]
+)
 @pytest.mark.parametrize("shared", [False, True])
-def test_native_scores_match_the_torch_path(native_path, shared, bs, Di, monkeypatch):
-    iq, pool, blocks, lens = _case(0, 5, shared, Di=Di, bs=bs)
+def test_native_scores_match_the_torch_path(native_path, shared, bs, Di, hI, monkeypatch):
+    iq, pool, blocks, lens = _case(0, 5, shared, Di=Di, hI=hI, bs=bs)
     assert indexer.usable(pool, iq.q)
     native = indexer.index_scores(iq.q, iq.weights, pool, blocks, iq.scale)
     G, nb = blocks.shape
