@@ -26,10 +26,10 @@ class PrefillSeq:
 
     @cached_property
     def bias(self) -> torch.Tensor:  # [q_len, nb * block_size] float32
-        """0 for each new token's keys (causal), -inf elsewhere: the torch path's mask and DSA's
-        selection's, built when first asked for, on the blocks' device (the native prefill
-        reads each token's keys by position; at 2,048 new tokens after 128K cached ones this
-        mask alone would take 1 GiB)."""
+        """0 for each new token's keys (causal), -inf elsewhere: the torch path's mask, built
+        when first asked for, on the blocks' device (the native prefill reads each token's
+        keys by position, DSA's selection takes each row's length; at 2,048 new tokens after
+        128K cached ones this mask alone would take 1 GiB)."""
         dev, L = self.blocks.device, self.blocks.shape[0] * self.block_size
         q_pos = torch.arange(self.start, self.start + self.q_len, device=dev).unsqueeze(1)
         bias = torch.zeros(self.q_len, L, device=dev)
