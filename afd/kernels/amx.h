@@ -1,6 +1,6 @@
-/* What amx.c and mxfp4_amx.c share around the tiles: the target attribute, the one tile
- * configuration both use and its loading, zeroing the sums, and reading a tile of sums out
- * transposed. */
+/* What amx.c, mxfp4_amx.c, attention_amx.c and indexer.c share around the tiles: the target
+ * attribute, the one tile configuration they use and its loading, zeroing the sums, one A tile
+ * against up to four B tiles, storing the sums, and reading a tile of sums out transposed. */
 #ifndef AFD_AMX_H
 #define AFD_AMX_H
 #include <immintrin.h>
@@ -32,6 +32,34 @@ static inline AMX void afd_amx_zero_sums(void) {
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+}
+
+/* The A tile in tmm4 (loaded by the caller) times k <= 4 B tiles of 1 KiB at b, b + step,
+ * b + 2 step, ... (in 32-bit units), each product added to sums tile 0 .. k - 1; the B tiles
+ * alternate between tmm6 and tmm7, so one loads while the other multiplies. */
+static inline AMX void afd_amx_times(const uint32_t *b, size_t step, int k) {
+  _tile_loadd(6, b, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  if (k > 1) {
+    _tile_loadd(7, b + step, 64);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  if (k > 2) {
+    _tile_loadd(6, b + 2 * step, 64);
+    _tile_dpbf16ps(2, 4, 6);
+  }
+  if (k > 3) {
+    _tile_loadd(7, b + 3 * step, 64);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+}
+
+/* Sums tiles 0 .. k - 1 (k <= 4) stored at s, s + 256, ...: [16][16] fp32 each. */
+static inline AMX void afd_amx_store_sums(float *s, int k) {
+  _tile_stored(0, s, 64);
+  if (k > 1) _tile_stored(1, s + 256, 64);
+  if (k > 2) _tile_stored(2, s + 512, 64);
+  if (k > 3) _tile_stored(3, s + 768, 64);
 }
 
 /* Row i of a stored tile of sums c [16][16] read down its column: c[0][i], c[1][i], ... */

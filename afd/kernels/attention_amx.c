@@ -87,25 +87,9 @@ AMX void afd_attn_amx_scores(const uint16_t *q, const uint16_t *cache, const int
           for (int i = 0; i < na; i++)
             _mm_prefetch((const char *)(cache + row[ahead + i] + 32 * c), _MM_HINT_T0);
         load_k(cache, row, l0, n, c, D, direct, rows);
-        _tile_loadd(6, qt + (size_t)c * 256, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (k > 1) {
-          _tile_loadd(7, qt + (size_t)(C + c) * 256, 64);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        if (k > 2) {
-          _tile_loadd(6, qt + (size_t)(2 * C + c) * 256, 64);
-          _tile_dpbf16ps(2, 4, 6);
-        }
-        if (k > 3) {
-          _tile_loadd(7, qt + (size_t)(3 * C + c) * 256, 64);
-          _tile_dpbf16ps(3, 4, 7);
-        }
+        afd_amx_times(qt + (size_t)c * 256, (size_t)C * 256, k);
       }
-      _tile_stored(0, sums, 64);
-      if (k > 1) _tile_stored(1, sums + 256, 64);
-      if (k > 2) _tile_stored(2, sums + 512, 64);
-      if (k > 3) _tile_stored(3, sums + 768, 64);
+      afd_amx_store_sums(sums, k);
       const int j1 = g < 16 * (t0 + k) ? g : 16 * (t0 + k);
       for (int j = 16 * t0; j < j1; j++) { /* head j's column: its 16 positions' sums */
         __m512 r = afd_amx_column(sums + (j / 16 - t0) * 256, j % 16);

@@ -46,6 +46,13 @@ static inline __m256 score8(const float *q, const float *w, const float *kt, int
 
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
+/* Task t's row i and table entry j: block-major where the rows share one table (a prefill's),
+ * so a thread's consecutive tasks read one block; else row-major. */
+static inline void task_of(int64_t t, int shared, int n, int nb, int *i, int *j) {
+  *i = shared ? (int)(t % n) : (int)(t / nb);
+  *j = shared ? (int)(t / n) : (int)(t % nb);
+}
+
 /* Task (row i, table entry j)'s block, or -1 where the table names none of the pool's NB (its
  * bs outputs at o then zeros: nothing is read from it). */
 static inline int64_t task_block(const int64_t *blocks, int shared, int i, int j, int nb, int NB,
@@ -143,11 +150,11 @@ static AVX512BF16 int index_scores512(const uint16_t *qb, const float *w, const 
     uint32_t *kt = (uint32_t *)malloc((size_t)groups * D2 * 16 * sizeof(uint32_t));
     int64_t have = -1; /* the block kt holds */
     if (!kt) bad = 1;
-    /* shared: block-major, so a thread's consecutive tasks reuse one transposed block */
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < (int64_t)n * nb; t++) {
       if (!kt) continue;
-      int i = shared ? (int)(t % n) : (int)(t / nb), j = shared ? (int)(t / n) : (int)(t % nb);
+      int i, j;
+      task_of(t, shared, n, nb, &i, &j);
       float *o = out + (size_t)i * L + (size_t)j * bs;
       int64_t b = task_block(blocks, shared, i, j, nb, NB, o, bs);
       if (b < 0) {
@@ -218,7 +225,8 @@ static AMX int index_scores_amx(const uint16_t *qb, const float *w, const uint16
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < (int64_t)n * nb; t++) {
       if (!rows || !sums || !qp || !wp) continue;
-      int i = shared ? (int)(t % n) : (int)(t / nb), j = shared ? (int)(t / n) : (int)(t % nb);
+      int i, j;
+      task_of(t, shared, n, nb, &i, &j);
       float *o = out + (size_t)i * L + (size_t)j * bs;
       int64_t b = task_block(blocks, shared, i, j, nb, NB, o, bs);
       if (b < 0) {
@@ -243,25 +251,9 @@ static AMX int index_scores_amx(const uint16_t *qb, const float *w, const uint16
           afd_amx_zero_sums();
           for (int c = 0; c < C; c++) {
             _tile_loadd(4, a + 32 * c, D * 2);
-            _tile_loadd(6, qt + (size_t)c * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (k > 1) {
-              _tile_loadd(7, qt + (size_t)(C + c) * 256, 64);
-              _tile_dpbf16ps(1, 4, 7);
-            }
-            if (k > 2) {
-              _tile_loadd(6, qt + (size_t)(2 * C + c) * 256, 64);
-              _tile_dpbf16ps(2, 4, 6);
-            }
-            if (k > 3) {
-              _tile_loadd(7, qt + (size_t)(3 * C + c) * 256, 64);
-              _tile_dpbf16ps(3, 4, 7);
-            }
+            afd_amx_times(qt + (size_t)c * 256, (size_t)C * 256, k);
           }
-          _tile_stored(0, sums, 64);
-          if (k > 1) _tile_stored(1, sums + 256, 64);
-          if (k > 2) _tile_stored(2, sums + 512, 64);
-          if (k > 3) _tile_stored(3, sums + 768, 64);
+          afd_amx_store_sums(sums, k);
           for (int u = 0; u < k; u++) { /* row p of a tile: position p's 16 heads */
             const __m512 wv = _mm512_loadu_ps(wi + (size_t)(t0 + u) * 16);
             for (int p = 0; p < 16; p++) {
@@ -281,26 +273,23 @@ static AMX int index_scores_amx(const uint16_t *qb, const float *w, const uint16
   return bad ? -1 : 0;
 }
 
-/* q [n, H, D] fp32, w [n, H] fp32, pool [NB, bs, D] bf16, blocks [n or 1, nb] (shared: every
+/* qb [n, H, D] bf16, w [n, H] fp32, pool [NB, bs, D] bf16, blocks [n or 1, nb] (shared: every
  * row reads row 0), out [n, nb * bs] fp32. D % 8 == 0. isa: ISA_AVX2 sums fp32 products 8
- * lanes a head (score8); the AVX-512 paths (q's values must be bf16 ones, as the indexer's
- * are) take vdpbf16ps pairs, another order, and ISA_AMX tiles where D % 32 == 0, a third.
- * Returns 0, or -1 for a block id outside the pool (nothing is read from it) or memory short. */
-int afd_bf16_index_scores(const float *q, const float *w, const uint16_t *pool,
+ * lanes a head (score8); the AVX-512 paths take vdpbf16ps pairs, another order, and ISA_AMX
+ * tiles where D % 32 == 0, a third. Returns 0, or -1 for a block id outside the pool (nothing
+ * is read from it) or memory short. */
+int afd_bf16_index_scores(const uint16_t *qb, const float *w, const uint16_t *pool,
                           const int64_t *blocks, int shared, float *out, int n, int H, int D,
                           int NB, int nb, int bs, float scale, int threads, int isa) {
-  if (isa != ISA_AVX2) {
-    uint16_t *qb = (uint16_t *)afd_alloc64((size_t)n * H * D * sizeof(uint16_t));
-    if (!qb) return -1;
-    for (size_t x = 0; x < (size_t)n * H * D; x++) qb[x] = to_bf16(q[x]);
-    int rc = isa == ISA_AMX && D % 32 == 0
-                 ? index_scores_amx(qb, w, pool, blocks, shared, out, n, H, D, NB, nb, bs,
-                                    scale, threads)
-                 : index_scores512(qb, w, pool, blocks, shared, out, n, H, D, NB, nb, bs,
-                                   scale, threads);
-    free(qb);
-    return rc;
-  }
+  if (isa == ISA_AMX && D % 32 == 0)
+    return index_scores_amx(qb, w, pool, blocks, shared, out, n, H, D, NB, nb, bs, scale,
+                            threads);
+  if (isa != ISA_AVX2)
+    return index_scores512(qb, w, pool, blocks, shared, out, n, H, D, NB, nb, bs, scale,
+                           threads);
+  float *q = (float *)afd_alloc64((size_t)n * H * D * sizeof(float)); /* widened once */
+  if (!q) return -1;
+  for (size_t x = 0; x < (size_t)n * H * D; x++) q[x] = bf16_value(qb[x]);
   int bad = 0;
   const int64_t L = (int64_t)nb * bs;
 #pragma omp parallel num_threads(threads) reduction(| : bad)
@@ -329,6 +318,7 @@ int afd_bf16_index_scores(const float *q, const float *w, const uint16_t *pool,
       }
     }
   }
+  free(q);
   return bad ? -1 : 0;
 }
 
@@ -445,12 +435,11 @@ int afd_dsa_decode_select(const afd_indexer *ix, const uint16_t *xn, const uint1
   uint16_t *q = (uint16_t *)afd_alloc64((size_t)T * Q * 2);
   uint16_t *kw = (uint16_t *)afd_alloc64((size_t)T * W * 2);
   uint16_t *kn = (uint16_t *)afd_alloc64((size_t)T * Di * 2);
-  float *qf = (float *)afd_alloc64((size_t)T * Q * 4);
   float *wf = (float *)afd_alloc64((size_t)T * hI * 4);
   float *scores = (float *)afd_alloc64((size_t)T * L * 4);
   int64_t *sel = (int64_t *)afd_alloc64((size_t)T * K * 8);
   int rc = -1;
-  if (!q || !kw || !kn || !qf || !wf || !scores || !sel) goto done;
+  if (!q || !kw || !kn || !wf || !scores || !sel) goto done;
   int scored = 0; /* a row with more positions than it keeps: the scores choose */
   for (int t = 0; t < T; t++) {
     if (slots[t] < 0 || slots[t] >= rows || lens[t] < 1 || lens[t] > L) goto done;
@@ -467,12 +456,11 @@ int afd_dsa_decode_select(const afd_indexer *ix, const uint16_t *xn, const uint1
     if (GEMM(ql, ix->w_q, q, T, Q, qr)) goto done;
     if (afd_bf16_rope_heads(q, Q, Di, q, Q, Di, T, hI, dr, cos, sin, pos, threads, isa))
       goto done;
-    for (size_t i = 0; i < (size_t)T * Q; i++) qf[i] = bf16_value(q[i]);
     const float wscale = (float)ix->weight_scale;
     for (int t = 0; t < T; t++)
       for (int h = 0; h < hI; h++)
         wf[t * hI + h] = bf16_value(kw[(size_t)t * W + Di + h]) * wscale;
-    if (afd_bf16_index_scores(qf, wf, index_cache, blocks, 0, scores, T, hI, Di, NB, nb, bs,
+    if (afd_bf16_index_scores(q, wf, index_cache, blocks, 0, scores, T, hI, Di, NB, nb, bs,
                               (float)ix->score_scale, threads, isa))
       goto done;
   } /* else every row keeps all its positions: topk_row does not read their scores */
@@ -487,6 +475,6 @@ int afd_dsa_decode_select(const afd_indexer *ix, const uint16_t *xn, const uint1
   }
   rc = 0;
 done:
-  free(q), free(kw), free(kn), free(qf), free(wf), free(scores), free(sel);
+  free(q), free(kw), free(kn), free(wf), free(scores), free(sel);
   return rc;
 }

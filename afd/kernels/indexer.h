@@ -19,7 +19,7 @@ typedef struct {
 
 int afd_topk_positions(const float *scores, int n, int64_t L, int k, const int64_t *lens,
                        int64_t *pos, int64_t *count, int threads);
-int afd_bf16_index_scores(const float *q, const float *w, const uint16_t *pool,
+int afd_bf16_index_scores(const uint16_t *qb, const float *w, const uint16_t *pool,
                           const int64_t *blocks, int shared, float *out, int n, int H, int D,
                           int NB, int nb, int bs, float scale, int threads, int isa);
 int afd_dsa_decode_select(const afd_indexer *ix, const uint16_t *xn, const uint16_t *ql, int H,

@@ -19,7 +19,7 @@ def usable(pool: torch.Tensor, q: torch.Tensor) -> bool:
     D = pool.shape[-1]
     return (
         pool.dtype == torch.bfloat16
-        and q.dtype == torch.bfloat16  # the AVX-512 kernels multiply its values as bf16
+        and q.dtype == torch.bfloat16  # the kernels read the queries as bf16
         and pool.device.type == "cpu"
         and pool.is_contiguous()
         and D % 8 == 0
@@ -30,7 +30,7 @@ def usable(pool: torch.Tensor, q: torch.Tensor) -> bool:
 
 
 def index_scores(
-    q: torch.Tensor,  # [n, hI, Di] (any float dtype; widened to fp32)
+    q: torch.Tensor,  # [n, hI, Di] bf16 (usable)
     weights: torch.Tensor,  # [n, hI] float32
     pool: torch.Tensor,  # [NB, bs, Di] bf16
     blocks: torch.Tensor,  # [1 or n, nb] long
@@ -39,12 +39,12 @@ def index_scores(
     n, H, D = q.shape
     NB, bs, _ = pool.shape
     nb = blocks.shape[1]
-    qf = q.float().contiguous()
+    q = q.contiguous()
     wf = weights.float().contiguous()
     blocks = blocks.contiguous()
     out = torch.empty(n, nb * bs, dtype=torch.float32)
     rc = gemm._lib().afd_bf16_index_scores(
-        qf.data_ptr(), wf.data_ptr(), pool.data_ptr(), blocks.data_ptr(),
+        q.data_ptr(), wf.data_ptr(), pool.data_ptr(), blocks.data_ptr(),
         int(blocks.shape[0] == 1), out.data_ptr(), n, H, D, NB, nb, bs, scale,
         torch.get_num_threads(), paths.isa(),
     )  # fmt: skip
