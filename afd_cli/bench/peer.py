@@ -5,9 +5,13 @@
 1. build: `llama-server` from the source that the llama-cpp-python sdist vendors
    (`pip download --no-deps llama-cpp-python==VERSION`, then cmake, Release, native CPU flags,
    which on an AVX-512 BF16 CPU is llama.cpp's AVX512_BF16 build); ~10 min on 2 cores, kept in
-   the cache directory;
+   the cache directory. Quantized weights on a CPU with AMX-INT8 take a second build with
+   every instruction set but AMX (`needs_no_amx` says why);
 2. convert: the benchmark checkpoint (afd bench engine's) to GGUF bf16 with the vendored
-   convert_hf_to_gguf.py;
+   convert_hf_to_gguf.py; with `--quant mxfp4` both servers get MXFP4 experts instead, each
+   made by its own tool from the same bf16 weights: afd's by `afd quantize --mxfp4` (the rest
+   stays bf16), llama.cpp's by the vendored `llama-quantize` as `MXFP4_MOE` (the rest Q8_0,
+   the recipe llama.cpp offers for MXFP4 experts);
 3. run: each server in turn, alone on the machine, started as its users start it (llama-server
    with one slot per stream and continuous batching; `afd serve` with its defaults), each with
    its weights in 2 MiB pages (afd does that itself, afd/hugepages.py; llama-server gets the
@@ -74,19 +78,64 @@ def source_dir(cache: Path, version: str) -> Path:
     return src
 
 
-def build(cache: Path, version: str, jobs: int) -> Path:
-    """llama-server (and llama-bench) built from the vendored source; the server's path."""
+_TARGETS = ("llama-server", "llama-bench", "llama-quantize")
+
+# x86 features (/proc/cpuinfo's names) -> llama.cpp's cmake options for them: the non-native
+# build (`_no_amx_flags`) turns on each one the CPU has. GGML_AVX512 asks for all five.
+_GGML_X86 = (
+    (("sse4_2",), "GGML_SSE42"),
+    (("f16c",), "GGML_F16C"),
+    (("fma",), "GGML_FMA"),
+    (("bmi2",), "GGML_BMI2"),
+    (("avx",), "GGML_AVX"),
+    (("avx2",), "GGML_AVX2"),
+    (("avx_vnni",), "GGML_AVX_VNNI"),
+    (("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"), "GGML_AVX512"),
+    (("avx512vbmi",), "GGML_AVX512_VBMI"),
+    (("avx512_vnni",), "GGML_AVX512_VNNI"),
+    (("avx512_bf16",), "GGML_AVX512_BF16"),
+)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def needs_no_amx(quant: str) -> bool:
+    """Whether llama.cpp's quantized weights need the build without AMX here: its native build
+    multiplies Q8_0 on AMX tiles where the CPU has AMX-INT8, and that kernel dies of SIGILL on
+    its first tile instruction on such boxes (llama.cpp PR 26954: the tile state per thread);
+    bf16 weights never reach it."""
+    return quant != "bf16" and "amx_int8" in _cpu_flags()
+
+
+def _no_amx_flags() -> list[str]:
+    have = _cpu_flags()
+    on = [opt for names, opt in _GGML_X86 if all(n in have for n in names)]
+    return ["-DGGML_NATIVE=OFF", *(f"-D{opt}=ON" for opt in on)]
+
+
+def build(cache: Path, version: str, jobs: int, no_amx: bool = False) -> Path:
+    """llama-server, llama-bench and llama-quantize built from the vendored source (natively,
+    or with every instruction set of this CPU but AMX); the server's path."""
     src = source_dir(cache, version)
-    out = src / "build"
-    server = out / "bin" / "llama-server"
-    if server.is_file():
-        return server
-    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"]
-    flags += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"]
-    _run(["cmake", "-S", str(src), "-B", str(out), *flags])
-    targets = ["--target", "llama-server", "llama-bench"]
-    _run(["cmake", "--build", str(out), "-j", str(jobs), *targets])
-    return server
+    out = src / ("build-noamx" if no_amx else "build")
+    missing = [t for t in _TARGETS if not (out / "bin" / t).is_file()]
+    if not missing:
+        return out / "bin" / "llama-server"
+    if not (out / "CMakeCache.txt").is_file():
+        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
+        flags += ["-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"]
+        flags += _no_amx_flags() if no_amx else ["-DGGML_NATIVE=ON"]
+        _run(["cmake", "-S", str(src), "-B", str(out), *flags])
+    _run(["cmake", "--build", str(out), "-j", str(jobs), "--target", *missing])
+    return out / "bin" / "llama-server"
 
 
 # Runs the vendored converter. The benchmark checkpoint carries afd's demo tokenizer: byte-level
@@ -129,6 +178,43 @@ def convert(cache: Path, version: str, checkpoint: Path) -> Path:
     _run(cmd + ["--outtype", "bf16", "--outfile", str(tmp)], env=env)
     tmp.rename(gguf)
     return gguf
+
+
+# What each server's weights are under --quant (recorded in the JSON).
+_FORMATS = {
+    "bf16": {"afd": "bf16", "llama.cpp": "bf16 (convert_hf_to_gguf.py --outtype bf16)"},
+    "mxfp4": {
+        "afd": "routed experts MXFP4 (afd quantize --mxfp4); attention, router, embeddings "
+        "and LM head bf16",
+        "llama.cpp": "llama-quantize MXFP4_MOE: routed experts MXFP4; attention, embeddings "
+        "and output head Q8_0; norms and router f32",
+    },
+}
+
+
+def quantized(cache: Path, server: Path, bf16_gguf: Path, ckpt: Path, quant: str):
+    """(afd's checkpoint, llama.cpp's GGUF) for `quant`, each written once by its own tool."""
+    if quant == "bf16":
+        return ckpt, bf16_gguf
+    from afd_cli.quantize import write
+
+    mx = ckpt.with_name(f"{ckpt.name}-mxfp4")
+    if not (mx / "config.json").is_file():
+        _log(f"afd quantize --mxfp4 {ckpt} {mx}")
+        write(ckpt, mx, "mxfp4", progress=False)
+    gguf = cache / f"{ckpt.name}-mxfp4moe.gguf"
+    if not gguf.is_file():
+        tmp = gguf.with_suffix(".tmp")
+        _run([str(server.with_name("llama-quantize")), str(bf16_gguf), str(tmp), "MXFP4_MOE"],
+             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        tmp.rename(gguf)
+    return mx, gguf
+
+
+def _weight_bytes(path: Path) -> int:
+    """A GGUF's size, or a checkpoint directory's safetensors."""
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files)
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -241,11 +327,13 @@ def run(args: argparse.Namespace) -> dict:
     from afd_cli.bench.engine import build_checkpoint
 
     cache = Path(args.cache_dir) / "peers"
-    server = build(cache, args.version, args.jobs)
+    no_amx = needs_no_amx(args.quant)
+    server = build(cache, args.version, args.jobs, no_amx)
     if args.build_only:
         return {"llama_server": str(server)}
-    ckpt = build_checkpoint(Path(args.cache_dir) / "bench-qwen3moe-ref")
-    gguf = convert(cache, args.version, ckpt)
+    bf16_ckpt = build_checkpoint(Path(args.cache_dir) / "bench-qwen3moe-ref")
+    ckpt, gguf = quantized(cache, server, convert(cache, args.version, bf16_ckpt), bf16_ckpt,
+                           args.quant)  # fmt: skip
     import torch
 
     from afd_cli.bench.engine import _read_bandwidth
@@ -292,12 +380,19 @@ def run(args: argparse.Namespace) -> dict:
         "llama_cpp": {
             "source": f"llama-cpp-python=={args.version} vendor/llama.cpp",
             "server": str(server),
+            "build": "every instruction set of this CPU but AMX (GGML_NATIVE=OFF)"
+            if no_amx
+            else "native (GGML_NATIVE=ON)",
             "gguf": gguf.name,
             "huge_pages": not args.llama_default_pages,
             "args": [] if args.llama_default_pages else list(_LLAMA_HUGE_ARGS),
             "env": {} if args.llama_default_pages else _LLAMA_HUGE_ENV,
         },  # fmt: skip
         "afd_args": list(args.afd_arg),
+        "afd_model": ckpt.name,
+        "quant": args.quant,
+        "weights": {n: _FORMATS[args.quant][n] for n in _SERVERS},
+        "weight_bytes": {"afd": _weight_bytes(ckpt), "llama.cpp": _weight_bytes(gguf)},
         "workload": {
             "input_len": args.input_len,
             "output_len": args.output_len,
@@ -319,6 +414,13 @@ def add_parser(sub) -> None:
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--logprobs", action="store_true", help="ask both servers for logprobs")
+    p.add_argument(
+        "--quant",
+        choices=sorted(_FORMATS),
+        default="bf16",
+        help="both servers' weights: bf16, or MXFP4 experts (each server quantizing with its "
+        "own tool)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server -t")
     p.add_argument("--afd-arg", action="append", default=[], help="extra `afd serve` argument")
     p.add_argument(
