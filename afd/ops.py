@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from afd.blockfp8 import BlockFP8
-from afd.kernels import gemm, norm_rope, paths
+from afd.kernels import fp8_gemm, gemm, norm_rope, paths
 from afd.mxfp4 import MXFP4
 
 
@@ -53,9 +53,11 @@ class Linear:
     - onednn: W re-laid out once for oneDNN's matmul: bit-identical to F.linear;
     - torch, and any other dtype or device: F.linear.
 
-    A block-FP8 weight (afd/blockfp8.py) stays FP8: each call dequantizes a run of rows at a
-    time and multiplies it on the same path as the dense weight would be (afd's kernel on the
-    row-major or re-laid-out run, or F.linear), so the result is the dense weight's.
+    A block-FP8 weight (afd/blockfp8.py) stays FP8: where afd's kernel would multiply the
+    dense weight, one native call converts a chunk of rows at a time into that kernel's layout
+    and multiplies it (afd/kernels/fp8_gemm.py); elsewhere each call dequantizes a run of rows
+    at a time and multiplies it as the dense weight would be (oneDNN or F.linear). Either way
+    the result is the dense weight's.
     An MXFP4 weight (afd/mxfp4.py) stays in 4 bits, multiplied by afd's kernel that reads it
     directly. `bias` [N], if any, is added to the result.
     """
@@ -111,6 +113,9 @@ class Linear:
         if self.mx is not None:
             return self.mx.linear(x)
         if self.fp8 is not None:
+            isa = self._fp8_isa(x)
+            if isa is not None:
+                return fp8_gemm.linear(x, self.fp8, isa)
             return self.fp8.linear(x, self._fp8_kernel(x))
         if self.matmul == "onednn":
             return _onednn_matmul(x, self.w)
@@ -119,21 +124,26 @@ class Linear:
             return gemm.bf16_linear(x, self.w, self.isa)
         return F.linear(x, self.w)
 
-    def _fp8_kernel(self, x: torch.Tensor):
-        """How a dequantized run of rows is multiplied: as this path multiplies a dense W."""
+    def _fp8_isa(self, x: torch.Tensor) -> str | None:
+        """The afd kernel path that multiplies x by the FP8 weight (fp8_gemm.c): the one that
+        would take the dense weight at x's rows; None where oneDNN or F.linear would."""
         isa = self._run_isa
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            return F.linear
-        if self.matmul == "onednn":  # as the dense weight: F.linear takes other kernels for
-            # small shapes on some CPUs (one bf16 ulp apart on Zen 4)
-            return lambda x, w: _onednn_matmul(x, _onednn_layout(w))
-        if isa is None:
-            return F.linear
+        if isa is None or not fp8_gemm.usable(x, self.fp8, isa):
+            return None
         if isa == "avx512bf16" and x.numel() // self.in_features >= paths.onednn_from_rows(
             torch.get_num_threads()
         ):
-            return F.linear
-        return lambda x, w: gemm.bf16_linear(x, gemm.lay_out(w, isa), isa)
+            return None
+        return isa
+
+    def _fp8_kernel(self, x: torch.Tensor):
+        """How a dequantized run of rows is multiplied where afd's kernel does not take it:
+        as this path multiplies a dense W."""
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.matmul == "onednn":
+            # as the dense weight: F.linear takes other kernels for small shapes on some CPUs
+            # (one bf16 ulp apart on Zen 4)
+            return lambda x, w: _onednn_matmul(x, _onednn_layout(w))
+        return F.linear
 
 
 def _onednn_layout(w: torch.Tensor) -> torch.Tensor:

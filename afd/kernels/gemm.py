@@ -111,6 +111,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_fp8_quantize.restype = i
     lib.afd_fp8_dequantize.argtypes = [p, p, p, i, i, i, i]
     lib.afd_fp8_dequantize.restype = i
+    lib.afd_fp8_gemm.argtypes = [p, p, p, p, i, i, i, i, i, i]
+    lib.afd_fp8_gemm.restype = i
     lib.afd_mxfp4_to_bf16.argtypes = [p, p, p, i, i, i]
     lib.afd_mxfp4_to_bf16.restype = i
     lib.afd_mxfp4_linear.argtypes = [p, p, p, p, i, i, i, i, i, i]

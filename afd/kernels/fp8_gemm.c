@@ -1,0 +1,152 @@
+/* y[M, N] = x[M, K] @ W^T for a block-FP8 W (afd/blockfp8.py: e4m3fn codes q [N, K], a float32
+ * scale per row and K-block of bk values, s [N, ceil(K / bk)]), on the matmul of a bf16 path.
+ *
+ * Each weight is taken as BlockFP8.dequantize takes it, bf16(fp32(q) * s) rounded once, so the
+ * result is the dense bf16 weight's on the same path, bit for bit. The torch path dequantizes a
+ * run of rows at a time with ~6 ops over float32 temporaries and then multiplies it; here each
+ * thread converts CHUNK rows at a time into its own scratch, laid out as the path's matmul
+ * reads a dense weight (gemm.c's packed groups, amx.c's tiles, row-major for gemm512.c), and
+ * multiplies them while they are in cache (a few hundred KiB at DeepSeek's widths): the
+ * weight is read from memory once, one byte a value, in one call. A row's sums do not depend
+ * on which rows share its call, so the chunks give the dense call's bits.
+ *
+ * The conversion is fp8.c's: the code sign-extended, shifted left by 20 and masked reads as an
+ * fp32 of its value times 2^-120 (subnormal codes as fp32 subnormals: no FTZ/DAZ anywhere),
+ * times fp32(s * 2^120), then rounded to bf16 as torch rounds (round8/round16). */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "bf16_512.h"
+#include "fp8_gemm.h"
+#include "runs.h"
+
+#define FP8_MASK ((int)0x87F00000u)
+#define CHUNK AFD_FP8_CHUNK
+
+/* Where value k of weight row n lies in the path's layout (a run of 8 from k, k % 8 == 0, is
+ * contiguous there): gemm.c's groups of 4 rows (rows past the last whole group row-major),
+ * amx.c's 16 x 32 tiles where afd_amx_tiled(N, K), else row-major. */
+static inline size_t at(int isa, int N, int K, int n, int k) {
+  if (isa == ISA_AVX2 && n < N / 4 * 4)
+    return (size_t)(n & ~3) * K + (size_t)(k / 8) * 32 + (size_t)(n & 3) * 8 + k % 8;
+  if (isa == ISA_AMX && afd_amx_tiled(N, K))
+    return (size_t)(n & ~15) * K + (size_t)(k / 32) * 512 + (size_t)(n & 15) * 32 + k % 32;
+  return (size_t)n * K + k;
+}
+
+static inline uint16_t one(uint8_t code, float s120) {
+  union { int32_t i; float f; } v = {((int32_t)(int8_t)code << 20) & FP8_MASK};
+  return to_bf16(v.f * s120);
+}
+
+/* Values [k0, k1) of row n (codes q, the row's K-block scale times 2^120 in s120) into the
+ * scratch `out` (its row n0 at out[0]): 8 at a time where a run of 8 starts, one by one at a
+ * block's ragged edges. */
+static void row_avx2(const uint8_t *q, float s120, uint16_t *out, int N, int K, int n, int n0,
+                     int k0, int k1) {
+  const __m256i mask = _mm256_set1_epi32(FP8_MASK);
+  const __m256 vs = _mm256_set1_ps(s120);
+  const size_t base = (size_t)n0 * K;
+  int k = k0;
+  for (; k < k1 && k % 8; k++) out[at(ISA_AVX2, N, K, n, k) - base] = one(q[k], s120);
+  for (; k + 8 <= k1; k += 8) {
+    __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k)));
+    __m256 v = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), mask));
+    store8(out + at(ISA_AVX2, N, K, n, k) - base, round8(_mm256_mul_ps(v, vs)));
+  }
+  for (; k < k1; k++) out[at(ISA_AVX2, N, K, n, k) - base] = one(q[k], s120);
+}
+
+/* The same 16 at a time where a run of 16 starts (contiguous in row-major and tiled layouts
+ * alike), 8 and one by one at the edges. */
+static AVX512 void row_512(const uint8_t *q, float s120, uint16_t *out, int isa, int N, int K,
+                           int n, int n0, int k0, int k1) {
+  const __m512i mask = _mm512_set1_epi32(FP8_MASK);
+  const __m512 vs = _mm512_set1_ps(s120);
+  const size_t base = (size_t)n0 * K;
+  int k = k0;
+  for (; k < k1 && k % 16; k++) out[at(isa, N, K, n, k) - base] = one(q[k], s120);
+  for (; k + 16 <= k1; k += 16) {
+    __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k)));
+    __m512 v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, 20), mask));
+    store16(out + at(isa, N, K, n, k) - base, round16(_mm512_mul_ps(v, vs)));
+  }
+  for (; k < k1; k++) out[at(isa, N, K, n, k) - base] = one(q[k], s120);
+}
+
+/* Rows n0..n1 of W into the scratch, each K-block with its own scale. */
+static void convert(const uint8_t *q, const float *s, uint16_t *out, int isa, int N, int K,
+                    int bk, int n0, int n1) {
+  const int nk = (K + bk - 1) / bk;
+  for (int n = n0; n < n1; n++) {
+    const uint8_t *qn = q + (size_t)n * K;
+    for (int b = 0; b < nk; b++) {
+      const float s120 = s[(size_t)n * nk + b] * 0x1p120f; /* fp32, as the torch path's */
+      const int k0 = b * bk, k1 = k0 + bk < K ? k0 + bk : K;
+      if (isa == ISA_AVX2)
+        row_avx2(qn, s120, out, N, K, n, n0, k0, k1);
+      else
+        row_512(qn, s120, out, isa, N, K, n, n0, k0, k1);
+    }
+  }
+}
+
+/* Rows n0..n1 of the FP8 W (codes q, scales s, K-blocks of bk) against the M rows of x, into y
+ * [M, N], CHUNK rows at a time through `scratch` (CHUNK K bf16) on the rows function of isa:
+ * ISA_AVX2 (xf: x in fp32; wt: afd_rows' 4 K floats), ISA_AMX (xp: x packed by afd_amx_pack;
+ * the caller checks K % 32 == 0 and the CPU), ISA_AVX512. n0 a multiple of 16. */
+void afd_fp8_rows(const uint16_t *x, const float *xf, const uint16_t *xp, const uint8_t *q,
+                  const float *s, int bk, uint16_t *y, int M, int N, int K, int n0, int n1, int isa,
+                  uint16_t *scratch, float *wt) {
+  for (int c0 = n0; c0 < n1; c0 += CHUNK) {
+    const int c1 = c0 + CHUNK < n1 ? c0 + CHUNK : n1;
+    convert(q, s, scratch, isa, N, K, bk, c0, c1);
+    /* the rows functions find row n at w + n K: the scratch stands for rows c0.. */
+    const uint16_t *w = scratch - (ptrdiff_t)c0 * K;
+    if (isa == ISA_AVX2)
+      afd_rows(xf, w, y, M, N, K, c0, c1, wt);
+    else if (isa == ISA_AMX)
+      afd_rows_amx(x, xp, w, y, M, N, K, c0, c1);
+    else
+      afd_rows512(x, w, y, M, N, K, c0, c1);
+  }
+}
+
+/* isa: bf16.h's ISA_* (the caller checks the CPU runs it); K % 8 == 0 on ISA_AVX2, even on the
+ * others (the dense kernels' needs). Returns 0, or -1 for bad sizes or no memory. */
+int afd_fp8_gemm(const uint16_t *x, const uint8_t *q, const float *s, uint16_t *y, int M, int N,
+                 int K, int bk, int isa, int threads) {
+  if (M <= 0 || N <= 0 || bk <= 0 || K % (isa == ISA_AVX2 ? 8 : 2)) return -1;
+  /* AMX where K is whole tiles, else amx.c's fallback, gemm512.c, on row-major rows */
+  if (isa == ISA_AMX && !(K % 32 == 0 && afd_cpu_amx())) isa = ISA_AVX512;
+  int t = (size_t)N * K < ONE_THREAD_WEIGHTS ? 1 : threads; /* bf16.h */
+  const int units = (N + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
+  const size_t per = AFD_FP8_SCRATCH(K);
+  char *scratch = (char *)afd_alloc64(per * t);
+  float *xf = isa == ISA_AVX2 ? (float *)afd_alloc64((size_t)M * K * sizeof(float)) : NULL;
+  uint16_t *xp =
+      isa == ISA_AMX ? (uint16_t *)afd_alloc64(afd_amx_elems(M, K) * sizeof(uint16_t)) : NULL;
+  uint64_t *runs = (uint64_t *)afd_alloc64(AFD_RUNS_WORDS(t) * sizeof(uint64_t));
+  if (!scratch || !runs || (isa == ISA_AVX2 && !xf) || (isa == ISA_AMX && !xp)) {
+    free(scratch), free(xf), free(xp), free(runs);
+    return -1;
+  }
+  if (xf)
+    for (size_t i = 0; i < (size_t)M * K; i += 8) _mm256_storeu_ps(xf + i, load_bf16(x + i));
+  if (xp) afd_amx_pack(x, M, K, xp);
+  afd_runs_init(runs, t, units);
+#pragma omp parallel num_threads(t) if (t > 1)
+  {
+    const int me = t > 1 ? omp_get_thread_num() : 0;
+    uint16_t *rows = (uint16_t *)(scratch + per * me);
+    float *wt = (float *)(scratch + per * me + AFD_FP8_ROWS_BYTES(K));
+    for (int u; (u = afd_runs_next(runs, t, me)) >= 0;) {
+      const int n0 = u * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < N ? n0 + ROWS_PER_UNIT : N;
+      afd_fp8_rows(x, xf, xp, q, s, bk, y, M, N, K, n0, n1, isa, rows, wt);
+    }
+  }
+  free(scratch), free(xf), free(xp), free(runs);
+  return 0;
+}

@@ -1,0 +1,42 @@
+"""A block-FP8 weight (afd/blockfp8.py) multiplied in one native call on a bf16 path's own
+matmul (fp8_gemm.c): each thread converts a chunk of rows into the layout that path reads a
+dense weight in and multiplies it while it is in cache. The weights are BlockFP8.dequantize's
+bf16 numbers, so the result is the dense weight's on the same path, bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+from afd.blockfp8 import BlockFP8
+from afd.kernels import gemm
+
+# the dense kernels' needs of K (gemm.py's bf16_linear)
+_K_MULTIPLE = {"avx2": 8, "avx512bf16": 2, "amx": 2}
+
+
+def usable(x: torch.Tensor, w: BlockFP8, isa: str) -> bool:
+    """x bf16 on the CPU, w's codes there too, `isa` one of afd's matmul paths with its K."""
+    return (
+        isa in _K_MULTIPLE
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and w.q.device.type == "cpu"
+        and w.shape[1] % _K_MULTIPLE[isa] == 0
+        and gemm.available()
+    )
+
+
+def linear(x: torch.Tensor, w: BlockFP8, isa: str) -> torch.Tensor:
+    """x [..., K] bf16 @ W.T -> [..., N] bf16 for a block-FP8 W [N, K] (where usable)."""
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(x.shape[:-1] + (n,), dtype=torch.bfloat16)
+    if m and gemm._lib().afd_fp8_gemm(
+        x2.data_ptr(), w.q.data_ptr(), w.scale.data_ptr(), y.data_ptr(), m, n, k, w.block_k,
+        gemm.ISAS[isa], torch.get_num_threads(),
+    ):  # fmt: skip
+        raise RuntimeError(f"afd_fp8_gemm failed for x {tuple(x.shape)} @ w {tuple(w.shape)}")
+    return y
