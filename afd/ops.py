@@ -78,16 +78,16 @@ class Linear:
         if device.type != "cpu" or k % {"avx2": 8, "avx512bf16": 2, "amx": 2}.get(matmul, 1):
             matmul = "torch"
         self.matmul = matmul
-        if self.fp8 is not None:  # no resident dense copy, so no fused call can read it
-            self.isa, self.onednn_from, self.w = None, paths.NEVER, w
-            self._run_isa = matmul if matmul in gemm.ISAS else None
-            return
-        self.isa = matmul if matmul in gemm.ISAS else None  # afd's kernel, on this layout
         # from how many rows of x F.linear takes over (never for avx2: it has no fast bf16 path)
         threads = torch.get_num_threads()
         self.onednn_from = (
             paths.onednn_from_rows(threads) if matmul == "avx512bf16" else paths.NEVER
         )
+        if self.fp8 is not None:  # no resident dense copy, so no fused layer can read it
+            self.isa, self.w = None, w
+            self._run_isa = matmul if matmul in gemm.ISAS else None
+            return
+        self.isa = matmul if matmul in gemm.ISAS else None  # afd's kernel, on this layout
         if matmul == "onednn":
             self.w = _onednn_layout(w)
         elif matmul in gemm.ISAS:
@@ -100,10 +100,17 @@ class Linear:
         """Its weight is laid out for afd's kernels (fused layer, fused experts)."""
         return self.isa is not None
 
+    @property
+    def kernel_path(self) -> str | None:
+        """The afd kernel path whose matmul multiplies this weight: laid out for it (dense), or
+        converted for it as it goes (block-FP8, fp8_gemm.c); None where oneDNN, F.linear or
+        MXFP4's own kernel does."""
+        return self.isa if self.fp8 is None else self._run_isa
+
     def ours(self, rows: int) -> bool:
         """Whether afd's kernel multiplies `rows` rows of x (below the crossover from which
         oneDNN is faster); the fused calls built on this weight follow the same rule."""
-        return self.isa is not None and rows < self.onednn_from
+        return self.kernel_path is not None and rows < self.onednn_from
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         y = self._matmul(x)
@@ -130,11 +137,7 @@ class Linear:
         isa = self._run_isa
         if isa is None or not fp8_gemm.usable(x, self.fp8, isa):
             return None
-        if isa == "avx512bf16" and x.numel() // self.in_features >= paths.onednn_from_rows(
-            torch.get_num_threads()
-        ):
-            return None
-        return isa
+        return isa if self.ours(x.numel() // self.in_features) else None
 
     def _fp8_kernel(self, x: torch.Tensor):
         """How a dequantized run of rows is multiplied where afd's kernel does not take it:

@@ -40,7 +40,9 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
                      int first, const uint16_t *const *w13, const uint16_t *const *w2,
                      uint16_t *out, int T, int E, int H, int I, int threads, int reverse, int isa,
                      const uint16_t *const *b13, const uint16_t *const *b2, int act_kind,
-                     float limit, float alpha);
+                     float limit, float alpha, const uint8_t *const *q13,
+                     const float *const *s13, const uint8_t *const *q2, const float *const *s2,
+                     int bk);
 int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int topk, int first,
                   const uint8_t *const *b13, const uint8_t *const *s13,
                   const uint16_t *const *bias13, const uint8_t *const *b2,
@@ -187,7 +189,8 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
     } else {
       e = afd_bf16_moe_ext(x, ids_l, weights_l, topk, (int)w->first, w->w13, w->w2, y, T,
                            (int)w->experts, H, I, threads, (int)w->reverse, isa, w->b13, w->b2,
-                           (int)w->act, (float)w->limit, (float)w->alpha);
+                           (int)w->act, (float)w->limit, (float)w->alpha, NULL, NULL, NULL,
+                           NULL, 0); /* bf16 experts: decode_stack.py takes no FP8 ones */
       w->reverse = !w->reverse;
     }
     if (!e && w->s13)

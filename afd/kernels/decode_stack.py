@@ -183,6 +183,8 @@ class NativeDecodeStack:
                 return False
             if (e.inter, e.hidden) != (e0.inter, e0.hidden) or e.hidden != a.hidden:
                 return False
+            if getattr(e, "block_k", 0):  # block-FP8 experts: moe.py's call, not the stack's
+                return False
             if _experts_isa(e) != a.isa:  # the call passes one instruction set to both
                 return False
             if p.first < 0 or p.first + e.count > a.experts:

@@ -52,6 +52,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_moe.restype = i
     f = ctypes.c_float
     lib.afd_bf16_moe_ext.argtypes = [p, p, p, i, i, p, p, p] + [i] * 7 + [p, p, i, f, f]
+    lib.afd_bf16_moe_ext.argtypes += [p, p, p, p, i]  # block-FP8 experts (or NULLs)
     lib.afd_bf16_moe_ext.restype = i
     lib.afd_bf16_decode_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
     lib.afd_bf16_decode_attention.restype = i

@@ -20,6 +20,7 @@
 
 #include "bf16.h"
 #include "experts.h"
+#include "fp8_gemm.h"
 #include "runs.h"
 
 /* x [T, H]; ids [T, topk] (int32, global expert ids) and gate weights [T, topk] (fp32) as routed;
@@ -30,14 +31,18 @@
  * AMX tiles on weights laid out for them (amx.c, afd_amx_tiled; a matrix whose K, H for w13 or I
  * for w2, is not a multiple of 32 is row-major and takes AVX-512). b13 [E] -> [2I]
  * and b2 [E] -> [H]: the experts' biases (gpt-oss), or NULL for none; act, limit, alpha: the activation
- * (experts.h), SwiGLU above. Returns 0, or -1 when H or I is not a multiple of 8 or memory is
- * short. */
+ * (experts.h), SwiGLU above. q13, s13, q2, s2 (all or none): block-FP8 experts (afd/blockfp8.py:
+ * e4m3 codes [2I, H] and [H, I], float32 scales per row and K-block of bk), multiplied through
+ * fp8_gemm.c's conversion on the same path with the dense weights' bits; w13 and w2 are then
+ * unused. Returns 0, or -1 when H or I is not a multiple of 8 or memory is short. */
 int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, int topk,
                      int first, const uint16_t *const *w13, const uint16_t *const *w2,
                      uint16_t *out, int T, int E, int H, int I, int threads, int reverse, int isa,
                      const uint16_t *const *b13, const uint16_t *const *b2, int act_kind,
-                     float limit, float alpha) {
-  if (H % 8 != 0 || I % 8 != 0 || E <= 0 || topk < 0) return -1;
+                     float limit, float alpha, const uint8_t *const *q13,
+                     const float *const *s13, const uint8_t *const *q2, const float *const *s2,
+                     int bk) {
+  if (H % 8 != 0 || I % 8 != 0 || E <= 0 || topk < 0 || (q13 && bk <= 0)) return -1;
   afd_pairs pairs; /* sorted by expert as the torch path's argsort (experts.h) */
   if (afd_pairs_sort(ids, gate, T, topk, first, E, &pairs)) return -1;
   const int P = pairs.P;
@@ -62,6 +67,8 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
   uint16_t *gu = (uint16_t *)afd_alloc64((size_t)P * 2 * I * sizeof(uint16_t));
   char *act = (char *)afd_alloc64((size_t)P * I * xsz);
   float *wt = (float *)afd_alloc64((size_t)t * 4 * K * sizeof(float)); /* afd_rows' scratch */
+  /* FP8 experts: a thread's chunk of converted rows (fp8_gemm.h) */
+  uint16_t *fs = q13 ? (uint16_t *)afd_alloc64((size_t)t * AFD_FP8_ROWS_BYTES(K)) : NULL;
   int *units = (int *)malloc((size_t)E * sizeof(int)); /* the held experts */
   /* AMX, per matrix (its K a multiple of 32): each expert's rows of x (w13) or of its
    * activations (w2) also packed for the tiles (afd_amx_pack), from block at[e] of 16 rows */
@@ -77,12 +84,17 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     if (amx2)
       actp = (uint16_t *)aligned_alloc(64, afd_amx_elems(16 * (int)at[E], I) * sizeof(uint16_t));
   }
-  if (!xs || !gu || !act || !wt || !units ||
+  if (!xs || !gu || !act || !wt || !units || (q13 && !fs) ||
       (amx && (!at || (amx13 && !xsp) || (amx2 && !actp)))) {
     free(ys), free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
+    free(fs);
     afd_pairs_free(&pairs);
     return -1;
   }
+  /* each matrix's path for the FP8 conversion: AMX where its K is whole tiles, else AVX-512
+   * on row-major rows (as above), or AVX2 */
+  const int isa13 = amx13 ? ISA_AMX : isa ? ISA_AVX512 : ISA_AVX2;
+  const int isa2 = amx2 ? ISA_AMX : isa ? ISA_AVX512 : ISA_AVX2;
   /* The held experts in visiting order; each matmul cut into units of ROWS_PER_UNIT weight rows
    * that threads take as they come free: a layer's few experts at a small batch still spread
    * over every thread, and a thread preempted by another process holds up one unit. */
@@ -102,7 +114,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
   uint64_t *runs13 = (uint64_t *)aligned_alloc(64, 2 * AFD_RUNS_WORDS(nr) * sizeof(uint64_t));
   if (!acc || !runs13) {
     free(ys), free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
-    free(acc), free(runs13);
+    free(acc), free(runs13), free(fs);
     afd_pairs_free(&pairs);
     return -1;
   }
@@ -115,6 +127,9 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
   {
     const int me = nr > 1 ? omp_get_thread_num() : 0; /* the runs' thread (runs.h) */
     float *mine = wt + (size_t)(t > 1 ? omp_get_thread_num() : 0) * 4 * K;
+    uint16_t *fmine = fs ? (uint16_t *)((char *)fs + (size_t)(t > 1 ? omp_get_thread_num() : 0) *
+                                                         AFD_FP8_ROWS_BYTES(K))
+                         : NULL;
 #pragma omp for schedule(static)
     for (int p = 0; p < P; p++) { /* each held pair's row of x */
       const uint16_t *src = x + (size_t)tokens[p] * H;
@@ -136,7 +151,11 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     for (int u; (u = afd_runs_next(runs13, nr, me)) >= 0;) {
       int e = units[u / n13], p0 = starts[e], n = starts[e + 1] - p0;
       int n0 = u % n13 * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < 2 * I ? n0 + ROWS_PER_UNIT : 2 * I;
-      if (amx13)
+      if (q13) /* xs: bf16 rows on the AVX-512 paths, fp32 on AVX2 */
+        afd_fp8_rows((const uint16_t *)xs + (size_t)p0 * H, (const float *)xs + (size_t)p0 * H,
+                     amx13 ? xsp + at[e] * 16 * H : NULL, q13[e], s13[e], bk,
+                     gu + (size_t)p0 * 2 * I, n, 2 * I, H, n0, n1, isa13, fmine, mine);
+      else if (amx13)
         afd_rows_amx((const uint16_t *)xs + (size_t)p0 * H, xsp + at[e] * 16 * H, w13[e],
                      gu + (size_t)p0 * 2 * I, n, 2 * I, H, n0, n1);
       else if (isa)
@@ -163,7 +182,11 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     for (int u; (u = afd_runs_next(runs2, nr, me)) >= 0;) { /* y = a @ w2[e]^T */
       int e = units[u / n2], p0 = starts[e], n = starts[e + 1] - p0;
       int n0 = u % n2 * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < H ? n0 + ROWS_PER_UNIT : H;
-      if (amx2)
+      if (q2)
+        afd_fp8_rows((const uint16_t *)act + (size_t)p0 * I, (const float *)act + (size_t)p0 * I,
+                     amx2 ? actp + at[e] * 16 * I : NULL, q2[e], s2[e], bk, ys + (size_t)p0 * H,
+                     n, H, I, n0, n1, isa2, fmine, mine);
+      else if (amx2)
         afd_rows_amx((const uint16_t *)act + (size_t)p0 * I, actp + at[e] * 16 * I, w2[e],
                      ys + (size_t)p0 * H, n, H, I, n0, n1);
       else if (isa)
@@ -180,7 +203,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
     for (int r = 0; r < T; r++) afd_pairs_sum(&pairs, b2, ys, NULL, H, row, out, r, r + 1);
   }
   free(xs), free(gu), free(act), free(wt), free(units), free(at), free(xsp), free(actp);
-  free(acc), free(ys), free(runs13);
+  free(acc), free(ys), free(runs13), free(fs);
   afd_pairs_free(&pairs);
   return 0;
 }
@@ -190,5 +213,5 @@ int afd_bf16_moe(const uint16_t *x, const int32_t *ids, const float *gate, int t
                  const uint16_t *const *w13, const uint16_t *const *w2, uint16_t *out, int T,
                  int E, int H, int I, int threads, int reverse, int isa) {
   return afd_bf16_moe_ext(x, ids, gate, topk, first, w13, w2, out, T, E, H, I, threads, reverse,
-                          isa, NULL, NULL, ACT_SWIGLU, 0.0f, 0.0f);
+                          isa, NULL, NULL, ACT_SWIGLU, 0.0f, 0.0f, NULL, NULL, NULL, NULL, 0);
 }

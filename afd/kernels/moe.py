@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm
 
 if TYPE_CHECKING:  # mxfp4.py and mlp.py import this module
@@ -28,21 +29,33 @@ class NativeExperts:
 
     def __init__(
         self,
-        w13: list[torch.Tensor],
-        w2: list[torch.Tensor],
+        w13: list[torch.Tensor] | list[BlockFP8],
+        w2: list[torch.Tensor] | list[BlockFP8],
         isa: str,
         b13: list[torch.Tensor] | None = None,  # E x [2I], the experts' biases (gpt-oss)
         b2: list[torch.Tensor] | None = None,  # E x [H]
         act: ActSpec = SWIGLU,
     ):
         # w13: E x [2I, H], w2: E x [H, I], all bf16, contiguous (the tensors stay referenced),
-        # laid out for isa's matmul (ops.Linear)
+        # laid out for isa's matmul (ops.Linear); or all block-FP8 with one block width, which
+        # the call converts for isa's matmul as it goes (fp8_gemm.c)
         self.w13, self.w2, self.isa = w13, w2, isa
         self.count = len(w13)
         self.inter, self.hidden = w2[0].shape[1], w2[0].shape[0]
         ptrs = ctypes.c_void_p * self.count
-        self._p13 = ptrs(*(w.data_ptr() for w in w13))
-        self._p2 = ptrs(*(w.data_ptr() for w in w2))
+        fp8 = isinstance(w13[0], BlockFP8)
+        self.block_k = w13[0].block_k if fp8 else 0
+        self._fp8 = (
+            [
+                ptrs(*(getattr(w, f).data_ptr() for w in ws))
+                for ws in (w13, w2)
+                for f in "q scale".split()
+            ]
+            if fp8
+            else [None] * 4
+        )  # w13's codes and scales, w2's: moe.c's q13, s13, q2, s2
+        self._p13 = None if fp8 else ptrs(*(w.data_ptr() for w in w13))
+        self._p2 = None if fp8 else ptrs(*(w.data_ptr() for w in w2))
         self._b13 = [b.to(torch.bfloat16).contiguous() for b in b13] if b13 else None
         self._b2 = [b.to(torch.bfloat16).contiguous() for b in b2] if b2 else None
         self._pb13 = ptrs(*(b.data_ptr() for b in self._b13)) if self._b13 else None
@@ -65,17 +78,27 @@ class NativeExperts:
         return other
 
     @staticmethod
-    def usable(w13: list[torch.Tensor], w2: list[torch.Tensor]) -> bool:
+    def usable(w13: list, w2: list) -> bool:
         if not (w13 and gemm.available()):
             return False
         hidden, inter = w2[0].shape
+        every = (*w13, *w2)
+        if all(isinstance(w, BlockFP8) for w in every):
+            dense = [t for w in every for t in (w.q, w.scale)]
+            if len({w.block_k for w in every}) != 1:
+                return False
+        elif all(isinstance(w, torch.Tensor) for w in every):
+            dense = every
+            if not all(w.dtype == torch.bfloat16 for w in every):
+                return False
+        else:
+            return False
         return (
             hidden % 8 == 0
             and inter % 8 == 0
-            and all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in (*w13, *w2))
-            and all(w.shape == (2 * inter, hidden) for w in w13)
-            and all(w.shape == (hidden, inter) for w in w2)
-            and all(w.device.type == "cpu" for w in (*w13, *w2))
+            and all(t.is_contiguous() and t.device.type == "cpu" for t in dense)
+            and all(tuple(w.shape) == (2 * inter, hidden) for w in w13)
+            and all(tuple(w.shape) == (hidden, inter) for w in w2)
         )
 
     def __call__(
@@ -115,6 +138,8 @@ class NativeExperts:
             ACTS[self.act[0]],
             self.act[1],
             self.act[2],
+            *self._fp8,
+            self.block_k,
         )
         self._reverse = not self._reverse
         if rc:

@@ -114,15 +114,17 @@ class ExpertGroup:
     ) -> ExpertGroup:
         weights13, weights2 = [lin.w for lin in w13], [lin.w for lin in w2]
         spec, biases = native_spec(act), _biases(w13, w2)
+        # one afd kernel path for all (dense weights laid out for it, or block-FP8 ones it
+        # converts as it goes)
+        isa = {lin.kernel_path for lin in (*w13, *w2)}
         native = (
             spec is not None
             and biases is not None
-            and all(lin.native for lin in (*w13, *w2))
+            and len(isa) == 1
+            and None not in isa
             and NativeExperts.usable(weights13, weights2)
         )
-        fused = (
-            NativeExperts(weights13, weights2, w13[0].isa, *biases, act=spec) if native else None
-        )
+        fused = NativeExperts(weights13, weights2, *isa, *biases, act=spec) if native else None
         stacked = Stacked.of(w13, w2) if workspace is None else None
         if stacked is not None:  # each Linear multiplies its slice of the stack: one copy
             w13 = [Linear(stacked.w13[e], lin.bias) for e, lin in enumerate(w13)]

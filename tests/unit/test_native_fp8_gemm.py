@@ -97,3 +97,50 @@ def test_a_planted_scale_off_by_one_block_is_caught(native_path):
     shifted = BlockFP8(w.q, torch.roll(w.scale, 1, dims=1).contiguous(), w.block_k)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     assert not torch.equal(fp8_gemm.linear(x, shifted, isa), _dense_on(x, w, isa))
+
+
+def _experts(E: int, H: int, inter: int, block, seed: int):
+    w13 = [_weight(2 * inter, H, block, seed + e) for e in range(E)]
+    w2 = [_weight(H, inter, block, seed + 100 + e) for e in range(E)]
+    return w13, w2
+
+
+# the intermediate width a multiple of 32 (both matrices on AMX tiles), then not (w2 row-major)
+@pytest.mark.parametrize("H,inter", [(128, 96), (64, 40)])
+def test_fused_fp8_experts_are_the_dense_experts(native_path, H, inter):
+    from afd.kernels.moe import NativeExperts
+
+    E, k = 6, 2
+    w13, w2 = _experts(E, H, inter, (32, 48), seed=10)
+    fp8 = NativeExperts([Linear(w).w for w in w13], [Linear(w).w for w in w2], native_path.matmul)
+    dense = NativeExperts(
+        [Linear(w.dequantize(torch.bfloat16)).w for w in w13],
+        [Linear(w.dequantize(torch.bfloat16)).w for w in w2],
+        native_path.matmul,
+    )
+    assert fp8.block_k == 48 and isinstance(fp8.w13[0], BlockFP8)
+    g = torch.Generator().manual_seed(11)
+    for T in (1, 5, 32):
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, E + 2, (T, k), generator=g)  # ids past E: another shard's
+        wts = torch.rand(T, k, generator=g)
+        got, want = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, H, dtype=torch.bfloat16)
+        fp8(x, ids, wts, 0, got)
+        dense(x, ids, wts, 0, want)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (T, H, inter)
+
+
+def test_an_fp8_expert_group_takes_the_fused_call(native_path, monkeypatch):
+    from afd.kernels.moe import NativeExperts
+    from services.ffn.experts import ExpertGroup, routed_experts
+
+    w13, w2 = _experts(4, 64, 32, (128, 128), seed=20)
+    group = ExpertGroup.build(0, [Linear(w) for w in w13], [Linear(w) for w in w2])
+    assert group.native is not None and group.native.block_k == 128
+    calls = []
+    real = NativeExperts.__call__
+    monkeypatch.setattr(NativeExperts, "__call__", lambda s, *a: calls.append(1) or real(s, *a))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(21)).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    out = routed_experts(x, ids, torch.rand(3, 2), group, torch.zeros(3, 64, dtype=torch.bfloat16))
+    assert calls == [1] and out.abs().sum() > 0
