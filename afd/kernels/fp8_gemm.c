@@ -59,36 +59,63 @@ static void row_avx2(const uint8_t *q, float s120, uint16_t *out, int N, int K, 
   for (; k < k1; k++) out[at(ISA_AVX2, N, K, n, k) - base] = one(q[k], s120);
 }
 
-/* The same 16 at a time where a run of 16 starts (contiguous in row-major and tiled layouts
- * alike), 8 and one by one at the edges. */
-static AVX512 void row_512(const uint8_t *q, float s120, uint16_t *out, int isa, int N, int K,
-                           int n, int n0, int k0, int k1) {
-  const __m512i mask = _mm512_set1_epi32(FP8_MASK);
+#define AVX512BF16_FP8 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+/* 16 codes as fp32 values times the block's scale (the products, before rounding). */
+static inline AVX512 __m512 products16(const uint8_t *q, __m512 vs) {
+  __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
+  __m512i bits = _mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(FP8_MASK));
+  return _mm512_mul_ps(_mm512_castsi512_ps(bits), vs);
+}
+
+/* The same on the AVX-512 paths, 16 at a time where a run of 16 starts (contiguous in row-major
+ * and tiled layouts alike) and one by one at the edges. Where every product of the block is an
+ * fp32 normal or zero (scale in [2^-117, 2^7]: e4m3's smallest code is 2^-9, its largest 448),
+ * 32 at a time rounded by vcvtne2ps2bf16, which rounds those as to_bf16 does (it would flush a
+ * subnormal product, which round16 keeps): a third of round16's instructions, and the
+ * conversion is most of an FP8 matmul's work at a few rows of x. */
+static AVX512BF16_FP8 void row_512(const uint8_t *q, float s, uint16_t *out, int isa, int N,
+                                   int K, int n, int n0, int k0, int k1) {
+  const float s120 = s * 0x1p120f;
   const __m512 vs = _mm512_set1_ps(s120);
   const size_t base = (size_t)n0 * K;
   int k = k0;
   for (; k < k1 && k % 16; k++) out[at(isa, N, K, n, k) - base] = one(q[k], s120);
-  for (; k + 16 <= k1; k += 16) {
-    __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k)));
-    __m512 v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, 20), mask));
-    store16(out + at(isa, N, K, n, k) - base, round16(_mm512_mul_ps(v, vs)));
+  if (s >= 0x1p-117f && s <= 0x1p7f) { /* false for NaN */
+    if (k % 32 && k + 16 <= k1) {
+      store16(out + at(isa, N, K, n, k) - base, round16(products16(q + k, vs)));
+      k += 16;
+    }
+    for (; k + 32 <= k1; k += 32) {
+      __m512bh h = _mm512_cvtne2ps_pbh(products16(q + k + 16, vs), products16(q + k, vs));
+      _mm512_storeu_si512((void *)(out + at(isa, N, K, n, k) - base), (__m512i)h);
+    }
   }
+  for (; k + 16 <= k1; k += 16)
+    store16(out + at(isa, N, K, n, k) - base, round16(products16(q + k, vs)));
   for (; k < k1; k++) out[at(isa, N, K, n, k) - base] = one(q[k], s120);
 }
 
-/* Rows n0..n1 of W into the scratch, each K-block with its own scale. */
+/* Rows n0..n1 of W into the scratch, each K-block with its own scale; the codes of the rows a
+ * chunk later (below pf_end) fetched into L2 meanwhile, so that the next conversion does not
+ * wait on DRAM: the codes are read in bursts between matmuls, which the hardware prefetcher
+ * alone let start cold (the first load of each burst's lines took half the conversion's time
+ * at 32 rows of x, Intel Xeon). */
 static void convert(const uint8_t *q, const float *s, uint16_t *out, int isa, int N, int K,
-                    int bk, int n0, int n1) {
+                    int bk, int n0, int n1, int pf_end) {
   const int nk = (K + bk - 1) / bk;
   for (int n = n0; n < n1; n++) {
     const uint8_t *qn = q + (size_t)n * K;
+    if (n + CHUNK < pf_end)
+      for (int o = 0; o < K; o += 64)
+        _mm_prefetch((const char *)(qn + (size_t)CHUNK * K + o), _MM_HINT_T1);
     for (int b = 0; b < nk; b++) {
-      const float s120 = s[(size_t)n * nk + b] * 0x1p120f; /* fp32, as the torch path's */
+      const float sb = s[(size_t)n * nk + b];
       const int k0 = b * bk, k1 = k0 + bk < K ? k0 + bk : K;
-      if (isa == ISA_AVX2)
-        row_avx2(qn, s120, out, N, K, n, n0, k0, k1);
+      if (isa == ISA_AVX2) /* sb * 2^120 in fp32, as the torch path's */
+        row_avx2(qn, sb * 0x1p120f, out, N, K, n, n0, k0, k1);
       else
-        row_512(qn, s120, out, isa, N, K, n, n0, k0, k1);
+        row_512(qn, sb, out, isa, N, K, n, n0, k0, k1);
     }
   }
 }
@@ -100,9 +127,11 @@ static void convert(const uint8_t *q, const float *s, uint16_t *out, int isa, in
 void afd_fp8_rows(const uint16_t *x, const float *xf, const uint16_t *xp, const uint8_t *q,
                   const float *s, int bk, uint16_t *y, int M, int N, int K, int n0, int n1, int isa,
                   uint16_t *scratch, float *wt) {
+  /* fetching ahead into the next unit too: a thread's units come in runs (runs.h) */
+  const int pf_end = n1 + CHUNK < N ? n1 + CHUNK : N;
   for (int c0 = n0; c0 < n1; c0 += CHUNK) {
     const int c1 = c0 + CHUNK < n1 ? c0 + CHUNK : n1;
-    convert(q, s, scratch, isa, N, K, bk, c0, c1);
+    convert(q, s, scratch, isa, N, K, bk, c0, c1, pf_end);
     /* the rows functions find row n at w + n K: the scratch stands for rows c0.. */
     const uint16_t *w = scratch - (ptrdiff_t)c0 * K;
     if (isa == ISA_AVX2)
