@@ -2,7 +2,7 @@
 on a CPU with AMX-INT8 (llama.cpp's AMX kernel is what quantized weights reach there), and
 that build turning on each instruction set the CPU has, AMX never."""
 
-from afd_cli.bench import peer
+from afd_cli.bench import llama_cpp as peer
 
 SPR = set("sse4_2 f16c fma bmi2 avx avx2 avx_vnni avx512f avx512cd avx512vl avx512dq".split())
 SPR |= set("avx512bw avx512vbmi avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16".split())
