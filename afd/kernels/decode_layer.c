@@ -28,6 +28,13 @@
 
 /* A matmul on the instruction set (and weight layout) the caller chose. */
 #define GEMM(x, w, y, M, N, K) afd_gemm_isa(x, w, y, M, N, K, threads, isa)
+/* The same for a weight that may be block-FP8 (codes qc and scales sc, or NULL: bf16 w),
+ * converted for that matmul as it goes (fp8_gemm.c). */
+int afd_fp8_gemm(const uint16_t *x, const uint8_t *q, const float *s, uint16_t *y, int M, int N,
+                 int K, int bk, int isa, int threads);
+#define GEMM_W(x, w, qc, sc, y, M, N, K)                                                      \
+  ((qc) ? afd_fp8_gemm(x, qc, sc, y, M, N, K, bk, isa, threads)                               \
+        : afd_gemm_isa(x, w, y, M, N, K, threads, isa))
 
 /* topk.c: torch.topk's pick among equal scores, once checked against this process's torch */
 extern int afd_topk_trusted;
@@ -185,10 +192,12 @@ static void add_bias(uint16_t *y, const uint16_t *b, int T, int n) {
  * _ext only: b_qkv [qin + 2 kvh D] and b_o [H] bf16 or NULL; sinks [nh] float32 or NULL;
  * window > 0: the last `window` positions only; route 0: softmax-then-top-k, 1: top-k-then-
  * softmax with router_bias [E] float32 (or NULL) added to the logits first.
+ * _fp8 only: q_qkv, s_qkv, q_q, s_q, q_o, s_o: block-FP8 codes and scales (afd/blockfp8.py,
+ * K-blocks of bk) standing for w_qkv, w_q and w_o, each pair or NULL (that weight bf16).
  * Returns 0; 1 where the routing is left to the caller (a tie across the top-k cut, see
  * pick_topk; every other output is written); -1 (bad sizes, memory short, a length past the
  * block table). */
-int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
+int afd_bf16_decode_layer_fp8(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const uint16_t *attn_norm, const uint16_t *ffn_norm,
                           const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
                           const uint16_t *inter_norm, const uint16_t *w_q, const uint16_t *w_o,
@@ -199,9 +208,12 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
                           int threads, int isa, const uint16_t *w_router, uint16_t *logits,
                           int E, int topk, int norm, int32_t *ids, float *weights,
                           const uint16_t *b_qkv, const uint16_t *b_o, const float *sinks,
-                          int window, const float *router_bias, int route) {
+                          int window, const float *router_bias, int route, const uint8_t *q_qkv,
+                          const float *s_qkv, const uint8_t *q_q, const float *s_q,
+                          const uint8_t *q_o, const float *s_o, int bk) {
   if (T <= 0 || H % 8 != 0 || D % 16 != 0 || kvh <= 0 || nh % kvh != 0 || qin % 8 != 0) return -1;
-  if (!w_q && qin != nh * D) return -1;
+  if ((!w_q && !q_q) && qin != nh * D) return -1;
+  if ((q_qkv || q_q || q_o) && bk <= 0) return -1;
   const int Q = nh * D, KV = kvh * D, W = qin + 2 * KV;
   uint16_t *xn = (uint16_t *)afd_alloc64((size_t)T * H * 2);
   uint16_t *qkv = (uint16_t *)afd_alloc64((size_t)T * W * 2);
@@ -212,7 +224,7 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
   int rc = -1;
   if (!xn || !qkv || !tmp || !q || !att) goto done;
   if (afd_bf16_rms_norm(h, H, 0, attn_norm, xn, T, 1, H, eps, threads, isa)) goto done;
-  if (GEMM(xn, w_qkv, qkv, T, W, H)) goto done;
+  if (GEMM_W(xn, w_qkv, q_qkv, s_qkv, qkv, T, W, H)) goto done;
   if (b_qkv) add_bias(qkv, b_qkv, T, W);
   /* k first (rope'd into q's buffer, then scattered to the cache), then q */
   const uint16_t *k_src = qkv + qin;
@@ -229,9 +241,10 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
       memcpy(k_cache + dst, q + ((size_t)t * kvh + j) * D, (size_t)D * 2);
       memcpy(v_cache + dst, qkv + (size_t)t * W + qin + KV + (size_t)j * D, (size_t)D * 2);
     }
-  if (w_q) { /* MFA: the low-rank query, normed, up-projected (into att, free until attention) */
+  if (w_q || q_q) { /* MFA: the low-rank query, normed, up-projected (into att, free until
+                     * attention) */
     if (afd_bf16_rms_norm(qkv, W, 0, inter_norm, tmp, T, 1, qin, eps, threads, isa)) goto done;
-    if (GEMM(tmp, w_q, att, T, Q, qin)) goto done;
+    if (GEMM_W(tmp, w_q, q_q, s_q, att, T, Q, qin)) goto done;
     if (afd_bf16_rope(att, Q, q, T, nh, D, cos, sin, pos, threads, isa)) goto done;
   } else if (q_norm) {
     if (afd_bf16_rms_norm(qkv, W, D, q_norm, tmp, T, nh, D, eps, threads, isa)) goto done;
@@ -249,7 +262,7 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
   if (afd_bf16_decode_attention_ext(q, k_cache, v_cache, blocks, lens, att, T, kvh, nh / kvh, D,
                                     D, NB, bs, nb, scale, sinks, window, threads, isa))
     goto done;
-  if (GEMM(att, w_o, xn, T, H, Q)) goto done; /* xn reused: o_proj out */
+  if (GEMM_W(att, w_o, q_o, s_o, xn, T, H, Q)) goto done; /* xn reused: o_proj out */
   if (b_o) add_bias(xn, b_o, T, H);
   for (size_t i = 0; i < (size_t)T * H; i += 8) /* bf16 + bf16, rounded once, as torch adds */
     store8(h_out + i, round8(_mm256_add_ps(load_bf16(h + i), load_bf16(xn + i))));
@@ -262,7 +275,28 @@ done:
   return rc;
 }
 
-/* The layer without gpt-oss's additions (decode_stack.c runs these). */
+/* The layer with bf16 weights (decode_stack.c runs this and the next). */
+int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
+                          const uint16_t *attn_norm, const uint16_t *ffn_norm,
+                          const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
+                          const uint16_t *inter_norm, const uint16_t *w_q, const uint16_t *w_o,
+                          const uint16_t *cos, const uint16_t *sin, const int64_t *pos,
+                          const int64_t *slots, uint16_t *k_cache, uint16_t *v_cache,
+                          const int64_t *blocks, const int64_t *lens, int T, int H, int qin,
+                          int nh, int kvh, int D, int NB, int bs, int nb, float eps, float scale,
+                          int threads, int isa, const uint16_t *w_router, uint16_t *logits,
+                          int E, int topk, int norm, int32_t *ids, float *weights,
+                          const uint16_t *b_qkv, const uint16_t *b_o, const float *sinks,
+                          int window, const float *router_bias, int route) {
+  return afd_bf16_decode_layer_fp8(h, h_out, x_out, attn_norm, ffn_norm, w_qkv, q_norm, k_norm,
+                                   inter_norm, w_q, w_o, cos, sin, pos, slots, k_cache, v_cache,
+                                   blocks, lens, T, H, qin, nh, kvh, D, NB, bs, nb, eps, scale,
+                                   threads, isa, w_router, logits, E, topk, norm, ids, weights,
+                                   b_qkv, b_o, sinks, window, router_bias, route, NULL, NULL,
+                                   NULL, NULL, NULL, NULL, 0);
+}
+
+/* The layer without gpt-oss's additions. */
 int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const uint16_t *attn_norm, const uint16_t *ffn_norm,
                           const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm, paths
 from afd.kernels import topk as topk_ties
 
@@ -19,12 +20,13 @@ ROUTES = {"softmax_topk": 0, "topk_softmax": 1}  # the router kinds the call com
 class DecodeWeights:
     """What an attention kind contributes to the fused layer (AttentionKind.decode_weights)."""
 
-    w_qkv: torch.Tensor  # [q_in + 2 kvh D, H]: query part, then k, then v
+    # the projections may be block-FP8 (the call converts them for its matmuls, fp8_gemm.c)
+    w_qkv: torch.Tensor | BlockFP8  # [q_in + 2 kvh D, H]: query part, then k, then v
     q_in: int  # width of the query part: nh D, or MFA's query rank
     q_norm: torch.Tensor | None = None  # [D], per query head (Qwen3)
     k_norm: torch.Tensor | None = None  # [D]
     inter_norm: torch.Tensor | None = None  # [q_in], MFA: norm of the low-rank query
-    w_q: torch.Tensor | None = None  # [nh D, q_in], MFA: its up-projection
+    w_q: torch.Tensor | BlockFP8 | None = None  # [nh D, q_in], MFA: its up-projection
     b_qkv: torch.Tensor | None = None  # [q_in + 2 kvh D] bf16, gpt-oss: the projections' bias
     sinks: torch.Tensor | None = None  # [nh] float32, gpt-oss: a sink logit per query head
     window: int = 0  # > 0: the keys a query sees, itself included (gpt-oss's sliding layers)
@@ -35,15 +37,25 @@ def cpu_bf16(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu") for t in tensors)
 
 
+def _fp8_block(*ws) -> int | None:
+    """The K-block width of the block-FP8 weights among ws (0: none; None: two widths, or
+    codes off the CPU)."""
+    fp8 = [w for w in ws if isinstance(w, BlockFP8)]
+    if any(w.q.device.type != "cpu" for w in fp8) or len({w.block_k for w in fp8}) > 1:
+        return None
+    return fp8[0].block_k if fp8 else 0
+
+
 class NativeDecodeLayer:
-    """One layer's weights (bf16, contiguous, kept referenced here) for the fused call."""
+    """One layer's weights (bf16, contiguous, kept referenced here) for the fused call; its
+    projections (w_qkv, w_q, w_o) may be block-FP8 with one block width."""
 
     def __init__(
         self,
         attn_norm: torch.Tensor,  # [H]
         ffn_norm: torch.Tensor,  # [H]
         dw: DecodeWeights,
-        w_o: torch.Tensor,  # [H, nh D]
+        w_o: torch.Tensor | BlockFP8,  # [H, nh D]
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -60,8 +72,17 @@ class NativeDecodeLayer:
             raise ValueError(f"the fused layer routes {tuple(ROUTES)} (a bias: topk_softmax)")
         self.isa = gemm.ISAS[isa]
         ws = (attn_norm, ffn_norm, dw.w_qkv, dw.q_norm, dw.k_norm, dw.inter_norm, dw.w_q, w_o)
-        self.tensors = [t.contiguous() if t is not None else None for t in (*ws, w_router)]
-        self._ptrs = [t.data_ptr() if t is not None else None for t in self.tensors]
+        self.tensors = [
+            t.contiguous() if isinstance(t, torch.Tensor) else t for t in (*ws, w_router)
+        ]
+        self._ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else None for t in self.tensors]
+        # FP8 projections: codes and scales for w_qkv, w_q, w_o (None: bf16, in _ptrs)
+        self.block_k = _fp8_block(dw.w_qkv, dw.w_q, w_o) or 0
+        self._fp8_ptrs = [
+            getattr(w, f).data_ptr() if isinstance(w, BlockFP8) else None
+            for w in (dw.w_qkv, dw.w_q, w_o)
+            for f in ("q", "scale")
+        ]
         self.experts = w_router.shape[0] if w_router is not None else 0
         self.topk, self.norm_topk = (topk, norm_topk) if self.experts else (0, False)
         self.route = ROUTES[route]
@@ -85,7 +106,9 @@ class NativeDecodeLayer:
     def usable(
         hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dw: DecodeWeights, *ws
     ) -> bool:
+        # ws: the norms and w_o; the projections may be block-FP8 of one block width
         tensors = (dw.w_qkv, dw.q_norm, dw.k_norm, dw.inter_norm, dw.w_q, *ws)
+        dense = [t for t in tensors if not isinstance(t, BlockFP8)]
         return (
             gemm.available()
             and hidden % 8 == 0
@@ -93,7 +116,8 @@ class NativeDecodeLayer:
             and dw.q_in % 8 == 0
             and num_heads % num_kv_heads == 0
             and (dw.w_q is not None or dw.q_in == num_heads * head_dim)
-            and cpu_bf16(*tensors)
+            and cpu_bf16(*dense)
+            and _fp8_block(*tensors) is not None
         )
 
     def __call__(
@@ -123,7 +147,7 @@ class NativeDecodeLayer:
         ids = torch.empty(T, k, dtype=torch.int32) if k else None
         weights = torch.empty(T, k, dtype=torch.float32) if k else None
         b_qkv, b_o, sinks, router_bias = self._extra_ptrs
-        rc = gemm._lib().afd_bf16_decode_layer_ext(
+        rc = gemm._lib().afd_bf16_decode_layer_fp8(
             h.data_ptr(), h_out.data_ptr(), x_out.data_ptr(), an, fn, wqkv, qn, kn, inn, wq, wo,
             cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
@@ -131,7 +155,8 @@ class NativeDecodeLayer:
             self.eps, scale, torch.get_num_threads(), self.isa,
             wr if E else None, logits.data_ptr() if E else None, E, k, self.norm_topk,
             ids.data_ptr() if k else None, weights.data_ptr() if k else None,
-            b_qkv, b_o, sinks, self.window, router_bias, self.route,
+            b_qkv, b_o, sinks, self.window, router_bias, self.route, *self._fp8_ptrs,
+            self.block_k,
         )  # fmt: skip
         if rc < 0:
             raise RuntimeError(f"afd_bf16_decode_layer failed (lengths {lens.tolist()})")

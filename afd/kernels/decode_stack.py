@@ -163,6 +163,8 @@ class NativeDecodeStack:
                 return False
             if type(a) is not type(a0):  # one kind of attention: the call's sizes are its
                 return False
+            if getattr(a, "block_k", 0):  # block-FP8 projections: the stack passes bf16 ones
+                return False
             mla = isinstance(a, NativeMLALayer)
             for t in (p.k_cache,) if mla else (p.k_cache, p.v_cache):
                 if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != c0.shape:

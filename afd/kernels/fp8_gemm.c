@@ -15,7 +15,6 @@
  * times fp32(s * 2^120), then rounded to bf16 as torch rounds (round8/round16). */
 #include <omp.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "bf16.h"
 #include "bf16_512.h"

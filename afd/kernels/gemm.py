@@ -87,6 +87,8 @@ def _lib() -> ctypes.CDLL | None:
     layer_ext = lib.afd_bf16_decode_layer.argtypes + [p, p, p, i, p, i]
     lib.afd_bf16_decode_layer_ext.argtypes = layer_ext
     lib.afd_bf16_decode_layer_ext.restype = i
+    lib.afd_bf16_decode_layer_fp8.argtypes = layer_ext + [p] * 6 + [i]  # FP8 weights' codes
+    lib.afd_bf16_decode_layer_fp8.restype = i
     stack = [p, i, p, p, p, p, p, p, p, p] + [i] * 13 + [f, i, i, p, p, p, p] + [p, f, p, i, p]
     stack += [p, p, p, L]  # the head's argmax; the tokens to embed and the embedding
     lib.afd_bf16_decode_stack.argtypes = stack

@@ -82,7 +82,9 @@ class AttentionModel:
         """Where afd's own kernels carry the bf16 compute (ops.native), a layer's decode runs
         as one native call: the same kernels, the same bits, ~15 fewer Python calls."""
         c, dw = self.cfg, lw.kind.decode_weights()
-        if dw is None or not (native() and lw.o_proj.native):
+        # one afd kernel path for every matmul of the call (block-FP8 weights converted for it)
+        isa = lw.o_proj.kernel_path
+        if dw is None or not native() or isa is None:
             return None
         if isinstance(dw, MLAWeights):
             return self._fused_mla(lw, dw)
@@ -91,14 +93,14 @@ class AttentionModel:
         if not NativeDecodeLayer.usable(c.hidden_size, *dims, dw, *norms, lw.o_proj.w):
             return None
         r = lw.router  # its matmul joins the call where it runs on the same kernel and rule
-        same = r is not None and (r.isa, r.onednn_from) == (lw.o_proj.isa, lw.o_proj.onednn_from)
+        same = r is not None and (r.isa, r.onednn_from) == (isa, lw.o_proj.onednn_from)
         w_router = r.w if same and r.bias is None and r.w.dtype == torch.bfloat16 else None
         # the router kinds the call computes join it too (softmax-then-top-k without a bias;
         # gpt-oss's top-k-then-softmax with its bias); any other kind routes from the logits
         bias = lw.router_bias
         joins = c.router == "topk_softmax" or (c.router == "softmax_topk" and bias is None)
         return NativeDecodeLayer(
-            *norms, dw, lw.o_proj.w, *dims, c.rms_norm_eps, lw.o_proj.isa, w_router,
+            *norms, dw, lw.o_proj.w, *dims, c.rms_norm_eps, isa, w_router,
             c.top_k if joins else 0, c.norm_topk_prob, b_o=lw.o_proj.bias,
             route=c.router if joins else "softmax_topk",
             router_bias=bias if joins and c.router == "topk_softmax" else None,

@@ -51,6 +51,53 @@ def test_fp8_bf16_tokens_identical_on_every_kernel_path(pairs, kernel_path, tmp_
     assert got == afd_greedy(engine_cfg(dense, dtype="bfloat16", S=2))[0]
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fp8_gqa_in_native_calls_gives_the_dense_tokens(pairs, family, native_path):
+    """bf16 on afd's paths: the FP8 model's attention in the fused layer and its experts in
+    the fused call (the decode stack, which reads bf16 weights, left out), the dense twin
+    through the decode stack: the same tokens."""
+    fp8, dense = pairs[family]
+    model = AttentionModel(ModelConfig.from_hf(fp8), torch.bfloat16, progress=False)
+    assert all(lw.fused is not None and lw.fused.block_k for lw in model.layers)
+    got = afd_greedy(engine_cfg(fp8, dtype="bfloat16"))[0]
+    assert got == afd_greedy(engine_cfg(dense, dtype="bfloat16"))[0]
+
+
+def test_fp8_attention_with_bf16_experts_keeps_off_the_decode_stack(pairs, tmp_path):
+    """FP8 projections with bf16 experts (a checkpoint that leaves its experts unquantized):
+    the decode stack, which passes bf16 attention weights, is not built; the tokens are the
+    dense twin's."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from afd.kernels.decode_stack import NativeDecodeStack
+
+    fp8, dense = pairs["qwen3_moe"]
+    mixed = tmp_path / "mixed"
+    shutil.copytree(fp8, mixed)
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    dense_t = load_file(str(dense / "model.safetensors"))
+    experts = [k for k in tensors if ".experts." in k]
+    assert experts
+    for k in experts:
+        if k.endswith("weight_scale_inv"):
+            del tensors[k]
+        else:
+            tensors[k] = dense_t[k].to(torch.bfloat16)
+    save_file(tensors, str(mixed / "model.safetensors"))
+    built = []
+    real = NativeDecodeStack.__init__
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(NativeDecodeStack, "__init__", lambda s, *a: built.append(1) or real(s, *a))
+    try:
+        got = afd_greedy(engine_cfg(mixed, dtype="bfloat16"))[0]
+    finally:
+        monkeypatch.undo()
+    assert not built
+    assert got == afd_greedy(engine_cfg(dense, dtype="bfloat16"))[0]
+
+
 def test_ue8m0_scales_load(tmp_path):
     src = REFERENCE_CHECKPOINTS["deepseek_v3"](tmp_path / "src")
     fp8, dense = block_fp8_pair(src, tmp_path, (128, 128), e8m0=True)

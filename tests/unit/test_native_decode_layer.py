@@ -176,3 +176,18 @@ def test_a_tie_across_the_top_k_cut_is_torchs_choice(native_path, tie_routing, c
     assert torch.equal(ids, want_ids)
     if not tie_routing:
         assert torch.equal(w, want_w)  # torch's own choice
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir", "step3_dir"])
+def test_fused_layer_on_block_fp8_weights_is_the_per_op_path(native_path, ckpt, request, tmp_path):
+    """Block-FP8 projections (w_qkv, MFA's w_q, w_o) in the fused call: converted for its
+    matmuls as the per-op path's Linear converts them (fp8_gemm.c), the same bits."""
+    from afd.blockfp8 import BlockFP8
+    from tests.helpers.checkpoints import block_fp8_pair
+
+    fp8, _ = block_fp8_pair(request.getfixturevalue(ckpt), tmp_path, (32, 48))
+    cfg = ModelConfig.from_hf(fp8)
+    model = AttentionModel(cfg, torch.bfloat16, progress=False)
+    assert all(lw.fused is not None and lw.fused.block_k == 48 for lw in model.layers)
+    assert all(isinstance(lw.o_proj.w, BlockFP8) for lw in model.layers)
+    _fused_vs_per_op(cfg, model, torch.tensor([1, 17, 40, 33, 64]))

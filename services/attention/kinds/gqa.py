@@ -50,7 +50,7 @@ class GQA(AttentionKind):
         )  # fmt: skip
 
     def decode_weights(self) -> DecodeWeights | None:
-        if not self.w_qkv.native:
+        if self.w_qkv.kernel_path is None:  # (a block-FP8 weight: the call converts it)
             return None
         return DecodeWeights(
             self.w_qkv.w, self.cfg.q_size, self.q_norm, self.k_norm,

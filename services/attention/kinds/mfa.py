@@ -32,7 +32,7 @@ class MFA(AttentionKind):
         )
 
     def decode_weights(self) -> DecodeWeights | None:
-        if not (self.w_qkv.native and self.wq.native):
+        if self.w_qkv.kernel_path is None or self.wq.kernel_path is None:
             return None
         c = self.cfg
         return DecodeWeights(self.w_qkv.w, c.q_lora_dim, inter_norm=self.inter_norm, w_q=self.wq.w)
