@@ -192,12 +192,12 @@ static void add_bias(uint16_t *y, const uint16_t *b, int T, int n) {
  * _ext only: b_qkv [qin + 2 kvh D] and b_o [H] bf16 or NULL; sinks [nh] float32 or NULL;
  * window > 0: the last `window` positions only; route 0: softmax-then-top-k, 1: top-k-then-
  * softmax with router_bias [E] float32 (or NULL) added to the logits first.
- * _fp8 only: q_qkv, s_qkv, q_q, s_q, q_o, s_o: block-FP8 codes and scales (afd/blockfp8.py,
+ * q_qkv, s_qkv, q_q, s_q, q_o, s_o (_ext only): block-FP8 codes and scales (afd/blockfp8.py,
  * K-blocks of bk) standing for w_qkv, w_q and w_o, each pair or NULL (that weight bf16).
  * Returns 0; 1 where the routing is left to the caller (a tie across the top-k cut, see
  * pick_topk; every other output is written); -1 (bad sizes, memory short, a length past the
  * block table). */
-int afd_bf16_decode_layer_fp8(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
+int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const uint16_t *attn_norm, const uint16_t *ffn_norm,
                           const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
                           const uint16_t *inter_norm, const uint16_t *w_q, const uint16_t *w_o,
@@ -275,28 +275,7 @@ done:
   return rc;
 }
 
-/* The layer with bf16 weights (decode_stack.c runs this and the next). */
-int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
-                          const uint16_t *attn_norm, const uint16_t *ffn_norm,
-                          const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
-                          const uint16_t *inter_norm, const uint16_t *w_q, const uint16_t *w_o,
-                          const uint16_t *cos, const uint16_t *sin, const int64_t *pos,
-                          const int64_t *slots, uint16_t *k_cache, uint16_t *v_cache,
-                          const int64_t *blocks, const int64_t *lens, int T, int H, int qin,
-                          int nh, int kvh, int D, int NB, int bs, int nb, float eps, float scale,
-                          int threads, int isa, const uint16_t *w_router, uint16_t *logits,
-                          int E, int topk, int norm, int32_t *ids, float *weights,
-                          const uint16_t *b_qkv, const uint16_t *b_o, const float *sinks,
-                          int window, const float *router_bias, int route) {
-  return afd_bf16_decode_layer_fp8(h, h_out, x_out, attn_norm, ffn_norm, w_qkv, q_norm, k_norm,
-                                   inter_norm, w_q, w_o, cos, sin, pos, slots, k_cache, v_cache,
-                                   blocks, lens, T, H, qin, nh, kvh, D, NB, bs, nb, eps, scale,
-                                   threads, isa, w_router, logits, E, topk, norm, ids, weights,
-                                   b_qkv, b_o, sinks, window, router_bias, route, NULL, NULL,
-                                   NULL, NULL, NULL, NULL, 0);
-}
-
-/* The layer without gpt-oss's additions. */
+/* The layer without gpt-oss's additions and with bf16 weights. */
 int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                           const uint16_t *attn_norm, const uint16_t *ffn_norm,
                           const uint16_t *w_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
@@ -311,5 +290,6 @@ int afd_bf16_decode_layer(const uint16_t *h, uint16_t *h_out, uint16_t *x_out,
                                    inter_norm, w_q, w_o, cos, sin, pos, slots, k_cache, v_cache,
                                    blocks, lens, T, H, qin, nh, kvh, D, NB, bs, nb, eps, scale,
                                    threads, isa, w_router, logits, E, topk, norm, ids, weights,
-                                   NULL, NULL, NULL, 0, NULL, 0);
+                                   NULL, NULL, NULL, 0, NULL, 0, NULL, NULL, NULL, NULL, NULL,
+                                   NULL, 0);
 }

@@ -147,7 +147,7 @@ class NativeDecodeLayer:
         ids = torch.empty(T, k, dtype=torch.int32) if k else None
         weights = torch.empty(T, k, dtype=torch.float32) if k else None
         b_qkv, b_o, sinks, router_bias = self._extra_ptrs
-        rc = gemm._lib().afd_bf16_decode_layer_fp8(
+        rc = gemm._lib().afd_bf16_decode_layer_ext(
             h.data_ptr(), h_out.data_ptr(), x_out.data_ptr(), an, fn, wqkv, qn, kn, inn, wq, wo,
             cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), lens.data_ptr(),

@@ -35,7 +35,9 @@ int afd_bf16_decode_layer_ext(const uint16_t *h, uint16_t *h_out, uint16_t *x_ou
                               const uint16_t *w_router, uint16_t *logits, int E, int topk,
                               int norm, int32_t *ids, float *weights, const uint16_t *b_qkv,
                               const uint16_t *b_o, const float *sinks, int window,
-                              const float *router_bias, int route);
+                              const float *router_bias, int route, const uint8_t *q_qkv,
+                              const float *s_qkv, const uint8_t *q_q, const float *s_q,
+                              const uint8_t *q_o, const float *s_o, int bk);
 int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, int topk,
                      int first, const uint16_t *const *w13, const uint16_t *const *w2,
                      uint16_t *out, int T, int E, int H, int I, int threads, int reverse, int isa,
@@ -171,7 +173,8 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
                          w->v_cache, blocks, lens, T, H, qin, nh, kvh, D, NB, bs, nb, eps,
                          (float)w->scale, threads, isa, w->w_router, logits, E, topk, norm,
                          ids_l, weights_l, w->b_qkv, w->b_o, w->sinks, (int)w->window,
-                         w->router_bias, (int)w->route);
+                         w->router_bias, (int)w->route, NULL, NULL, NULL, NULL, NULL, NULL,
+                         0); /* bf16 weights: decode_stack.py takes no FP8 layer */
     stamps[3 * l + 1] = wall_seconds();
     if (r != 0) {
       rc = r < 0 ? -1 : l;

@@ -29,11 +29,7 @@ def usable(x: torch.Tensor, w: BlockFP8, isa: str) -> bool:
 def linear(x: torch.Tensor, w: BlockFP8, isa: str) -> torch.Tensor:
     """x [..., K] bf16 @ W.T -> [..., N] bf16 for a block-FP8 W [N, K] (where usable)."""
     n, k = w.shape
-    x2 = x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    y = torch.empty(x.shape[:-1] + (n,), dtype=torch.bfloat16)
+    x2, m, y = gemm.matmul_io(x, n, k)
     if m and gemm._lib().afd_fp8_gemm(
         x2.data_ptr(), w.q.data_ptr(), w.scale.data_ptr(), y.data_ptr(), m, n, k, w.block_k,
         gemm.ISAS[isa], torch.get_num_threads(),

@@ -84,11 +84,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_mlp_add.restype = i
     lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i, i, p, p, i, i, i, p, p]
     lib.afd_bf16_decode_layer.restype = i
-    layer_ext = lib.afd_bf16_decode_layer.argtypes + [p, p, p, i, p, i]
+    # gpt-oss's additions, then block-FP8 projections' codes and scales and their block
+    layer_ext = lib.afd_bf16_decode_layer.argtypes + [p, p, p, i, p, i] + [p] * 6 + [i]
     lib.afd_bf16_decode_layer_ext.argtypes = layer_ext
     lib.afd_bf16_decode_layer_ext.restype = i
-    lib.afd_bf16_decode_layer_fp8.argtypes = layer_ext + [p] * 6 + [i]  # FP8 weights' codes
-    lib.afd_bf16_decode_layer_fp8.restype = i
     stack = [p, i, p, p, p, p, p, p, p, p] + [i] * 13 + [f, i, i, p, p, p, p] + [p, f, p, i, p]
     stack += [p, p, p, L]  # the head's argmax; the tokens to embed and the embedding
     lib.afd_bf16_decode_stack.argtypes = stack
@@ -177,16 +176,21 @@ def lay_out(w: torch.Tensor, isa: str) -> torch.Tensor:
     return pack_tiles(w) if isa == "amx" else w.contiguous()
 
 
+def matmul_io(x: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """A native matmul's operands for x [..., K]: x as contiguous rows [M, K], M, and the bf16
+    result [..., N] to fill."""
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    return x2, x2.shape[0], torch.empty(x.shape[:-1] + (n,), dtype=torch.bfloat16)
+
+
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, isa: str = "avx2") -> torch.Tensor:
     """x [..., K] bf16 @ W.T -> [..., N] bf16 for W [N, K] bf16 laid out for `isa` (lay_out):
     "avx2" needs K % 8 == 0; "avx512bf16" (where avx512bf16()) and "amx" (where amx()) an even
     K."""
     n, k = w.shape
-    x2 = x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    y = torch.empty(x.shape[:-1] + (n,), dtype=torch.bfloat16)
+    x2, m, y = matmul_io(x, n, k)
     lib = _lib()
     matmul = {"avx512bf16": lib.afd_bf16_gemm512, "amx": lib.afd_bf16_gemm_amx}.get(
         isa, lib.afd_bf16_gemm
