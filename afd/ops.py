@@ -75,7 +75,7 @@ class Linear:
         matmul = paths.active().matmul if dense_dtype == torch.bfloat16 else "torch"
         # afd's kernels need K % 8 == 0 (AVX2) or even K (AVX-512 BF16, AMX)
         device = (w.q if self.fp8 is not None else w).device
-        if device.type != "cpu" or k % {"avx2": 8, "avx512bf16": 2, "amx": 2}.get(matmul, 1):
+        if device.type != "cpu" or k % gemm.K_MULTIPLE.get(matmul, 1):
             matmul = "torch"
         self.matmul = matmul
         # from how many rows of x F.linear takes over (never for avx2: it has no fast bf16 path)

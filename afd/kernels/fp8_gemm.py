@@ -10,18 +10,15 @@ import torch
 from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm
 
-# the dense kernels' needs of K (gemm.py's bf16_linear)
-_K_MULTIPLE = {"avx2": 8, "avx512bf16": 2, "amx": 2}
-
 
 def usable(x: torch.Tensor, w: BlockFP8, isa: str) -> bool:
     """x bf16 on the CPU, w's codes there too, `isa` one of afd's matmul paths with its K."""
     return (
-        isa in _K_MULTIPLE
+        isa in gemm.K_MULTIPLE
         and x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and w.q.device.type == "cpu"
-        and w.shape[1] % _K_MULTIPLE[isa] == 0
+        and w.shape[1] % gemm.K_MULTIPLE[isa] == 0
         and gemm.available()
     )
 

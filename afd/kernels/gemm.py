@@ -144,6 +144,7 @@ def amx() -> bool:
 
 
 ISAS = {"avx2": 0, "avx512bf16": 1, "amx": 2}  # the kernels' isa argument (bf16.h's ISA_*)
+K_MULTIPLE = {"avx2": 8, "avx512bf16": 2, "amx": 2}  # what each path's matmul needs of K
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
