@@ -66,6 +66,7 @@ def _kernels() -> list[Extension]:
                     "mlp",
                     "fp8",
                     "fp8_gemm",
+                    "fp8_stream",
                     "indexer",
                     "mxfp4",
                     "mxfp4_moe",

@@ -31,6 +31,17 @@ static inline AVX512 void store16(uint16_t *p, __m512 v) {
   _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(s));
 }
 
+/* [sum(a0), sum(a1), sum(a2), sum(a3)]: halves added, then two rounds of pairwise sums; each
+ * argument reduced in the same tree whatever its place (the streaming matmuls rely on it). */
+static inline AVX512 __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  __m256 b0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+  __m256 b1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+  __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+  __m256 b3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+  __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
 /* bf16.h's exp8 on 16 lanes, step for step (the same series, the same FMAs, the same
  * flush below -87.3): the same bits in every lane. */
 static inline AVX512 __m512 exp16(__m512 x) {

@@ -17,11 +17,9 @@
 #include <stdlib.h>
 
 #include "bf16.h"
-#include "bf16_512.h"
-#include "fp8_gemm.h"
+#include "fp8_512.h"
 #include "runs.h"
 
-#define FP8_MASK ((int)0x87F00000u)
 #define CHUNK AFD_FP8_CHUNK
 
 /* Where value k of weight row n lies in the path's layout (a run of 8 from k, k % 8 == 0, is
@@ -35,15 +33,10 @@ static inline size_t at(int isa, int N, int K, int n, int k) {
   return (size_t)n * K + k;
 }
 
-static inline uint16_t one(uint8_t code, float s120) {
-  union { int32_t i; float f; } v = {((int32_t)(int8_t)code << 20) & FP8_MASK};
-  return to_bf16(v.f * s120);
-}
-
 /* 8 codes as fp32 values times the block's scale (the products, before rounding). */
 static inline __m256 products8(const uint8_t *q, __m256 vs) {
   __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q));
-  __m256i bits = _mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32(FP8_MASK));
+  __m256i bits = _mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32(AFD_FP8_MASK));
   return _mm256_mul_ps(_mm256_castsi256_ps(bits), vs);
 }
 
@@ -65,8 +58,8 @@ static void row_avx2(const uint8_t *q, float s, uint16_t *out, int N, int K, int
   const __m256 vs = _mm256_set1_ps(s120);
   const size_t base = (size_t)n0 * K;
   int k = k0;
-  for (; k < k1 && k % 8; k++) out[at(ISA_AVX2, N, K, n, k) - base] = one(q[k], s120);
-  if (s >= 0x1p-117f && s <= 0x1p7f) /* false for NaN */
+  for (; k < k1 && k % 8; k++) out[at(ISA_AVX2, N, K, n, k) - base] = afd_fp8_weight(q[k], s120);
+  if (afd_fp8_fast(s))
     for (; k + 16 <= k1; k += 16) {
       /* lanes (a0-3, b0-3 | a4-7, b4-7) -> (a0-7 | b0-7): two runs of 8, each where it lies */
       __m256i ab = _mm256_packus_epi32(rne8(products8(q + k, vs)), rne8(products8(q + k + 8, vs)));
@@ -78,16 +71,7 @@ static void row_avx2(const uint8_t *q, float s, uint16_t *out, int N, int K, int
     }
   for (; k + 8 <= k1; k += 8)
     store8(out + at(ISA_AVX2, N, K, n, k) - base, round8(products8(q + k, vs)));
-  for (; k < k1; k++) out[at(ISA_AVX2, N, K, n, k) - base] = one(q[k], s120);
-}
-
-#define AVX512BF16_FP8 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-/* 16 codes as fp32 values times the block's scale (the products, before rounding). */
-static inline AVX512 __m512 products16(const uint8_t *q, __m512 vs) {
-  __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
-  __m512i bits = _mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(FP8_MASK));
-  return _mm512_mul_ps(_mm512_castsi512_ps(bits), vs);
+  for (; k < k1; k++) out[at(ISA_AVX2, N, K, n, k) - base] = afd_fp8_weight(q[k], s120);
 }
 
 /* The same on the AVX-512 paths, 16 at a time where a run of 16 starts (contiguous in row-major
@@ -96,26 +80,43 @@ static inline AVX512 __m512 products16(const uint8_t *q, __m512 vs) {
  * 32 at a time rounded by vcvtne2ps2bf16, which rounds those as to_bf16 does (it would flush a
  * subnormal product, which round16 keeps): a third of round16's instructions, and the
  * conversion is most of an FP8 matmul's work at a few rows of x. */
-static AVX512BF16_FP8 void row_512(const uint8_t *q, float s, uint16_t *out, int isa, int N,
+static AFD_AVX512BF16 void row_512(const uint8_t *q, float s, uint16_t *out, int isa, int N,
                                    int K, int n, int n0, int k0, int k1) {
   const float s120 = s * 0x1p120f;
   const __m512 vs = _mm512_set1_ps(s120);
   const size_t base = (size_t)n0 * K;
   int k = k0;
-  for (; k < k1 && k % 16; k++) out[at(isa, N, K, n, k) - base] = one(q[k], s120);
-  if (s >= 0x1p-117f && s <= 0x1p7f) { /* false for NaN */
+  for (; k < k1 && k % 16; k++) out[at(isa, N, K, n, k) - base] = afd_fp8_weight(q[k], s120);
+  if (afd_fp8_fast(s)) {
     if (k % 32 && k + 16 <= k1) {
-      store16(out + at(isa, N, K, n, k) - base, round16(products16(q + k, vs)));
+      store16(out + at(isa, N, K, n, k) - base, round16(afd_fp8_products16(q + k, vs)));
       k += 16;
     }
-    for (; k + 32 <= k1; k += 32) {
-      __m512bh h = _mm512_cvtne2ps_pbh(products16(q + k + 16, vs), products16(q + k, vs));
-      _mm512_storeu_si512((void *)(out + at(isa, N, K, n, k) - base), (__m512i)h);
-    }
+    for (; k + 32 <= k1; k += 32)
+      _mm512_storeu_si512((void *)(out + at(isa, N, K, n, k) - base),
+                          (__m512i)afd_fp8_weights32(q + k, vs, 1));
   }
   for (; k + 16 <= k1; k += 16)
-    store16(out + at(isa, N, K, n, k) - base, round16(products16(q + k, vs)));
-  for (; k < k1; k++) out[at(isa, N, K, n, k) - base] = one(q[k], s120);
+    store16(out + at(isa, N, K, n, k) - base, round16(afd_fp8_products16(q + k, vs)));
+  for (; k < k1; k++) out[at(isa, N, K, n, k) - base] = afd_fp8_weight(q[k], s120);
+}
+
+/* Row n's codes q (K and bk multiples of 32: no run of 32 crosses a block) into the scratch from
+ * dst, its runs of 32 values `step` apart (32 row-major, 512 in tiles): row_512's bits, with
+ * addresses counted up instead of computed per run (at one row of x, at() and the calls per
+ * block were most of the conversion's time). */
+static AFD_AVX512BF16 void row_512_runs(const uint8_t *q, const float *s, uint16_t *dst, int nk,
+                                        int bk, int K, size_t step) {
+  for (int b = 0; b < nk; b++) {
+    const int k1 = (b + 1) * bk < K ? (b + 1) * bk : K;
+    const __m512 vs = _mm512_set1_ps(s[b] * 0x1p120f); /* fp32, as the torch path's */
+    if (afd_fp8_fast(s[b]))
+      for (int k = b * bk; k < k1; k += 32, dst += step)
+        _mm512_storeu_si512((void *)dst, (__m512i)afd_fp8_weights32(q + k, vs, 1));
+    else
+      for (int k = b * bk; k < k1; k += 32, dst += step)
+        _mm512_storeu_si512((void *)dst, (__m512i)afd_fp8_weights32(q + k, vs, 0));
+  }
 }
 
 /* Rows n0..n1 of W into the scratch, each K-block with its own scale; the codes of the rows a
@@ -131,6 +132,12 @@ static void convert(const uint8_t *q, const float *s, uint16_t *out, int isa, in
     if (n + CHUNK < pf_end)
       for (int o = 0; o < K; o += 64)
         _mm_prefetch((const char *)(qn + (size_t)CHUNK * K + o), _MM_HINT_T1);
+    if (isa != ISA_AVX2 && K % 32 == 0 && bk % 32 == 0) {
+      const size_t step = isa == ISA_AMX && afd_amx_tiled(N, K) ? 512 : 32;
+      row_512_runs(qn, s + (size_t)n * nk, out + at(isa, N, K, n, 0) - (size_t)n0 * K, nk, bk, K,
+                   step);
+      continue;
+    }
     for (int b = 0; b < nk; b++) {
       const float sb = s[(size_t)n * nk + b];
       const int k0 = b * bk, k1 = k0 + bk < K ? k0 + bk : K;
@@ -149,6 +156,11 @@ static void convert(const uint8_t *q, const float *s, uint16_t *out, int isa, in
 void afd_fp8_rows(const uint16_t *x, const float *xf, const uint16_t *xp, const uint8_t *q,
                   const float *s, int bk, uint16_t *y, int M, int N, int K, int n0, int n1, int isa,
                   uint16_t *scratch, float *wt) {
+  /* decode on the AVX-512 BF16 path: converted in registers (fp8_stream.c), gemm512.c's bits */
+  if (isa == ISA_AVX512 && M <= STREAM_MAX_M && K % 32 == 0 && bk % 32 == 0) {
+    afd_fp8_stream_rows(x, q, s, bk, y, M, N, K, n0, n1);
+    return;
+  }
   /* fetching ahead into the next unit too: a thread's units come in runs (runs.h) */
   const int pf_end = n1 + CHUNK < N ? n1 + CHUNK : N;
   for (int c0 = n0; c0 < n1; c0 += CHUNK) {

@@ -6,6 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 /* weight rows converted and multiplied at a time: two AMX groups (amx.c's two-tile blocks) */
 #define AFD_FP8_CHUNK 32
 /* a thread's scratch for afd_fp8_rows at width K: a chunk's rows in bf16, then afd_rows' 4 K
@@ -13,8 +15,23 @@
 #define AFD_FP8_ROWS_BYTES(K) (((size_t)AFD_FP8_CHUNK * (K) * 2 + 63) / 64 * 64)
 #define AFD_FP8_SCRATCH(K) (AFD_FP8_ROWS_BYTES(K) + ((size_t)4 * (K) * 4 + 63) / 64 * 64)
 
+/* A code's bits at fp32's exponent and mantissa: the code sign-extended, shifted left by 20 and
+ * masked reads as an fp32 of its value times 2^-120 (subnormal codes as fp32 subnormals). */
+#define AFD_FP8_MASK ((int)0x87F00000u)
+
+/* One weight as BlockFP8.dequantize gives it: the code's value times its scale s, s120 = s *
+ * 2^120 in fp32, rounded once to bf16. */
+static inline uint16_t afd_fp8_weight(uint8_t code, float s120) {
+  union { int32_t i; float f; } v = {((int32_t)(int8_t)code << 20) & AFD_FP8_MASK};
+  return to_bf16(v.f * s120);
+}
+
 void afd_fp8_rows(const uint16_t *x, const float *xf, const uint16_t *xp, const uint8_t *q,
                   const float *s, int bk, uint16_t *y, int M, int N, int K, int n0, int n1, int isa,
                   uint16_t *scratch, float *wt);
+
+/* At most STREAM_MAX_M rows of x on an AVX-512 BF16 CPU: fp8_stream.c. */
+void afd_fp8_stream_rows(const uint16_t *x, const uint8_t *q, const float *s, int bk, uint16_t *y,
+                         int M, int N, int K, int n0, int n1);
 
 #endif

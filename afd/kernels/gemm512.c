@@ -25,6 +25,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "bf16_512.h"
 #include "runs.h"
 
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -47,16 +48,6 @@ static inline AVX512BF16 __m512bh ld32(const uint16_t *p) {
 
 static inline AVX512BF16 __m512bh ld_tail(const uint16_t *p, __mmask32 m) {
   return (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)p);
-}
-
-/* [sum(a0), sum(a1), sum(a2), sum(a3)]: halves added, then two rounds of pairwise sums. */
-static inline AVX512BF16 __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  __m256 b0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
-  __m256 b1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
-  __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
-  __m256 b3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
-  __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
-  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
 
 /* R rows of x from row m (R <= 6, a constant where inlined, so the 4 R accumulators stay in

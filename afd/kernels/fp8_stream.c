@@ -1,0 +1,96 @@
+/* A block-FP8 weight's rows against a few rows of x (at most STREAM_MAX_M: decode) on the
+ * AVX-512 BF16 path, each 32 codes converted in registers and multiplied there.
+ *
+ * At a few rows of x a matmul reads each weight once, so decode is a stream of weight bytes:
+ * FP8 is half of bf16's. fp8_gemm.c's chunks (convert 32 rows into scratch, then the path's
+ * matmul over it) write and read every weight a second time; here the codes go from memory to
+ * vdpbf16ps without a store between. (The AMX path keeps the chunks: its tiles' sums are
+ * another order than these, and an FP8 weight gives the dense weight's bits on every path.)
+ *
+ * The arithmetic is gemm512.c's stream_rows on the dense weight, step for step: each weight is
+ * BlockFP8.dequantize's bf16(fp32(q) * s) (fp8_gemm.c's conversion), lane l of step t sums the
+ * pairs 32 t + 2 l, 32 t + 2 l + 1, the lanes reduce in sum4's tree: the result is the
+ * avx512bf16 path's matmul on the dense weight, bit for bit. */
+#include "bf16.h"
+#include "fp8_512.h"
+
+/* how far ahead (codes, 4 KiB) a row of x or more fetch into L2: the next rows' codes */
+#define STREAM_AHEAD 4096
+/* weight rows side by side (stream_rows) */
+#define FP8_W 2
+
+/* Steps k0..k1 (multiples of 32, in one K-block) of W weight rows (codes qr[r], block scales
+ * vs[r]) against R rows of x from row m, into the accumulators a. */
+static inline __attribute__((always_inline)) AFD_AVX512BF16 void block_steps(
+    const uint16_t *x, const uint8_t *const *qr, const __m512 *vs, __m512 a[4][6], int W, int R,
+    int m, int K, int k0, int k1, int fast) {
+  for (int k = k0; k < k1; k += 32) {
+    __m512bh v[4];
+    for (int r = 0; r < W; r++) {
+      _mm_prefetch((const char *)(qr[r] + k + STREAM_AHEAD), _MM_HINT_T1);
+      v[r] = afd_fp8_weights32(qr[r] + k, vs[r], fast);
+    }
+    for (int i = 0; i < R; i++) {
+      __m512bh c = (__m512bh)_mm512_loadu_si512(x + (size_t)(m + i) * K + k);
+      for (int r = 0; r < W; r++) a[r][i] = _mm512_dpbf16_ps(a[r][i], c, v[r]);
+    }
+  }
+}
+
+/* Weight rows n..n+W-1 (codes q, scales s, nk a row) against R rows of x from row m (W <= 4,
+ * R <= 6, constants where inlined, so the W R accumulators stay in registers); K and the
+ * K-block bk multiples of 32, so that no step of 32 crosses a block's edge. Each output is one
+ * chain of vdpbf16ps, a step waiting on the one before; W rows side by side keep W chains in
+ * flight while the next codes are converted. */
+static inline __attribute__((always_inline)) AFD_AVX512BF16 void stream_rows(
+    const uint16_t *x, const uint8_t *q, const float *s, int nk, int bk, uint16_t *y, int W,
+    int R, int m, int N, int K, int n) {
+  __m512 a[4][6];
+  for (int r = 0; r < W; r++)
+    for (int i = 0; i < R; i++) a[r][i] = _mm512_setzero_ps();
+  const uint8_t *qr[4];
+  for (int r = 0; r < W; r++) qr[r] = q + (size_t)(n + r) * K;
+  for (int b = 0; b < nk; b++) {
+    const int k0 = b * bk, k1 = k0 + bk < K ? k0 + bk : K;
+    __m512 vs[4];
+    int fast = 1;
+    for (int r = 0; r < W; r++) {
+      const float sb = s[(size_t)(n + r) * nk + b];
+      vs[r] = _mm512_set1_ps(sb * 0x1p120f); /* fp32, as the torch path's */
+      fast &= afd_fp8_fast(sb);
+    }
+    if (fast)
+      block_steps(x, qr, vs, a, W, R, m, K, k0, k1, 1);
+    else
+      block_steps(x, qr, vs, a, W, R, m, K, k0, k1, 0);
+  }
+  const __m512 z = _mm512_setzero_ps();
+  for (int r = 0; r < W; r++)
+    for (int i = 0; i < R; i += 4) {
+      float t[4];
+      _mm_storeu_ps(t, sum4(a[r][i], i + 1 < R ? a[r][i + 1] : z, i + 2 < R ? a[r][i + 2] : z,
+                            i + 3 < R ? a[r][i + 3] : z));
+      for (int j = 0; j < 4 && i + j < R; j++) y[(size_t)(m + i + j) * N + n + r] = to_bf16(t[j]);
+    }
+}
+
+#define ROWS_OF_X(W)                                                                   \
+  switch (M) {                                                                         \
+    case 1: stream_rows(x, q, s, nk, bk, y, W, 1, 0, N, K, n); break;                  \
+    case 2: stream_rows(x, q, s, nk, bk, y, W, 2, 0, N, K, n); break;                  \
+    case 3: stream_rows(x, q, s, nk, bk, y, W, 3, 0, N, K, n); break;                  \
+    case 4: stream_rows(x, q, s, nk, bk, y, W, 4, 0, N, K, n); break;                  \
+    case 5: stream_rows(x, q, s, nk, bk, y, W, 5, 0, N, K, n); break;                  \
+    default: stream_rows(x, q, s, nk, bk, y, W, 6, 0, N, K, n); break;                 \
+  }
+
+/* Rows n0..n1 of the FP8 W (codes q [N, K], scales s [N, ceil(K / bk)]) against the M rows of
+ * x (M <= STREAM_MAX_M), into y [M, N]. The caller checks the CPU has AVX-512 BF16. */
+AFD_AVX512BF16 void afd_fp8_stream_rows(const uint16_t *x, const uint8_t *q, const float *s,
+                                        int bk, uint16_t *y, int M, int N, int K, int n0,
+                                        int n1) {
+  const int nk = (K + bk - 1) / bk;
+  int n = n0;
+  for (; n + FP8_W <= n1; n += FP8_W) ROWS_OF_X(FP8_W)
+  for (; n < n1; n++) ROWS_OF_X(1)
+}
