@@ -87,6 +87,20 @@ typedef struct {
   const uint16_t *s13, *s2;
   int64_t shared_inter;
   uint16_t *index_cache; /* a DSA layer's indexer keys [NB, bs, dim], or NULL */
+  /* block-FP8 weights, each with its K-block: the projections' codes and scales (w_qkv, w_q,
+   * w_o; NULL: bf16, above) and the routed experts' (per-expert arrays; NULL: w13, w2) */
+  const uint8_t *f8_qkv;
+  const float *f8_sqkv;
+  const uint8_t *f8_q;
+  const float *f8_sq;
+  const uint8_t *f8_o;
+  const float *f8_so;
+  int64_t attn_bk;
+  const uint8_t *const *f8_q13;
+  const float *const *f8_s13;
+  const uint8_t *const *f8_q2;
+  const float *const *f8_s2;
+  int64_t experts_bk;
 } afd_stack_layer;
 
 static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamps are its */
@@ -173,8 +187,8 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
                          w->v_cache, blocks, lens, T, H, qin, nh, kvh, D, NB, bs, nb, eps,
                          (float)w->scale, threads, isa, w->w_router, logits, E, topk, norm,
                          ids_l, weights_l, w->b_qkv, w->b_o, w->sinks, (int)w->window,
-                         w->router_bias, (int)w->route, NULL, NULL, NULL, NULL, NULL, NULL,
-                         0); /* bf16 weights: decode_stack.py takes no FP8 layer */
+                         w->router_bias, (int)w->route, w->f8_qkv, w->f8_sqkv, w->f8_q,
+                         w->f8_sq, w->f8_o, w->f8_so, (int)w->attn_bk);
     stamps[3 * l + 1] = wall_seconds();
     if (r != 0) {
       rc = r < 0 ? -1 : l;
@@ -192,8 +206,8 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
     } else {
       e = afd_bf16_moe_ext(x, ids_l, weights_l, topk, (int)w->first, w->w13, w->w2, y, T,
                            (int)w->experts, H, I, threads, (int)w->reverse, isa, w->b13, w->b2,
-                           (int)w->act, (float)w->limit, (float)w->alpha, NULL, NULL, NULL,
-                           NULL, 0); /* bf16 experts: decode_stack.py takes no FP8 ones */
+                           (int)w->act, (float)w->limit, (float)w->alpha, w->f8_q13, w->f8_s13,
+                           w->f8_q2, w->f8_s2, (int)w->experts_bk);
       w->reverse = !w->reverse;
     }
     if (!e && w->s13)

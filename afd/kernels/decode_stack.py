@@ -1,7 +1,8 @@
 """A decode step's layers in one native call (decode_stack.c): per layer the fused attention
 layer (decode_layer.py; DeepSeek's MLA: mla_layer.py), the fused experts (moe.py; MXFP4
 experts: mxfp4.py's FusedExperts), the shared expert where there is one (mlp.py) and the
-residual add, for a process that holds both sides of the model. The same calls with the
+residual add, for a process that holds both sides of the model. Block-FP8 projections and
+experts go in as their own calls take them (codes, scales, K-block). The same calls with the
 same roundings as the layer loop; what it saves is the Python around them."""
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ _POINTERS = (
 )  # fmt: skip
 
 
+# block-FP8 codes and scales: w_qkv's, w_q's, w_o's (decode_layer.py's order), then the
+# experts' per-expert arrays (moe.py's)
+_FP8_ATTENTION = ("f8_qkv", "f8_sqkv", "f8_q", "f8_sq", "f8_o", "f8_so")
+_FP8_EXPERTS = ("f8_q13", "f8_s13", "f8_q2", "f8_s2")
+
+
 class StackLayer(ctypes.Structure):
     """decode_stack.c's afd_stack_layer: the same fields in the same order."""
 
@@ -45,6 +52,10 @@ class StackLayer(ctypes.Structure):
         *((name, ctypes.c_void_p) for name in ("mla", "s13", "s2")),
         ("shared_inter", ctypes.c_int64),
         ("index_cache", ctypes.c_void_p),
+        *((name, ctypes.c_void_p) for name in _FP8_ATTENTION),
+        ("attn_bk", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in _FP8_EXPERTS),
+        ("experts_bk", ctypes.c_int64),
     ]
 
 
@@ -130,6 +141,9 @@ class NativeDecodeStack:
                     setattr(s, name, v)  # the weights: the pointers before the caches'
                 s.b_qkv, s.b_o, s.sinks, s.router_bias = p.attention._extra_ptrs
                 s.window, s.route = p.attention.window, p.attention.route
+                for name, v in zip(_FP8_ATTENTION, p.attention._fp8_ptrs, strict=True):
+                    setattr(s, name, v)
+                s.attn_bk = p.attention.block_k
             s.scale = p.scale
             if p.shared is not None:
                 s.s13, s.s2 = p.shared.w13.data_ptr(), p.shared.w2.data_ptr()
@@ -146,6 +160,9 @@ class NativeDecodeStack:
             else:
                 s.w13, s.w2 = _address(e._p13), _address(e._p2)
                 s.b13, s.b2 = _address(e._pb13), _address(e._pb2)
+                for name, ptrs in zip(_FP8_EXPERTS, e._fp8, strict=True):
+                    setattr(s, name, _address(ptrs))
+                s.experts_bk = e.block_k
             s.act, s.limit, s.alpha = _experts_act(e)
 
     @staticmethod
@@ -162,8 +179,6 @@ class NativeDecodeStack:
             if any(getattr(a, f) != getattr(a0, f) for f in same_attention):
                 return False
             if type(a) is not type(a0):  # one kind of attention: the call's sizes are its
-                return False
-            if getattr(a, "block_k", 0):  # block-FP8 projections: the stack passes bf16 ones
                 return False
             mla = isinstance(a, NativeMLALayer)
             for t in (p.k_cache,) if mla else (p.k_cache, p.v_cache):
@@ -184,8 +199,6 @@ class NativeDecodeStack:
             if a.topk <= 0 or a.experts == 0:
                 return False
             if (e.inter, e.hidden) != (e0.inter, e0.hidden) or e.hidden != a.hidden:
-                return False
-            if getattr(e, "block_k", 0):  # block-FP8 experts: moe.py's call, not the stack's
                 return False
             if _experts_isa(e) != a.isa:  # the call passes one instruction set to both
                 return False

@@ -333,7 +333,11 @@ def gpt_oss_mxfp4(src: Path, out: Path) -> tuple[Path, Path]:
 
 # Tensors a block-FP8 checkpoint keeps in high precision (as DeepSeek's do): embeddings, the LM
 # head, norms, routers and their biases.
-_NOT_FP8 = ("embed_tokens", "lm_head", "norm", "layernorm", "mlp.gate.", "bias")
+# kept as they are, as DeepSeek's checkpoints and `afd quantize` keep them (routers included:
+# Mixtral's too)
+_NOT_FP8 = (
+    "embed_tokens", "lm_head", "norm", "layernorm", "mlp.gate.", "block_sparse_moe.gate.", "bias",
+)  # fmt: skip
 
 
 def block_fp8_pair(src: Path, out: Path, block=(128, 128), e8m0=False) -> tuple[Path, Path]:

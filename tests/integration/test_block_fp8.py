@@ -51,27 +51,47 @@ def test_fp8_bf16_tokens_identical_on_every_kernel_path(pairs, kernel_path, tmp_
     assert got == afd_greedy(engine_cfg(dense, dtype="bfloat16", S=2))[0]
 
 
+def _stack_builds(monkeypatch) -> list:
+    """The decode stacks built from here on, as the block-FP8 fields each layer was given."""
+    from afd.kernels.decode_stack import NativeDecodeStack
+
+    built = []
+    real = NativeDecodeStack.__init__
+
+    def spy(stack, parts):
+        real(stack, parts)
+        built.append(
+            [(s.attn_bk, bool(s.f8_o), s.experts_bk, bool(s.f8_q13)) for s in stack._layers]
+        )
+
+    monkeypatch.setattr(NativeDecodeStack, "__init__", spy)
+    return built
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_fp8_gqa_in_native_calls_gives_the_dense_tokens(pairs, family, native_path):
-    """bf16 on afd's paths: the FP8 model's attention in the fused layer and its experts in
-    the fused call (the decode stack, which reads bf16 weights, left out), the dense twin
-    through the decode stack: the same tokens."""
+def test_fp8_gqa_in_native_calls_gives_the_dense_tokens(pairs, family, native_path, monkeypatch):
+    """bf16 on afd's paths: the FP8 model's steps in the decode stack (its projections in the
+    fused layer, its experts in the fused call, codes and scales passed through), the dense
+    twin's too: the same tokens."""
     fp8, dense = pairs[family]
     model = AttentionModel(ModelConfig.from_hf(fp8), torch.bfloat16, progress=False)
     assert all(lw.fused is not None and lw.fused.block_k for lw in model.layers)
+    built = _stack_builds(monkeypatch)
     got = afd_greedy(engine_cfg(fp8, dtype="bfloat16"))[0]
+    bk = BLOCK[1]
+    assert built and all(layers == [(bk, True, bk, True)] * len(layers) for layers in built)
+    built.clear()
     assert got == afd_greedy(engine_cfg(dense, dtype="bfloat16"))[0]
+    assert built and all(layers == [(0, False, 0, False)] * len(layers) for layers in built)
 
 
-def test_fp8_attention_with_bf16_experts_keeps_off_the_decode_stack(pairs, tmp_path):
+def test_fp8_attention_with_bf16_experts_in_the_decode_stack(pairs, tmp_path, monkeypatch):
     """FP8 projections with bf16 experts (a checkpoint that leaves its experts unquantized):
-    the decode stack, which passes bf16 attention weights, is not built; the tokens are the
-    dense twin's."""
+    the decode stack passes the projections' codes and the experts' bf16 weights; the tokens
+    are the dense twin's."""
     import shutil
 
     from safetensors.torch import save_file
-
-    from afd.kernels.decode_stack import NativeDecodeStack
 
     fp8, dense = pairs["qwen3_moe"]
     mixed = tmp_path / "mixed"
@@ -86,15 +106,9 @@ def test_fp8_attention_with_bf16_experts_keeps_off_the_decode_stack(pairs, tmp_p
         else:
             tensors[k] = dense_t[k].to(torch.bfloat16)
     save_file(tensors, str(mixed / "model.safetensors"))
-    built = []
-    real = NativeDecodeStack.__init__
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(NativeDecodeStack, "__init__", lambda s, *a: built.append(1) or real(s, *a))
-    try:
-        got = afd_greedy(engine_cfg(mixed, dtype="bfloat16"))[0]
-    finally:
-        monkeypatch.undo()
-    assert not built
+    built = _stack_builds(monkeypatch)
+    got = afd_greedy(engine_cfg(mixed, dtype="bfloat16"))[0]
+    assert built and all(layers == [(BLOCK[1], True, 0, False)] * len(layers) for layers in built)
     assert got == afd_greedy(engine_cfg(dense, dtype="bfloat16"))[0]
 
 
