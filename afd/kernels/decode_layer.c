@@ -25,16 +25,13 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8_gemm.h"
 
 /* A matmul on the instruction set (and weight layout) the caller chose. */
 #define GEMM(x, w, y, M, N, K) afd_gemm_isa(x, w, y, M, N, K, threads, isa)
 /* The same for a weight that may be block-FP8 (codes qc and scales sc, or NULL: bf16 w),
  * converted for that matmul as it goes (fp8_gemm.c). */
-int afd_fp8_gemm(const uint16_t *x, const uint8_t *q, const float *s, uint16_t *y, int M, int N,
-                 int K, int bk, int isa, int threads);
-#define GEMM_W(x, w, qc, sc, y, M, N, K)                                                      \
-  ((qc) ? afd_fp8_gemm(x, qc, sc, y, M, N, K, bk, isa, threads)                               \
-        : afd_gemm_isa(x, w, y, M, N, K, threads, isa))
+#define GEMM_W(x, w, qc, sc, y, M, N, K) afd_gemm_w(x, w, qc, sc, bk, y, M, N, K, threads, isa)
 
 /* topk.c: torch.topk's pick among equal scores, once checked against this process's torch */
 extern int afd_topk_trusted;

@@ -37,7 +37,7 @@ def cpu_bf16(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu") for t in tensors)
 
 
-def _fp8_block(*ws) -> int | None:
+def fp8_block(*ws) -> int | None:
     """The K-block width of the block-FP8 weights among ws (0: none; None: two widths, or
     codes off the CPU)."""
     fp8 = [w for w in ws if isinstance(w, BlockFP8)]
@@ -77,7 +77,7 @@ class NativeDecodeLayer:
         ]
         self._ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else None for t in self.tensors]
         # FP8 projections: codes and scales for w_qkv, w_q, w_o (None: bf16, in _ptrs)
-        self.block_k = _fp8_block(dw.w_qkv, dw.w_q, w_o) or 0
+        self.block_k = fp8_block(dw.w_qkv, dw.w_q, w_o) or 0
         self._fp8_ptrs = [
             getattr(w, f).data_ptr() if isinstance(w, BlockFP8) else None
             for w in (dw.w_qkv, dw.w_q, w_o)
@@ -117,7 +117,7 @@ class NativeDecodeLayer:
             and num_heads % num_kv_heads == 0
             and (dw.w_q is not None or dw.q_in == num_heads * head_dim)
             and cpu_bf16(*dense)
-            and _fp8_block(*tensors) is not None
+            and fp8_block(*tensors) is not None
         )
 
     def __call__(

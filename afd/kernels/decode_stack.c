@@ -50,9 +50,10 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
                   const uint16_t *const *bias13, const uint8_t *const *b2,
                   const uint8_t *const *s2, const uint16_t *const *bias2, uint16_t *out, int T,
                   int E, int H, int I, int act, float limit, float alpha, int threads, int isa);
-int afd_bf16_mlp_add(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, uint16_t *out,
-                     int T, int H, int I, int act, float limit, float alpha, int threads,
-                     int isa);
+int afd_bf16_mlp_add_ext(const uint16_t *x, const uint16_t *w13, const uint16_t *w2,
+                         uint16_t *out, int T, int H, int I, int act, float limit, float alpha,
+                         int threads, int isa, const uint8_t *q13, const float *s13,
+                         const uint8_t *q2, const float *s2, int bk);
 
 /* One layer's weights and cache (afd/kernels/decode_stack.py: StackLayer, the same fields in
  * the same order). `reverse` is the experts' visiting order, flipped here after each call (as
@@ -101,6 +102,12 @@ typedef struct {
   const uint8_t *const *f8_q2;
   const float *const *f8_s2;
   int64_t experts_bk;
+  /* the shared expert's (or dense layer's MLP's) block-FP8 w13, w2 (NULL: bf16 s13, s2) */
+  const uint8_t *f8_sh13;
+  const float *f8_ssh13;
+  const uint8_t *f8_sh2;
+  const float *f8_ssh2;
+  int64_t shared_bk;
 } afd_stack_layer;
 
 static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamps are its */
@@ -210,9 +217,10 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
                            w->f8_q2, w->f8_s2, (int)w->experts_bk);
       w->reverse = !w->reverse;
     }
-    if (!e && w->s13)
-      e = afd_bf16_mlp_add(x, w->s13, w->s2, y, T, H, (int)w->shared_inter, (int)w->act,
-                           (float)w->limit, (float)w->alpha, threads, isa);
+    if (!e && (w->s13 || w->f8_sh13))
+      e = afd_bf16_mlp_add_ext(x, w->s13, w->s2, y, T, H, (int)w->shared_inter, (int)w->act,
+                               (float)w->limit, (float)w->alpha, threads, isa, w->f8_sh13,
+                               w->f8_ssh13, w->f8_sh2, w->f8_ssh2, (int)w->shared_bk);
     if (e) {
       rc = -2;
       break;

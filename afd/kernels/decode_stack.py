@@ -32,6 +32,7 @@ _POINTERS = (
 # experts' per-expert arrays (moe.py's)
 _FP8_ATTENTION = ("f8_qkv", "f8_sqkv", "f8_q", "f8_sq", "f8_o", "f8_so")
 _FP8_EXPERTS = ("f8_q13", "f8_s13", "f8_q2", "f8_s2")
+_FP8_SHARED = ("f8_sh13", "f8_ssh13", "f8_sh2", "f8_ssh2")  # mlp.py's order
 
 
 class StackLayer(ctypes.Structure):
@@ -56,6 +57,8 @@ class StackLayer(ctypes.Structure):
         ("attn_bk", ctypes.c_int64),
         *((name, ctypes.c_void_p) for name in _FP8_EXPERTS),
         ("experts_bk", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in _FP8_SHARED),
+        ("shared_bk", ctypes.c_int64),
     ]
 
 
@@ -146,8 +149,10 @@ class NativeDecodeStack:
                 s.attn_bk = p.attention.block_k
             s.scale = p.scale
             if p.shared is not None:
-                s.s13, s.s2 = p.shared.w13.data_ptr(), p.shared.w2.data_ptr()
-                s.shared_inter = p.shared.inter
+                s.s13, s.s2 = p.shared.ptrs
+                for name, v in zip(_FP8_SHARED, p.shared.fp8_ptrs, strict=True):
+                    setattr(s, name, v)
+                s.shared_inter, s.shared_bk = p.shared.inter, p.shared.block_k
             e = p.experts
             if e is None:  # a dense layer: its MLP's activation
                 s.experts, s.first = 0, 0

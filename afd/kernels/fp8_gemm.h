@@ -30,6 +30,19 @@ void afd_fp8_rows(const uint16_t *x, const float *xf, const uint16_t *xp, const 
                   const float *s, int bk, uint16_t *y, int M, int N, int K, int n0, int n1, int isa,
                   uint16_t *scratch, float *wt);
 
+/* y [M, N] = x [M, K] @ W^T for a block-FP8 W (fp8_gemm.c); 0, or -1 (bad sizes, memory). */
+int afd_fp8_gemm(const uint16_t *x, const uint8_t *q, const float *s, uint16_t *y, int M, int N,
+                 int K, int bk, int isa, int threads);
+
+/* A fused call's matmul on a weight that is bf16 (w, laid out for isa) or block-FP8 (codes q,
+ * scales s, K-blocks of bk; w unused), as the per-op path's Linear multiplies either. */
+static inline int afd_gemm_w(const uint16_t *x, const uint16_t *w, const uint8_t *q,
+                             const float *s, int bk, uint16_t *y, int M, int N, int K,
+                             int threads, int isa) {
+  return q ? afd_fp8_gemm(x, q, s, y, M, N, K, bk, isa, threads)
+           : afd_gemm_isa(x, w, y, M, N, K, threads, isa);
+}
+
 /* At most STREAM_MAX_M rows of x on an AVX-512 BF16 CPU: fp8_stream.c. */
 void afd_fp8_stream_rows(const uint16_t *x, const uint8_t *q, const float *s, int bk, uint16_t *y,
                          int M, int N, int K, int n0, int n1);

@@ -82,6 +82,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.afd_bf16_mla_decode_layer.restype = i
     lib.afd_bf16_mlp_add.argtypes = [p, p, p, p, i, i, i, i, f, f, i, i]
     lib.afd_bf16_mlp_add.restype = i
+    lib.afd_bf16_mlp_add_ext.argtypes = lib.afd_bf16_mlp_add.argtypes + [p, p, p, p, i]
+    lib.afd_bf16_mlp_add_ext.restype = i
     lib.afd_bf16_decode_layer.argtypes = [p] * 19 + [i] * 9 + [f, f, i, i, p, p, i, i, i, p, p]
     lib.afd_bf16_decode_layer.restype = i
     # gpt-oss's additions, then block-FP8 projections' codes and scales and their block

@@ -19,12 +19,16 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8_gemm.h"
 #include "mla_layer.h"
 
 int afd_route_rows(const uint16_t *logits, const float *bias, int T, int E, int k, int route,
                    int norm, int G, int kg, float scaling, int32_t *ids, float *w);
 
 #define GEMM(x, w, y, M, N, K) afd_gemm_isa(x, w, y, M, N, K, threads, isa)
+/* a projection that may be block-FP8 (its codes f8_<name>, scales f8_s<name> in L) */
+#define GEMM_W(x, name, y, M, N, K)                                                           \
+  afd_gemm_w(x, L->w_##name, L->f8_##name, L->f8_s##name, (int)L->bk, y, M, N, K, threads, isa)
 
 /* h [T, H] in; h_out, x_out [T, H] out. cos, sin [P, dr]; pos, slots [T]; cache [NB, bs, r + dr]
  * (the layer's one latent head); index_cache [NB, bs, ix->dim] where ix (else unused); blocks
@@ -44,7 +48,7 @@ int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_
   const int q_in = qr ? qr : nh * hd, A = q_in + r + dr;
   const float eps = (float)L->eps, leps = (float)L->latent_eps;
   if (T <= 0 || H % 8 || r % 8 || dn % 8 || dv % 8 || dr % 16 || q_in % 8) return -1;
-  if (qr && !(L->q_a_norm && L->w_qb)) return -1;
+  if (qr && !(L->q_a_norm && (L->w_qb || L->f8_qb))) return -1;
   uint16_t *xn = (uint16_t *)afd_alloc64((size_t)T * H * 2);
   uint16_t *a = (uint16_t *)afd_alloc64((size_t)T * A * 2);
   uint16_t *ql = qr ? (uint16_t *)afd_alloc64((size_t)T * qr * 2) : NULL;
@@ -60,7 +64,7 @@ int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_
   if (!xn || !a || (qr && (!ql || !qb)) || !qa || !att || !o) goto done;
   if (L->ix && (!table || !counts || !qr || !index_cache)) goto done;
   if (afd_bf16_rms_norm(h, H, 0, L->attn_norm, xn, T, 1, H, eps, threads, isa)) goto done;
-  if (GEMM(xn, L->w_a, a, T, A, H)) goto done;
+  if (GEMM_W(xn, a, a, T, A, H)) goto done;
   /* this step's cache rows: the normed latent, then the rotary key */
   for (int t = 0; t < T; t++) {
     uint16_t *row = cache + (size_t)slots[t] * D;
@@ -73,7 +77,7 @@ int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_
   long qs = A;
   if (qr) {
     if (afd_bf16_rms_norm(a, A, 0, L->q_a_norm, ql, T, 1, qr, leps, threads, isa)) goto done;
-    if (GEMM(ql, L->w_qb, qb, T, nh * hd, qr)) goto done;
+    if (GEMM_W(ql, qb, qb, T, nh * hd, qr)) goto done;
     q = qb, qs = (long)nh * hd;
   }
   if (afd_bf16_rope_heads(q + dn, qs, hd, qa + r, (long)nh * D, D, T, nh, dr, cos, sin, pos,
@@ -94,7 +98,7 @@ int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_
   if (afd_bf16_head_matmul(att, (long)nh * r, r, L->w_uv, o, (long)nh * dv, dv, T, nh, dv, r,
                            threads, isa))
     goto done;
-  if (GEMM(o, L->w_o, xn, T, H, nh * dv)) goto done; /* xn reused: o_proj out */
+  if (GEMM_W(o, o, xn, T, H, nh * dv)) goto done; /* xn reused: o_proj out */
   for (size_t i = 0; i < (size_t)T * H; i += 8) /* bf16 + bf16, rounded once, as torch adds */
     store8(h_out + i, round8(_mm256_add_ps(load_bf16(h + i), load_bf16(xn + i))));
   rc = afd_bf16_rms_norm(h_out, H, 0, L->ffn_norm, x_out, T, 1, H, eps, threads, isa);

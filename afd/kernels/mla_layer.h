@@ -7,7 +7,8 @@
 #include "indexer.h"
 
 /* mla_layer.py's MLALayer: the same fields in the same order. Matmul weights laid out for the
- * call's isa; w_uk [nh, r, dn] and w_uv [nh, dv, r] head by head (heads.c). */
+ * call's isa, or block-FP8 (w_a, w_qb, w_o); w_uk [nh, r, dn] and w_uv [nh, dv, r] head by head
+ * (heads.c). */
 typedef struct {
   const uint16_t *attn_norm, *ffn_norm; /* [H] */
   const uint16_t *w_a;                  /* [q_in + r + dr, H] */
@@ -23,6 +24,14 @@ typedef struct {
   int64_t topk, norm, route, groups, topk_groups; /* topk 0: the caller routes */
   double eps, latent_eps; /* the model's, and the latent norms' own */
   double scaling;         /* on the routing weights */
+  /* block-FP8 w_a, w_qb, w_o: codes and scales (NULL: bf16, above), K-blocks of bk */
+  const uint8_t *f8_a;
+  const float *f8_sa;
+  const uint8_t *f8_qb;
+  const float *f8_sqb;
+  const uint8_t *f8_o;
+  const float *f8_so;
+  int64_t bk;
 } afd_mla_layer;
 
 int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_t *h_out,

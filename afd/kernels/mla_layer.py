@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm
 from afd.kernels import topk as topk_ties
-from afd.kernels.decode_layer import Routing, cpu_bf16
+from afd.kernels.decode_layer import Routing, cpu_bf16, fp8_block
 from afd.kernels.heads import HeadMatmul
 from afd.kernels.indexer import Indexer, IndexerWeights
 
@@ -24,6 +25,8 @@ _SIZES = (
     "H", "qr", "nh", "dn", "dr", "r", "dv", "E", "topk", "norm", "route", "groups",
     "topk_groups",
 )  # fmt: skip
+# block-FP8 w_a, w_qb, w_o: each one's codes, then its scales
+_FP8 = ("f8_a", "f8_sa", "f8_qb", "f8_sqb", "f8_o", "f8_so")
 # the router kinds the call computes (decode_layer.c: afd_route_rows), moe_router's names
 ROUTES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_group_topk": 2}
 
@@ -35,6 +38,8 @@ class MLALayer(ctypes.Structure):
         [(name, ctypes.c_void_p) for name in _POINTERS]
         + [(name, ctypes.c_int64) for name in _SIZES]
         + [("eps", ctypes.c_double), ("latent_eps", ctypes.c_double), ("scaling", ctypes.c_double)]
+        + [(name, ctypes.c_void_p) for name in _FP8]
+        + [("bk", ctypes.c_int64)]
     )
 
 
@@ -43,9 +48,10 @@ class MLAWeights:
     """What the MLA kind contributes to the fused layer (AttentionKind.decode_weights); the
     matmul weights laid out for one path's kernels."""
 
-    w_a: torch.Tensor  # [q_in + r + dr, H]: the query's input (rank qr, or nh (dn + dr)) | kv
+    w_a: torch.Tensor | BlockFP8  # [q_in + r + dr, H]: the query's input (rank qr, or nh (dn +
+    # dr)) | kv; block-FP8 (w_qb and w_o too): converted for the path's matmul as it goes
     q_a_norm: torch.Tensor | None  # [qr], None without a query rank
-    w_qb: torch.Tensor | None  # [nh (dn + dr), qr]
+    w_qb: torch.Tensor | BlockFP8 | None  # [nh (dn + dr), qr]
     kv_a_norm: torch.Tensor  # [r]
     uk: HeadMatmul  # W_UK per head, [r, dn]: q_nope -> latent space
     uv: HeadMatmul  # W_UV per head, [dv, r]: latent -> value
@@ -65,7 +71,7 @@ class NativeMLALayer:
         attn_norm: torch.Tensor,  # [H]
         ffn_norm: torch.Tensor,  # [H]
         mw: MLAWeights,
-        w_o: torch.Tensor,  # [H, nh dv], laid out for mw.isa
+        w_o: torch.Tensor | BlockFP8,  # [H, nh dv], laid out for mw.isa
         eps: float,
         w_router: torch.Tensor | None = None,  # [E, H] laid out for mw.isa: a bias-free router
         topk: int = 0,  # > 0: route too, as the router kind `route` (ROUTES)
@@ -102,25 +108,34 @@ class NativeMLALayer:
         self._keep = (
             *norms, mw.w_a, q_a_norm, mw.w_qb, mw.uk, mw.uv, w_o, w_router, bias, mw.indexer, ix,
         )  # fmt: skip
-        ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        ptr = lambda t: t.data_ptr() if isinstance(t, torch.Tensor) else None  # noqa: E731
+        self.block_k = fp8_block(mw.w_a, mw.w_qb, w_o) or 0
+        fp8 = [
+            ptr(getattr(w, f)) if isinstance(w, BlockFP8) else None
+            for w in (mw.w_a, mw.w_qb, w_o)
+            for f in ("q", "scale")
+        ]
         self.layer = MLALayer(
             ptr(norms[0]), ptr(norms[1]), ptr(mw.w_a), ptr(q_a_norm), ptr(mw.w_qb),
             ptr(norms[2]), mw.uk.w.data_ptr(), mw.uv.w.data_ptr(), ptr(w_o), ptr(w_router),
             ptr(bias), ctypes.addressof(ix) if ix is not None else None, H, mw.qr, nh, dn,
             mw.rope_dim, r, dv, self.experts, self.topk, int(norm_topk), ROUTES[route], groups,
-            topk_groups, eps, mw.latent_eps, scaling,
+            topk_groups, eps, mw.latent_eps, scaling, *fp8, self.block_k,
         )  # fmt: skip
 
     @staticmethod
-    def usable(hidden: int, mw: MLAWeights, *ws: torch.Tensor) -> bool:
-        """The kernels' sizes (mla_layer.c) and bf16 weights on the CPU."""
-        tensors = (mw.w_a, mw.q_a_norm, mw.w_qb, mw.kv_a_norm, *ws)
+    def usable(hidden: int, mw: MLAWeights, *ws: torch.Tensor | BlockFP8) -> bool:
+        """The kernels' sizes (mla_layer.c) and bf16 weights on the CPU; w_a, w_qb and w_o
+        (the last of ws) may be block-FP8 of one K-block."""
+        projections = (mw.w_a, mw.w_qb, ws[-1])
+        others = (mw.q_a_norm, mw.kv_a_norm, *ws[:-1])
         q_in = mw.qr or mw.uk.heads * (mw.uk.k + mw.rope_dim)
         ix = mw.indexer
         if ix is not None:  # indexer.c's sizes: the query latent it reads, its keys' width
             if not (mw.qr and ix.dim % 8 == 0 and mw.rope_dim <= ix.dim <= 256 and ix.topk > 0):
                 return False
-            tensors += (ix.w_q, ix.w_k, ix.k_norm, ix.k_bias)
+            others += (ix.w_q, ix.w_k, ix.k_norm, ix.k_bias)
+        dense = [t for t in projections if not isinstance(t, BlockFP8)]
         return (
             gemm.available()
             and hidden % 8 == 0
@@ -128,7 +143,9 @@ class NativeMLALayer:
             and q_in % 8 == 0
             and mw.uv.n % 8 == 0
             and (mw.qr == 0) == (mw.w_qb is None)
-            and cpu_bf16(*tensors)
+            and not any(isinstance(t, BlockFP8) for t in others)
+            and cpu_bf16(*others, *dense)
+            and fp8_block(*projections) is not None
         )
 
     def __call__(

@@ -111,12 +111,13 @@ class AttentionModel:
         kernel (latent_heads) and every matmul runs on the same path as o_proj."""
         c, o = self.cfg, lw.o_proj
         most = latent_heads()
-        if o.isa != mw.isa or o.bias is not None or (most is not None and c.num_heads > most):
+        isa = o.kernel_path  # (block-FP8 projections: the call converts them for it)
+        if isa != mw.isa or o.bias is not None or (most is not None and c.num_heads > most):
             return None
         if not NativeMLALayer.usable(c.hidden_size, mw, lw.attn_norm, lw.ffn_norm, o.w):
             return None
         r = lw.router  # its matmul joins the call where it runs on the same kernel and rule
-        same = r is not None and (r.isa, r.onednn_from) == (o.isa, o.onednn_from)
+        same = r is not None and (r.isa, r.onednn_from) == (isa, o.onednn_from)
         w_router = r.w if same and r.bias is None and r.w.dtype == torch.bfloat16 else None
         bias = lw.router_bias  # the router kinds the call computes join it too
         joins = c.router in MLA_ROUTES and (c.router != "softmax_topk" or bias is None)

@@ -26,10 +26,11 @@ class MLPWeights:
     def __post_init__(self):
         w13, w2, spec = self.w13, self.w2, native_spec(self.act)
         biased = w13.bias is not None or w2.bias is not None
-        if spec is None or biased or w13.isa is None or w13.isa != w2.isa:
+        isa = w13.kernel_path  # (block-FP8 weights: the call converts them for it)
+        if spec is None or biased or isa is None or isa != w2.kernel_path:
             return
         if NativeMLP.usable(w13.w, w2.w):
-            object.__setattr__(self, "native", NativeMLP(w13.w, w2.w, w13.isa, spec))
+            object.__setattr__(self, "native", NativeMLP(w13.w, w2.w, isa, spec))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return mlp(x, self.w13, self.w2, self.act)

@@ -20,7 +20,12 @@ from afd.ops import Linear
 from afd.sharding import ExpertShard
 from services.attention.model import AttentionModel
 from services.ffn.engine import FFNEngine
-from tests.helpers.checkpoints import REFERENCE_CHECKPOINTS, block_fp8_pair
+from tests.helpers.checkpoints import (
+    MLA_FUSED_DIMS,
+    REFERENCE_CHECKPOINTS,
+    block_fp8_pair,
+    deepseek_v3,
+)
 from tests.integration.test_engine_reference import afd_greedy, engine_cfg
 
 FAMILIES = ["deepseek_v3", "qwen3_moe", "mixtral"]
@@ -35,6 +40,10 @@ def pairs(tmp_path_factory):
         base = tmp_path_factory.mktemp(f"fp8-{family}")
         src = REFERENCE_CHECKPOINTS[family](base / "src")
         out[family] = block_fp8_pair(src, base, BLOCK)
+    # DeepSeek in sizes MLA's fused layer takes (the reference checkpoint's rotary width is not)
+    base = tmp_path_factory.mktemp("fp8-deepseek-fused")
+    src = deepseek_v3(base / "src", **MLA_FUSED_DIMS)
+    out["deepseek_v3_fused"] = block_fp8_pair(src, base, BLOCK)
     return out
 
 
@@ -52,7 +61,9 @@ def test_fp8_bf16_tokens_identical_on_every_kernel_path(pairs, kernel_path, tmp_
 
 
 def _stack_builds(monkeypatch) -> list:
-    """The decode stacks built from here on, as the block-FP8 fields each layer was given."""
+    """The decode stacks built from here on: per layer the K-block its attention, routed
+    experts and shared expert (or dense MLP) were given in the call's structs (0: bf16; None:
+    the layer has none)."""
     from afd.kernels.decode_stack import NativeDecodeStack
 
     built = []
@@ -60,29 +71,37 @@ def _stack_builds(monkeypatch) -> list:
 
     def spy(stack, parts):
         real(stack, parts)
-        built.append(
-            [(s.attn_bk, bool(s.f8_o), s.experts_bk, bool(s.f8_q13)) for s in stack._layers]
-        )
+        rows = []
+        for s, p in zip(stack._layers, parts, strict=True):
+            attn = p.attention.layer.bk if s.mla else s.attn_bk
+            assert attn == p.attention.block_k
+            experts = s.experts_bk if p.experts is not None else None
+            rows.append((attn, experts, s.shared_bk if p.shared is not None else None))
+        built.append(rows)
 
     monkeypatch.setattr(NativeDecodeStack, "__init__", spy)
     return built
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_fp8_gqa_in_native_calls_gives_the_dense_tokens(pairs, family, native_path, monkeypatch):
+def _blocks(built: list) -> set:
+    return {bk for layers in built for row in layers for bk in row if bk is not None}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3_fused"])
+def test_fp8_in_native_calls_gives_the_dense_tokens(pairs, family, native_path, monkeypatch):
     """bf16 on afd's paths: the FP8 model's steps in the decode stack (its projections in the
-    fused layer, its experts in the fused call, codes and scales passed through), the dense
-    twin's too: the same tokens."""
+    fused layer, GQA's or MLA's, its experts in the fused call, DeepSeek's shared expert and
+    dense MLP in theirs: codes and scales passed through), the dense twin's too: the same
+    tokens."""
     fp8, dense = pairs[family]
     model = AttentionModel(ModelConfig.from_hf(fp8), torch.bfloat16, progress=False)
     assert all(lw.fused is not None and lw.fused.block_k for lw in model.layers)
     built = _stack_builds(monkeypatch)
     got = afd_greedy(engine_cfg(fp8, dtype="bfloat16"))[0]
-    bk = BLOCK[1]
-    assert built and all(layers == [(bk, True, bk, True)] * len(layers) for layers in built)
+    assert built and _blocks(built) == {BLOCK[1]}
     built.clear()
     assert got == afd_greedy(engine_cfg(dense, dtype="bfloat16"))[0]
-    assert built and all(layers == [(0, False, 0, False)] * len(layers) for layers in built)
+    assert built and _blocks(built) == {0}
 
 
 def test_fp8_attention_with_bf16_experts_in_the_decode_stack(pairs, tmp_path, monkeypatch):
@@ -108,7 +127,8 @@ def test_fp8_attention_with_bf16_experts_in_the_decode_stack(pairs, tmp_path, mo
     save_file(tensors, str(mixed / "model.safetensors"))
     built = _stack_builds(monkeypatch)
     got = afd_greedy(engine_cfg(mixed, dtype="bfloat16"))[0]
-    assert built and all(layers == [(BLOCK[1], True, 0, False)] * len(layers) for layers in built)
+    # qwen3_moe's dense layer keeps its FP8 MLP
+    assert built and all(a == BLOCK[1] and e in (0, None) for layers in built for a, e, _ in layers)
     assert got == afd_greedy(engine_cfg(dense, dtype="bfloat16"))[0]
 
 

@@ -178,10 +178,13 @@ def test_a_tie_across_the_top_k_cut_is_torchs_choice(native_path, tie_routing, c
         assert torch.equal(w, want_w)  # torch's own choice
 
 
-@pytest.mark.parametrize("ckpt", ["qwen3_dir", "mixtral_dir", "step3_dir"])
+@pytest.mark.parametrize(
+    "ckpt", ["qwen3_dir", "mixtral_dir", "step3_dir", "deepseek_dir", "deepseek_full_q_dir"]
+)
 def test_fused_layer_on_block_fp8_weights_is_the_per_op_path(native_path, ckpt, request, tmp_path):
-    """Block-FP8 projections (w_qkv, MFA's w_q, w_o) in the fused call: converted for its
-    matmuls as the per-op path's Linear converts them (fp8_gemm.c), the same bits."""
+    """Block-FP8 projections (w_qkv, MFA's w_q, w_o; MLA's w_a, w_qb, w_o) in the fused call:
+    converted for its matmuls as the per-op path's Linear converts them (fp8_gemm.c), the same
+    bits."""
     from afd.blockfp8 import BlockFP8
     from tests.helpers.checkpoints import block_fp8_pair
 

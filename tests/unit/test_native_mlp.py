@@ -41,6 +41,32 @@ def test_the_mlp_is_added_into_out(native_path, T, clamped):
     assert native_spec(act) is not None
 
 
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_block_fp8_weights_give_the_dense_weights_bits(native_path, T):
+    """A block-FP8 shared expert in the native call: each matmul converted for the path as it
+    goes (fp8_gemm.c), the bits of the same call on the dequantized weights."""
+    from afd.blockfp8 import BlockFP8, quantize_blocks
+
+    g = torch.Generator().manual_seed(T)
+    H, inter = 64, 96
+
+    def fp8(n: int, k: int) -> BlockFP8:
+        w = torch.randn(n, k, generator=g)
+        return BlockFP8.from_checkpoint(*quantize_blocks(w, (128, 32)), (128, 32))
+
+    w13, w2 = fp8(2 * inter, H), fp8(H, inter)
+    weights = MLPWeights(Linear(w13), Linear(w2), swiglu)
+    assert weights.native is not None and weights.native.block_k == 32
+    dense = MLPWeights(*(Linear(w.dequantize(torch.bfloat16)) for w in (w13, w2)), swiglu)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    before = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    got, want = before.clone(), before.clone()
+    weights.add_into(x, got)
+    dense.add_into(x, want)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(got, before)
+
+
 def test_biases_or_other_activations_keep_the_torch_mlp(native_path):
     w13 = torch.randn(64, 32).to(torch.bfloat16)
     w2 = torch.randn(32, 32).to(torch.bfloat16)

@@ -94,12 +94,13 @@ class MLA(AttentionKind):
 
     def decode_weights(self) -> MLAWeights | None:
         """The fused layer's weights (afd/kernels/mla_layer.c) where every matmul of the
-        absorbed form runs on one path of afd's kernels, else None."""
-        isa = self.w_a.isa
+        absorbed form runs on one path of afd's kernels (block-FP8 projections converted for
+        it), else None."""
+        isa = self.w_a.kernel_path
         if self.uk is None or self.uv is None or isa is None or self.uk.isa_name != isa:
             return None
         linears = (self.w_a,) if self.w_qb is None else (self.w_a, self.w_qb)
-        if any(lin.isa != isa or lin.bias is not None for lin in linears):
+        if any(lin.kernel_path != isa or lin.bias is not None for lin in linears):
             return None
         return MLAWeights(
             w_a=self.w_a.w, q_a_norm=self.q_a_norm, kv_a_norm=self.kv_a_norm,
