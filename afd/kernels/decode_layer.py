@@ -78,6 +78,7 @@ class NativeDecodeLayer:
         self._ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else None for t in self.tensors]
         # FP8 projections: codes and scales for w_qkv, w_q, w_o (None: bf16, in _ptrs)
         self.block_k = fp8_block(dw.w_qkv, dw.w_q, w_o) or 0
+        self.fp8_weights = (dw.w_qkv, dw.w_q, w_o)  # the decode stack passes their codes too
         self._fp8_ptrs = [
             getattr(w, f).data_ptr() if isinstance(w, BlockFP8) else None
             for w in (dw.w_qkv, dw.w_q, w_o)

@@ -88,25 +88,16 @@ typedef struct {
   const uint16_t *s13, *s2;
   int64_t shared_inter;
   uint16_t *index_cache; /* a DSA layer's indexer keys [NB, bs, dim], or NULL */
-  /* block-FP8 weights, each with its K-block: the projections' codes and scales (w_qkv, w_q,
-   * w_o; NULL: bf16, above) and the routed experts' (per-expert arrays; NULL: w13, w2) */
-  const uint8_t *f8_qkv;
-  const float *f8_sqkv;
-  const uint8_t *f8_q;
-  const float *f8_sq;
-  const uint8_t *f8_o;
-  const float *f8_so;
+  /* block-FP8 weights, each with its K-block: the projections (w_qkv, w_q, w_o; q NULL: bf16,
+   * above), the routed experts' codes and scales (per-expert arrays; NULL: w13, w2) */
+  afd_fp8_ref f8_qkv, f8_q, f8_o;
   int64_t attn_bk;
   const uint8_t *const *f8_q13;
   const float *const *f8_s13;
   const uint8_t *const *f8_q2;
   const float *const *f8_s2;
   int64_t experts_bk;
-  /* the shared expert's (or dense layer's MLP's) block-FP8 w13, w2 (NULL: bf16 s13, s2) */
-  const uint8_t *f8_sh13;
-  const float *f8_ssh13;
-  const uint8_t *f8_sh2;
-  const float *f8_ssh2;
+  afd_fp8_ref f8_sh13, f8_sh2; /* the shared expert's (or dense MLP's) w13, w2 (bf16: s13, s2) */
   int64_t shared_bk;
 } afd_stack_layer;
 
@@ -194,8 +185,8 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
                          w->v_cache, blocks, lens, T, H, qin, nh, kvh, D, NB, bs, nb, eps,
                          (float)w->scale, threads, isa, w->w_router, logits, E, topk, norm,
                          ids_l, weights_l, w->b_qkv, w->b_o, w->sinks, (int)w->window,
-                         w->router_bias, (int)w->route, w->f8_qkv, w->f8_sqkv, w->f8_q,
-                         w->f8_sq, w->f8_o, w->f8_so, (int)w->attn_bk);
+                         w->router_bias, (int)w->route, w->f8_qkv.q, w->f8_qkv.s, w->f8_q.q,
+                         w->f8_q.s, w->f8_o.q, w->f8_o.s, (int)w->attn_bk);
     stamps[3 * l + 1] = wall_seconds();
     if (r != 0) {
       rc = r < 0 ? -1 : l;
@@ -217,10 +208,10 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
                            w->f8_q2, w->f8_s2, (int)w->experts_bk);
       w->reverse = !w->reverse;
     }
-    if (!e && (w->s13 || w->f8_sh13))
+    if (!e && (w->s13 || w->f8_sh13.q))
       e = afd_bf16_mlp_add_ext(x, w->s13, w->s2, y, T, H, (int)w->shared_inter, (int)w->act,
-                               (float)w->limit, (float)w->alpha, threads, isa, w->f8_sh13,
-                               w->f8_ssh13, w->f8_sh2, w->f8_ssh2, (int)w->shared_bk);
+                               (float)w->limit, (float)w->alpha, threads, isa, w->f8_sh13.q,
+                               w->f8_sh13.s, w->f8_sh2.q, w->f8_sh2.s, (int)w->shared_bk);
     if (e) {
       rc = -2;
       break;

@@ -15,6 +15,7 @@ import torch
 
 from afd.kernels import gemm
 from afd.kernels.decode_layer import NativeDecodeLayer
+from afd.kernels.fp8_gemm import FP8Ref
 from afd.kernels.mla_layer import NativeMLALayer
 from afd.kernels.mlp import NativeMLP
 from afd.kernels.moe import ACTS, NativeExperts
@@ -28,11 +29,11 @@ _POINTERS = (
 )  # fmt: skip
 
 
-# block-FP8 codes and scales: w_qkv's, w_q's, w_o's (decode_layer.py's order), then the
-# experts' per-expert arrays (moe.py's)
-_FP8_ATTENTION = ("f8_qkv", "f8_sqkv", "f8_q", "f8_sq", "f8_o", "f8_so")
+# block-FP8 weights: the projections (decode_layer.py's w_qkv, w_q, w_o), the experts' codes
+# and scales as per-expert arrays (moe.py's order), the shared expert's w13, w2
+_FP8_ATTENTION = ("f8_qkv", "f8_q", "f8_o")
 _FP8_EXPERTS = ("f8_q13", "f8_s13", "f8_q2", "f8_s2")
-_FP8_SHARED = ("f8_sh13", "f8_ssh13", "f8_sh2", "f8_ssh2")  # mlp.py's order
+_FP8_SHARED = ("f8_sh13", "f8_sh2")
 
 
 class StackLayer(ctypes.Structure):
@@ -53,11 +54,11 @@ class StackLayer(ctypes.Structure):
         *((name, ctypes.c_void_p) for name in ("mla", "s13", "s2")),
         ("shared_inter", ctypes.c_int64),
         ("index_cache", ctypes.c_void_p),
-        *((name, ctypes.c_void_p) for name in _FP8_ATTENTION),
+        *((name, FP8Ref) for name in _FP8_ATTENTION),
         ("attn_bk", ctypes.c_int64),
         *((name, ctypes.c_void_p) for name in _FP8_EXPERTS),
         ("experts_bk", ctypes.c_int64),
-        *((name, ctypes.c_void_p) for name in _FP8_SHARED),
+        *((name, FP8Ref) for name in _FP8_SHARED),
         ("shared_bk", ctypes.c_int64),
     ]
 
@@ -144,14 +145,14 @@ class NativeDecodeStack:
                     setattr(s, name, v)  # the weights: the pointers before the caches'
                 s.b_qkv, s.b_o, s.sinks, s.router_bias = p.attention._extra_ptrs
                 s.window, s.route = p.attention.window, p.attention.route
-                for name, v in zip(_FP8_ATTENTION, p.attention._fp8_ptrs, strict=True):
-                    setattr(s, name, v)
+                for name, w in zip(_FP8_ATTENTION, p.attention.fp8_weights, strict=True):
+                    setattr(s, name, FP8Ref.of(w))
                 s.attn_bk = p.attention.block_k
             s.scale = p.scale
             if p.shared is not None:
                 s.s13, s.s2 = p.shared.ptrs
-                for name, v in zip(_FP8_SHARED, p.shared.fp8_ptrs, strict=True):
-                    setattr(s, name, v)
+                for name, w in zip(_FP8_SHARED, (p.shared.w13, p.shared.w2), strict=True):
+                    setattr(s, name, FP8Ref.of(w))
                 s.shared_inter, s.shared_bk = p.shared.inter, p.shared.block_k
             e = p.experts
             if e is None:  # a dense layer: its MLP's activation

@@ -34,6 +34,13 @@ void afd_fp8_rows(const uint16_t *x, const float *xf, const uint16_t *xp, const 
 int afd_fp8_gemm(const uint16_t *x, const uint8_t *q, const float *s, uint16_t *y, int M, int N,
                  int K, int bk, int isa, int threads);
 
+/* A block-FP8 weight's codes and scales as the fused calls' structs hold it (q NULL: the weight
+ * is bf16, held beside it). */
+typedef struct {
+  const uint8_t *q;
+  const float *s;
+} afd_fp8_ref;
+
 /* A fused call's matmul on a weight that is bf16 (w, laid out for isa) or block-FP8 (codes q,
  * scales s, K-blocks of bk; w unused), as the per-op path's Linear multiplies either. */
 static inline int afd_gemm_w(const uint16_t *x, const uint16_t *w, const uint8_t *q,

@@ -5,10 +5,26 @@ bf16 numbers, so the result is the dense weight's on the same path, bit for bit.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm
+
+
+class FP8Ref(ctypes.Structure):
+    """fp8_gemm.h's afd_fp8_ref: a block-FP8 weight's codes and scales in a fused call's struct
+    (q None: the weight is bf16)."""
+
+    _fields_ = [("q", ctypes.c_void_p), ("s", ctypes.c_void_p)]
+
+    @staticmethod
+    def of(w) -> FP8Ref:
+        """w's codes and scales where it is block-FP8, else NULLs."""
+        if isinstance(w, BlockFP8):
+            return FP8Ref(w.q.data_ptr(), w.scale.data_ptr())
+        return FP8Ref(None, None)
 
 
 def usable(x: torch.Tensor, w: BlockFP8, isa: str) -> bool:

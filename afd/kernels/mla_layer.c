@@ -19,16 +19,16 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "fp8_gemm.h"
 #include "mla_layer.h"
 
 int afd_route_rows(const uint16_t *logits, const float *bias, int T, int E, int k, int route,
                    int norm, int G, int kg, float scaling, int32_t *ids, float *w);
 
 #define GEMM(x, w, y, M, N, K) afd_gemm_isa(x, w, y, M, N, K, threads, isa)
-/* a projection that may be block-FP8 (its codes f8_<name>, scales f8_s<name> in L) */
+/* a projection that may be block-FP8 (L->f8_<name>) */
 #define GEMM_W(x, name, y, M, N, K)                                                           \
-  afd_gemm_w(x, L->w_##name, L->f8_##name, L->f8_s##name, (int)L->bk, y, M, N, K, threads, isa)
+  afd_gemm_w(x, L->w_##name, L->f8_##name.q, L->f8_##name.s, (int)L->bk, y, M, N, K, threads, \
+             isa)
 
 /* h [T, H] in; h_out, x_out [T, H] out. cos, sin [P, dr]; pos, slots [T]; cache [NB, bs, r + dr]
  * (the layer's one latent head); index_cache [NB, bs, ix->dim] where ix (else unused); blocks
@@ -48,7 +48,7 @@ int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_
   const int q_in = qr ? qr : nh * hd, A = q_in + r + dr;
   const float eps = (float)L->eps, leps = (float)L->latent_eps;
   if (T <= 0 || H % 8 || r % 8 || dn % 8 || dv % 8 || dr % 16 || q_in % 8) return -1;
-  if (qr && !(L->q_a_norm && (L->w_qb || L->f8_qb))) return -1;
+  if (qr && !(L->q_a_norm && (L->w_qb || L->f8_qb.q))) return -1;
   uint16_t *xn = (uint16_t *)afd_alloc64((size_t)T * H * 2);
   uint16_t *a = (uint16_t *)afd_alloc64((size_t)T * A * 2);
   uint16_t *ql = qr ? (uint16_t *)afd_alloc64((size_t)T * qr * 2) : NULL;

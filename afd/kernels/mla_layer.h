@@ -4,6 +4,7 @@
 #define AFD_MLA_LAYER_H
 #include <stdint.h>
 
+#include "fp8_gemm.h"
 #include "indexer.h"
 
 /* mla_layer.py's MLALayer: the same fields in the same order. Matmul weights laid out for the
@@ -24,14 +25,8 @@ typedef struct {
   int64_t topk, norm, route, groups, topk_groups; /* topk 0: the caller routes */
   double eps, latent_eps; /* the model's, and the latent norms' own */
   double scaling;         /* on the routing weights */
-  /* block-FP8 w_a, w_qb, w_o: codes and scales (NULL: bf16, above), K-blocks of bk */
-  const uint8_t *f8_a;
-  const float *f8_sa;
-  const uint8_t *f8_qb;
-  const float *f8_sqb;
-  const uint8_t *f8_o;
-  const float *f8_so;
-  int64_t bk;
+  afd_fp8_ref f8_a, f8_qb, f8_o; /* block-FP8 w_a, w_qb, w_o (q NULL: bf16, above) */
+  int64_t bk;                     /* their K-block */
 } afd_mla_layer;
 
 int afd_bf16_mla_decode_layer(const afd_mla_layer *L, const uint16_t *h, uint16_t *h_out,

@@ -14,6 +14,7 @@ from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm
 from afd.kernels import topk as topk_ties
 from afd.kernels.decode_layer import Routing, cpu_bf16, fp8_block
+from afd.kernels.fp8_gemm import FP8Ref
 from afd.kernels.heads import HeadMatmul
 from afd.kernels.indexer import Indexer, IndexerWeights
 
@@ -25,8 +26,6 @@ _SIZES = (
     "H", "qr", "nh", "dn", "dr", "r", "dv", "E", "topk", "norm", "route", "groups",
     "topk_groups",
 )  # fmt: skip
-# block-FP8 w_a, w_qb, w_o: each one's codes, then its scales
-_FP8 = ("f8_a", "f8_sa", "f8_qb", "f8_sqb", "f8_o", "f8_so")
 # the router kinds the call computes (decode_layer.c: afd_route_rows), moe_router's names
 ROUTES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_group_topk": 2}
 
@@ -38,7 +37,7 @@ class MLALayer(ctypes.Structure):
         [(name, ctypes.c_void_p) for name in _POINTERS]
         + [(name, ctypes.c_int64) for name in _SIZES]
         + [("eps", ctypes.c_double), ("latent_eps", ctypes.c_double), ("scaling", ctypes.c_double)]
-        + [(name, ctypes.c_void_p) for name in _FP8]
+        + [(name, FP8Ref) for name in ("f8_a", "f8_qb", "f8_o")]
         + [("bk", ctypes.c_int64)]
     )
 
@@ -110,11 +109,7 @@ class NativeMLALayer:
         )  # fmt: skip
         ptr = lambda t: t.data_ptr() if isinstance(t, torch.Tensor) else None  # noqa: E731
         self.block_k = fp8_block(mw.w_a, mw.w_qb, w_o) or 0
-        fp8 = [
-            ptr(getattr(w, f)) if isinstance(w, BlockFP8) else None
-            for w in (mw.w_a, mw.w_qb, w_o)
-            for f in ("q", "scale")
-        ]
+        fp8 = [FP8Ref.of(w) for w in (mw.w_a, mw.w_qb, w_o)]
         self.layer = MLALayer(
             ptr(norms[0]), ptr(norms[1]), ptr(mw.w_a), ptr(q_a_norm), ptr(mw.w_qb),
             ptr(norms[2]), mw.uk.w.data_ptr(), mw.uv.w.data_ptr(), ptr(w_o), ptr(w_router),
