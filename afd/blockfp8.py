@@ -135,6 +135,19 @@ def dense(w: torch.Tensor | BlockFP8 | MXFP4, dtype: torch.dtype) -> torch.Tenso
     return w.to(dtype) if isinstance(w, torch.Tensor) else w.dequantize(dtype)
 
 
+# canonical names that stay in high precision: read whole, or where 8 bits cost too much
+_KEEP = ("embed", "lm_head", "final_norm")
+
+
+def covers(name: str, t: torch.Tensor) -> bool:
+    """Whether a tensor (by its canonical name) is a matmul weight that block-FP8 quantizes:
+    attention projections, experts, shared experts and dense MLPs; not embeddings, the LM head,
+    norms or routers (as DeepSeek's checkpoints keep them)."""
+    if t.dim() not in (2, 3) or name in _KEEP:
+        return False
+    return not name.endswith((".router", ".router_bias", "norm"))
+
+
 def quantize_blocks(
     w: torch.Tensor, block: tuple[int, int] = (128, 128)
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from afd.blockfp8 import BlockFP8, dense, take_rows
+from afd.blockfp8 import BlockFP8, covers, dense, quantize_blocks, take_rows
 from afd.config import ModelConfig
 from afd.errors import CheckpointError
 from afd.families import family
@@ -220,6 +220,9 @@ def _convert(
         except ValueError as e:
             raise CheckpointError(f"tensor {ent.key!r}: {e}") from e
         # kept FP8 (dequantized run by run in each matmul) unless read as a whole
+        return dense(w, dtype) if name.endswith(_DENSE) else w
+    if cfg.quantize_on_load and covers(name, t):  # the numbers `afd quantize` would write
+        w = BlockFP8.from_checkpoint(*quantize_blocks(t, cfg.weight_block), cfg.weight_block)
         return dense(w, dtype) if name.endswith(_DENSE) else w
     if name.endswith(_FLOAT32):
         return t.float()

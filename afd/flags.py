@@ -160,13 +160,29 @@ def add_model_flag(group: Group) -> None:
     )
 
 
-def model_config(model: str | None) -> ModelConfig:
-    """The model a `--model` names; without one, the embedded demo model (built on first use)."""
+def model_config(model: str | None, quantization: str | None = None) -> ModelConfig:
+    """The model a `--model` names; without one, the embedded demo model (built on first use);
+    with its weights quantized as they load where `--quantization` asks."""
     if model:
-        return ModelConfig.from_hf(model)
+        return ModelConfig.from_hf(model).with_quantization(quantization)
     from afd.demo import demo_model_dir
 
-    return ModelConfig.from_hf(demo_model_dir())
+    return ModelConfig.from_hf(demo_model_dir()).with_quantization(quantization)
+
+
+QUANTIZATION_FLAG = "--quantization"
+
+
+def add_quantization_flag(group: Group) -> argparse.Action:
+    """vLLM's `--quantization`, for a checkpoint whose matmul weights are 16 or 32 bits."""
+    return group.add_argument(
+        QUANTIZATION_FLAG,
+        choices=["fp8"],
+        default=None,
+        help="quantize the checkpoint's matmul weights as they load: fp8 is block-FP8 (e4m3, a "
+        "scale per 128x128 block; embeddings, LM head, norms and routers stay as they are), "
+        "half the bytes of bf16; a block-FP8 checkpoint is taken as it is",
+    )
 
 
 def served_name(model: str | None) -> str:
@@ -194,6 +210,8 @@ def add_security_flags(p: argparse.ArgumentParser, curve: bool = True) -> None:
 
 
 EXPERT_FLAGS = ("--expert-compute", "--expert-workspace-mb")
+# the engine flags that FFN servers take too (afd serve passes them on)
+FFN_FLAGS = (*EXPERT_FLAGS, QUANTIZATION_FLAG)
 
 
 def add_expert_flags(group: Group) -> list[argparse.Action]:

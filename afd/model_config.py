@@ -10,7 +10,7 @@ as the kind names it fills (attention, router, ffn), so no service keys anything
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     # (rows, columns) of a block-FP8 checkpoint's scale blocks; None: weights are not FP8
     weight_block: tuple[int, int] | None = None
+    # the matmul weights quantized to block-FP8 in weight_block's blocks as they load, from a
+    # checkpoint that holds them in 16 or 32 bits (with_quantization: vLLM's --quantization)
+    quantize_on_load: bool = False
     mla: MLADims | None = None  # attention "mla" and "dsa" only
     indexer: IndexerDims | None = None  # attention "dsa" only
     rope_scaling: RopeScaling | None = None
@@ -192,6 +195,19 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def with_quantization(self, method: str | None) -> ModelConfig:
+        """This model with its matmul weights quantized as they load (`--quantization`, as
+        vLLM names it): "fp8" is block-FP8 in DeepSeek's 128x128 blocks (afd's FP8 kernels'
+        format; what `afd quantize --fp8-block` writes ahead of time). A block-FP8 checkpoint
+        stays as it is; None changes nothing."""
+        if method is None or self.weight_block is not None:
+            return self
+        check(
+            method == "fp8",
+            f"--quantization {method!r}: afd quantizes weights to fp8 only (block-FP8)",
+        )
+        return replace(self, weight_block=(128, 128), quantize_on_load=True)
 
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> ModelConfig:

@@ -33,7 +33,7 @@ from pathlib import Path
 from afd import hugepages
 from afd.config import CacheConfig, check, check_device
 from afd.errors import AfdError
-from afd.flags import EXPERT_FLAGS, field_default, served_name
+from afd.flags import FFN_FLAGS, field_default, served_name
 from afd_cli.procs import die_with_parent, free_port, pump_lines, signal_group
 
 log = logging.getLogger("afd.serve")
@@ -267,7 +267,7 @@ class Cluster:
         argv += ["--device", c.ffn_device or c.device]
         if not c.elastic_ffn:
             argv += ["--shard", f"{i}/{of}"]
-        argv += _expert_args(c.engine_args)
+        argv += _ffn_args(c.engine_args)
         # stopped last, once no attention server is left to send them anything
         argv += ["--drain-timeout", "0"]
         return _with_metrics_port(Child(f"ffn-{i}", argv, address=addr))
@@ -377,11 +377,12 @@ class Cluster:
                 c.proc.wait()
 
 
-def _expert_args(engine_args: tuple[str, ...]) -> list[str]:
-    """The engine flags that FFN servers take too: how they multiply MXFP4 experts."""
+def _ffn_args(engine_args: tuple[str, ...]) -> list[str]:
+    """The engine flags that FFN servers take too: how they multiply MXFP4 experts, and how
+    the weights are quantized as they load."""
     out = []
     for flag, value in zip(engine_args, engine_args[1:], strict=False):
-        if flag in EXPERT_FLAGS:
+        if flag in FFN_FLAGS:
             out += [flag, value]
     return out
 

@@ -24,13 +24,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from afd import mxfp4
-from afd.blockfp8 import quantize_blocks
+from afd.blockfp8 import covers, quantize_blocks
 from afd.checkpoint import bars, strip_prefix, tensor_files
 from afd.config import ModelConfig
 from afd.errors import ConfigError
 from afd.families import family
-
-_KEEP = ("embed", "lm_head", "final_norm")  # canonical names left in high precision
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -69,9 +67,7 @@ def _block(text: str) -> tuple[int, int]:
 def quantizes(cfg: ModelConfig, key: str, t: torch.Tensor) -> bool:
     """Whether a tensor is a matmul weight that the FP8 format covers."""
     name = family(cfg.model_type).weights.canonical(strip_prefix(key, cfg.weight_prefix))
-    if name is None or t.dim() not in (2, 3) or name in _KEEP:
-        return False
-    return not name.endswith((".router", ".router_bias", "norm"))
+    return name is not None and covers(name, t)
 
 
 def _canonical(cfg: ModelConfig, key: str) -> str | None:

@@ -204,6 +204,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "min_tokens decode a token a step",
         ),
         *flags.add_expert_flags(g),
+        flags.add_quantization_flag(g),
     ]
 
 
@@ -211,7 +212,7 @@ def engine_config(args: argparse.Namespace, **given) -> EngineConfig:
     return build(
         EngineConfig,
         args,
-        model=flags.model_config(args.model),
+        model=flags.model_config(args.model, args.quantization),
         cache=build(CacheConfig, args),
         scheduler=build(SchedulerConfig, args),
         experts=flags.experts(args),

@@ -50,13 +50,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "work to another replica at once instead of waiting out their FFN timeout), then exit 0",
     )
     flags.add_expert_flags(p.add_argument_group("MXFP4 experts"))
+    flags.add_quantization_flag(p)
     flags.add_side_port_flags(p)
     flags.add_security_flags(p)
     return p
 
 
 def config(args: argparse.Namespace) -> FFNServerConfig:
-    model = flags.model_config(args.model)
+    model = flags.model_config(args.model, args.quantization)
     return build(
         FFNServerConfig,
         args,

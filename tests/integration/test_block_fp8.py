@@ -212,5 +212,46 @@ def test_afd_quantize_writes_what_the_loader_keeps_in_fp8(pairs, tmp_path):
     assert afd_greedy(engine_cfg(mine, S=1))[0] == afd_greedy(engine_cfg(dense, S=1))[0]
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_quantization_fp8_on_load_is_afd_quantize_ahead_of_time(pairs, family, tmp_path):
+    """`--quantization fp8` (ModelConfig.with_quantization) on a bf16/fp32 checkpoint: both
+    services hold exactly the FP8 weights that `afd quantize --fp8-block` writes (128x128
+    blocks), so the tokens are the quantized checkpoint's."""
+    from afd.checkpoint import load_weights
+    from afd_cli.main import main
+
+    src = pairs[family][0].parent / "src"
+    ahead = tmp_path / "q"
+    assert main(["quantize", "--fp8-block", str(src), str(ahead)]) == 0
+    online, stored = ModelConfig.from_hf(src).with_quantization("fp8"), ModelConfig.from_hf(ahead)
+    assert online.quantize_on_load and online.weight_block == stored.weight_block == (128, 128)
+    fp8 = 0
+    for role in ("attention", "ffn"):
+        got, want = (
+            load_weights(online, role, torch.float32),
+            load_weights(stored, role, torch.float32),
+        )
+        assert got.keys() == want.keys()
+        for name, w in want.items():
+            assert type(got[name]) is type(w), name
+            if isinstance(w, BlockFP8):
+                fp8 += 1
+                assert torch.equal(got[name].q.view(torch.uint8), w.q.view(torch.uint8)), name
+                assert torch.equal(got[name].scale, w.scale), name
+            else:
+                assert torch.equal(got[name], w), name
+    assert fp8 > 0
+    cfg = replace(engine_cfg(src, S=1), model=online)
+    assert afd_greedy(cfg)[0] == afd_greedy(engine_cfg(ahead, S=1))[0]
+
+
+def test_quantization_other_than_fp8_is_refused_and_fp8_checkpoints_stay(pairs):
+    fp8, dense = pairs["qwen3_moe"]
+    stored = ModelConfig.from_hf(fp8)
+    assert stored.with_quantization("fp8") is stored  # already block-FP8, its own blocks
+    with pytest.raises(ConfigError, match="--quantization 'awq': afd quantizes weights to fp8"):
+        ModelConfig.from_hf(dense).with_quantization("awq")
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8 else t

@@ -134,9 +134,15 @@ def test_a_flag_given_at_its_default_is_passed_on():
     (child,) = [c for c in Cluster(config(args)).plan() if c.name == "attention-0"]
     assert child.argv[child.argv.index("--a2f-dtype") + 1] == "fp8"
     assert child.argv.count("--a2f-dtype") == 1
-    args = build_parser().parse_args(["serve", "--transport", "tcp", "--expert-compute", "direct"])
-    ffn = [c for c in Cluster(config(args)).plan() if c.name.startswith("ffn-")]
+    argv = ["serve", "--transport", "tcp", "--expert-compute", "direct", "--quantization", "fp8"]
+    plan = Cluster(config(build_parser().parse_args(argv))).plan()
+    ffn = [c for c in plan if c.name.startswith("ffn-")]
     assert ffn and all(c.argv[c.argv.index("--expert-compute") + 1] == "direct" for c in ffn)
+    # the weights quantized as they load in every server that holds some (vLLM's flag)
+    for c in plan:
+        assert ("--quantization" in c.argv) == (c.name != "gateway"), c.name
+        if c.name != "gateway":
+            assert c.argv[c.argv.index("--quantization") + 1] == "fp8"
 
 
 def test_an_elastic_pool_is_ffn_processes_that_hold_every_expert_read_from_a_file():
