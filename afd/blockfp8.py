@@ -142,10 +142,11 @@ _KEEP = ("embed", "lm_head", "final_norm")
 def covers(name: str, t: torch.Tensor) -> bool:
     """Whether a tensor (by its canonical name) is a matmul weight that block-FP8 quantizes:
     attention projections, experts, shared experts and dense MLPs; not embeddings, the LM head,
-    norms or routers (as DeepSeek's checkpoints keep them)."""
+    norms, routers or DSA's indexer head weights (as DeepSeek's checkpoints keep them)."""
     if t.dim() not in (2, 3) or name in _KEEP:
         return False
-    return not name.endswith((".router", ".router_bias", "norm"))
+    # DSA's indexer head weights too: a bf16 Linear beside its FP8 wq_b and wk in V3.2
+    return not name.endswith((".router", ".router_bias", "norm", ".index_weights"))
 
 
 def quantize_blocks(

@@ -11,6 +11,7 @@ import torch
 from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm, paths
 from afd.kernels import topk as topk_ties
+from afd.kernels.fp8_gemm import fp8_block
 
 Routing = tuple[torch.Tensor, torch.Tensor]  # expert ids [T, k] int32, weights [T, k] float32
 ROUTES = {"softmax_topk": 0, "topk_softmax": 1}  # the router kinds the call computes
@@ -35,15 +36,6 @@ class DecodeWeights:
 def cpu_bf16(*tensors: torch.Tensor | None) -> bool:
     """Every tensor given (None: absent) is bf16 on the CPU: what the fused calls read."""
     return all(t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu") for t in tensors)
-
-
-def fp8_block(*ws) -> int | None:
-    """The K-block width of the block-FP8 weights among ws (0: none; None: two widths, or
-    codes off the CPU)."""
-    fp8 = [w for w in ws if isinstance(w, BlockFP8)]
-    if any(w.q.device.type != "cpu" for w in fp8) or len({w.block_k for w in fp8}) > 1:
-        return None
-    return fp8[0].block_k if fp8 else 0
 
 
 class NativeDecodeLayer:

@@ -27,6 +27,15 @@ class FP8Ref(ctypes.Structure):
         return FP8Ref(None, None)
 
 
+def fp8_block(*ws) -> int | None:
+    """The K-block width of the block-FP8 weights among ws (0: none; None: two widths, or
+    codes off the CPU)."""
+    fp8 = [w for w in ws if isinstance(w, BlockFP8)]
+    if any(w.q.device.type != "cpu" for w in fp8) or len({w.block_k for w in fp8}) > 1:
+        return None
+    return fp8[0].block_k if fp8 else 0
+
+
 def usable(x: torch.Tensor, w: BlockFP8, isa: str) -> bool:
     """x bf16 on the CPU, w's codes there too, `isa` one of afd's matmul paths with its K."""
     return (

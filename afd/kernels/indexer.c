@@ -407,7 +407,10 @@ static int by_value(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-#define GEMM(x, w, y, M, N, K) afd_gemm_isa(x, w, y, M, N, K, threads, isa)
+/* the indexer's w_q or w_k, bf16 or block-FP8 (ix->f8_<name>) */
+#define GEMM_W(x, name, y, M, N, K)                                                           \
+  afd_gemm_w(x, ix->w_##name, ix->f8_##name.q, ix->f8_##name.s, (int)ix->bk, y, M, N, K,      \
+             threads, isa)
 
 int afd_bf16_layer_norm(const uint16_t *x, long sa, const uint16_t *w, const uint16_t *b,
                         uint16_t *y, int A, int D, float eps);
@@ -445,7 +448,7 @@ int afd_dsa_decode_select(const afd_indexer *ix, const uint16_t *xn, const uint1
     if (slots[t] < 0 || slots[t] >= rows || lens[t] < 1 || lens[t] > L) goto done;
     scored |= lens[t] > K;
   }
-  if (GEMM(xn, ix->w_k, kw, T, W, H)) goto done;
+  if (GEMM_W(xn, k, kw, T, W, H)) goto done;
   if (afd_bf16_layer_norm(kw, W, ix->k_norm, ix->k_bias, kn, T, Di, (float)ix->norm_eps))
     goto done;
   if (afd_bf16_rope_heads(kn, Di, Di, kn, Di, Di, T, 1, dr, cos, sin, pos, threads, isa))
@@ -453,7 +456,7 @@ int afd_dsa_decode_select(const afd_indexer *ix, const uint16_t *xn, const uint1
   for (int t = 0; t < T; t++)
     memcpy(index_cache + (size_t)slots[t] * Di, kn + (size_t)t * Di, (size_t)Di * 2);
   if (scored) {
-    if (GEMM(ql, ix->w_q, q, T, Q, qr)) goto done;
+    if (GEMM_W(ql, q, q, T, Q, qr)) goto done;
     if (afd_bf16_rope_heads(q, Q, Di, q, Q, Di, T, hI, dr, cos, sin, pos, threads, isa))
       goto done;
     const float wscale = (float)ix->weight_scale;

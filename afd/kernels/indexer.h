@@ -5,6 +5,8 @@
 #define AFD_INDEXER_H
 #include <stdint.h>
 
+#include "fp8_gemm.h"
+
 /* indexer.py's Indexer: the same fields in the same order. w_q and w_k laid out for the call's
  * isa, as ops.Linear lays them out for that path. */
 typedef struct {
@@ -15,6 +17,8 @@ typedef struct {
   double weight_scale; /* on the heads' weights (heads^-0.5) */
   double score_scale;  /* on each head's q . k (dim^-0.5) */
   double norm_eps;     /* the LayerNorm's */
+  afd_fp8_ref f8_q, f8_k; /* block-FP8 w_q, w_k (q NULL: bf16, above) */
+  int64_t bk;             /* their K-block */
 } afd_indexer;
 
 int afd_topk_positions(const float *scores, int n, int64_t L, int k, const int64_t *lens,

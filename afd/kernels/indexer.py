@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm, paths
+from afd.kernels.fp8_gemm import FP8Ref, fp8_block
 
 
 def usable(pool: torch.Tensor, q: torch.Tensor) -> bool:
@@ -90,8 +92,8 @@ class IndexerWeights:
     """What DSA adds to the fused MLA layer (dsa.py: decode_weights): the indexer's matmul
     weights laid out for the layer's path, its key's LayerNorm and sizes."""
 
-    w_q: torch.Tensor  # [heads * dim, qr]
-    w_k: torch.Tensor  # [dim + heads, H]: the key, then the heads' weights
+    w_q: torch.Tensor | BlockFP8  # [heads * dim, qr]; block-FP8 (w_k too): converted as it goes
+    w_k: torch.Tensor | BlockFP8  # [dim + heads, H]: the key, then the heads' weights
     k_norm: torch.Tensor  # [dim] bf16
     k_bias: torch.Tensor  # [dim] bf16
     heads: int
@@ -110,13 +112,18 @@ class Indexer(ctypes.Structure):
         ("weight_scale", ctypes.c_double),
         ("score_scale", ctypes.c_double),
         ("norm_eps", ctypes.c_double),
+        ("f8_q", FP8Ref),
+        ("f8_k", FP8Ref),
+        ("bk", ctypes.c_int64),
     ]
 
     @classmethod
     def of(cls, iw: IndexerWeights) -> Indexer:
         """The struct for iw (whose tensors the caller keeps referenced); the scales as
         dsa.py computes them, in double, cast to float by the call."""
+        ptr = lambda w: w.data_ptr() if isinstance(w, torch.Tensor) else None  # noqa: E731
         return cls(
-            iw.w_q.data_ptr(), iw.w_k.data_ptr(), iw.k_norm.data_ptr(), iw.k_bias.data_ptr(),
+            ptr(iw.w_q), ptr(iw.w_k), iw.k_norm.data_ptr(), iw.k_bias.data_ptr(),
             iw.heads, iw.dim, iw.topk, iw.heads**-0.5, iw.dim**-0.5, iw.norm_eps,
+            FP8Ref.of(iw.w_q), FP8Ref.of(iw.w_k), fp8_block(iw.w_q, iw.w_k) or 0,
         )  # fmt: skip

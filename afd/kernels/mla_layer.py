@@ -13,8 +13,8 @@ import torch
 from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm
 from afd.kernels import topk as topk_ties
-from afd.kernels.decode_layer import Routing, cpu_bf16, fp8_block
-from afd.kernels.fp8_gemm import FP8Ref
+from afd.kernels.decode_layer import Routing, cpu_bf16
+from afd.kernels.fp8_gemm import FP8Ref, fp8_block
 from afd.kernels.heads import HeadMatmul
 from afd.kernels.indexer import Indexer, IndexerWeights
 
@@ -120,8 +120,8 @@ class NativeMLALayer:
 
     @staticmethod
     def usable(hidden: int, mw: MLAWeights, *ws: torch.Tensor | BlockFP8) -> bool:
-        """The kernels' sizes (mla_layer.c) and bf16 weights on the CPU; w_a, w_qb and w_o
-        (the last of ws) may be block-FP8 of one K-block."""
+        """The kernels' sizes (mla_layer.c) and bf16 weights on the CPU; w_a, w_qb, w_o (the
+        last of ws) and DSA's indexer's w_q and w_k may be block-FP8 of one K-block."""
         projections = (mw.w_a, mw.w_qb, ws[-1])
         others = (mw.q_a_norm, mw.kv_a_norm, *ws[:-1])
         q_in = mw.qr or mw.uk.heads * (mw.uk.k + mw.rope_dim)
@@ -129,7 +129,8 @@ class NativeMLALayer:
         if ix is not None:  # indexer.c's sizes: the query latent it reads, its keys' width
             if not (mw.qr and ix.dim % 8 == 0 and mw.rope_dim <= ix.dim <= 256 and ix.topk > 0):
                 return False
-            others += (ix.w_q, ix.w_k, ix.k_norm, ix.k_bias)
+            projections += (ix.w_q, ix.w_k)  # (one K-block with the layer's, if FP8)
+            others += (ix.k_norm, ix.k_bias)
         dense = [t for t in projections if not isinstance(t, BlockFP8)]
         return (
             gemm.available()

@@ -25,6 +25,7 @@ from tests.helpers.checkpoints import (
     REFERENCE_CHECKPOINTS,
     block_fp8_pair,
     deepseek_v3,
+    deepseek_v32,
 )
 from tests.integration.test_engine_reference import afd_greedy, engine_cfg
 
@@ -40,10 +41,14 @@ def pairs(tmp_path_factory):
         base = tmp_path_factory.mktemp(f"fp8-{family}")
         src = REFERENCE_CHECKPOINTS[family](base / "src")
         out[family] = block_fp8_pair(src, base, BLOCK)
-    # DeepSeek in sizes MLA's fused layer takes (the reference checkpoint's rotary width is not)
+    # DeepSeek in sizes MLA's fused layer takes (the reference checkpoint's rotary width is
+    # not), and V3.2's sparse attention (8 rows kept a query) in the same sizes
     base = tmp_path_factory.mktemp("fp8-deepseek-fused")
     src = deepseek_v3(base / "src", **MLA_FUSED_DIMS)
     out["deepseek_v3_fused"] = block_fp8_pair(src, base, BLOCK)
+    base = tmp_path_factory.mktemp("fp8-dsa-fused")
+    src = deepseek_v32(base / "src", index_head_dim=32, **MLA_FUSED_DIMS)
+    out["deepseek_v32_fused"] = block_fp8_pair(src, base, BLOCK)
     return out
 
 
@@ -87,7 +92,9 @@ def _blocks(built: list) -> set:
     return {bk for layers in built for row in layers for bk in row if bk is not None}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3_fused"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "mixtral", "deepseek_v3_fused", "deepseek_v32_fused"]
+)
 def test_fp8_in_native_calls_gives_the_dense_tokens(pairs, family, native_path, monkeypatch):
     """bf16 on afd's paths: the FP8 model's steps in the decode stack (its projections in the
     fused layer, GQA's or MLA's, its experts in the fused call, DeepSeek's shared expert and

@@ -179,12 +179,13 @@ def test_a_tie_across_the_top_k_cut_is_torchs_choice(native_path, tie_routing, c
 
 
 @pytest.mark.parametrize(
-    "ckpt", ["qwen3_dir", "mixtral_dir", "step3_dir", "deepseek_dir", "deepseek_full_q_dir"]
+    "ckpt",
+    ["qwen3_dir", "mixtral_dir", "step3_dir", "deepseek_dir", "deepseek_full_q_dir", "dsa_dir"],
 )
 def test_fused_layer_on_block_fp8_weights_is_the_per_op_path(native_path, ckpt, request, tmp_path):
-    """Block-FP8 projections (w_qkv, MFA's w_q, w_o; MLA's w_a, w_qb, w_o) in the fused call:
-    converted for its matmuls as the per-op path's Linear converts them (fp8_gemm.c), the same
-    bits."""
+    """Block-FP8 projections (w_qkv, MFA's w_q, w_o; MLA's w_a, w_qb, w_o; DSA's indexer's
+    w_q, its w_k dense as V3.2 keeps its head weights) in the fused call: converted for its
+    matmuls as the per-op path's Linear converts them (fp8_gemm.c), the same bits."""
     from afd.blockfp8 import BlockFP8
     from tests.helpers.checkpoints import block_fp8_pair
 
@@ -193,4 +194,9 @@ def test_fused_layer_on_block_fp8_weights_is_the_per_op_path(native_path, ckpt, 
     model = AttentionModel(cfg, torch.bfloat16, progress=False)
     assert all(lw.fused is not None and lw.fused.block_k == 48 for lw in model.layers)
     assert all(isinstance(lw.o_proj.w, BlockFP8) for lw in model.layers)
+    if ckpt == "dsa_dir":  # the indexer's query FP8 in the call, its key and head weights dense
+        from afd.kernels.indexer import Indexer
+
+        ixs = [Indexer.from_address(lw.fused.layer.ix) for lw in model.layers]
+        assert all(ix.f8_q.q and not ix.f8_k.q and ix.w_k and ix.bk == 48 for ix in ixs)
     _fused_vs_per_op(cfg, model, torch.tensor([1, 17, 40, 33, 64]))

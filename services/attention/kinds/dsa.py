@@ -40,8 +40,8 @@ class DSA(MLA):
         rows (indexer.c) and attends over them, as index_query and sparse_attention do here,
         where the indexer's matmuls run on the layer's path too."""
         mw = super().decode_weights()
-        lins = (self.w_iq, self.w_ik)
-        if mw is None or any(lin.isa != mw.isa or lin.bias is not None for lin in lins):
+        lins = (self.w_iq, self.w_ik)  # (block-FP8: the call converts them for the path)
+        if mw is None or any(lin.kernel_path != mw.isa or lin.bias is not None for lin in lins):
             return None
         ix = self.ix
         iw = IndexerWeights(
