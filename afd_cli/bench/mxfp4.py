@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -50,11 +49,11 @@ def build_gpt_oss(path: Path, seed: int = 0) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from afd.config import CacheConfig, EngineConfig, ExpertConfig, ModelConfig, SchedulerConfig
+    from afd.config import ModelConfig
     from afd.kernels import paths
-    from afd_cli.bench.engine import _afd_time, _cpu, _decode_tps, _prompts, _read_bandwidth
+    from afd_cli.bench.engine import _cpu
+    from afd_cli.bench.variants import decode_table, engine_config
     from afd_cli.bench.weights import resident as ffn_resident
-    from afd_cli.local import local_engine
     from afd_cli.quantize import write
 
     torch.set_num_threads(args.threads)
@@ -76,52 +75,11 @@ def run(args: argparse.Namespace) -> dict:
             resident[name].append(ffn_resident("ffn", path, compute))
     res_med = {name: int(statistics.median(v)) for name, v in resident.items()}
 
-    def engine_cfg(path: Path, compute: str) -> EngineConfig:
-        return EngineConfig(
-            model=ModelConfig.from_hf(path),
-            dtype="bfloat16",
-            a2f_dtype="bf16",
-            threads=args.threads,
-            cache=CacheConfig(block_size=16, kv_cache_memory_gb=0.5),
-            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
-            experts=ExpertConfig(compute=compute, workspace_mb=args.workspace_mb),
-        )
-
-    results = []
-    # The BF16 experts' decode is bound by this box's read rate, which moves between runs
-    # (docs/benchmarks.md); each round records it, read from a buffer larger than any cache.
-    read_buf = torch.ones(128 << 20)
-    with ExitStack() as stack:
-        engines = {
-            name: stack.enter_context(local_engine(engine_cfg(p, c), 1, progress=False))
-            for name, (p, c) in variants.items()
-        }
-        for batch in args.batch:
-            prompts = _prompts(batch, args.prompt_len, vocab, batch)
-            sides = {
-                name: (lambda e: lambda p, n: _afd_time(e, p, n))(eng)
-                for name, eng in engines.items()
-            }
-            for fn in sides.values():
-                fn(prompts, 2)  # warm-up (and the workspace's first conversions)
-            runs: dict[str, list[float]] = {name: [] for name in sides}
-            reads: list[float] = []
-            for _ in range(args.repeat):
-                reads.append(_read_bandwidth(read_buf))
-                for name, fn in sides.items():
-                    runs[name].append(_decode_tps(fn, prompts, args.new_tokens))
-            med = {name: statistics.median(v) for name, v in runs.items()}
-            row = {
-                "batch": batch,
-                "tok_s": {name: round(v, 1) for name, v in med.items()},
-                "ratio_to_bf16": {
-                    name: round(med[name] / med["bf16"], 2) for name in med if name != "bf16"
-                },
-                "runs": {name: [round(v, 1) for v in r] for name, r in runs.items()},
-                "read_gb_s_runs": [round(v, 1) for v in reads],
-            }
-            results.append(row)
-            print(json.dumps(row), flush=True)
+    configs = {
+        name: engine_config(p, args.threads, c, args.workspace_mb)
+        for name, (p, c) in variants.items()
+    }
+    results = decode_table(configs, vocab, args)
     return {
         "benchmark": "mxfp4_experts",
         "model": str(bf16),

@@ -1,11 +1,15 @@
-"""`afd bench weights`: resident weight bytes of a block-FP8 checkpoint against its BF16 copy.
+"""`afd bench weights`: resident weight bytes of a block-FP8 checkpoint against its BF16 copy,
+and (`--decode-batch`) their decode throughput.
 
 For each service role (the attention side, one FFN shard holding every expert) and each copy,
 a fresh process loads what that service loads and reports how much its resident set grew
 (RSS after the load minus RSS before it, torch and afd already imported and the kernel path's
 start-up measurement done); copies alternate,
 `--repeat` times, medians reported with the FP8/BF16 ratio per role and in all. The FP8 copy is
-written by `afd quantize --fp8-block` from the BF16 checkpoint (cached).
+written by `afd quantize --fp8-block` from the BF16 checkpoint (cached); `fp8_on_load` is the
+BF16 checkpoint quantized as it loads (`--quantization fp8`). With `--decode-batch B ...`:
+in-process engines of the BF16 and the FP8 copy decode the same prompts in turn at each batch
+size (afd_cli/bench/variants.py), medians and the FP8/BF16 ratio.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-role, path, compute = sys.argv[1], sys.argv[2], sys.argv[3]
-cfg = ModelConfig.from_hf(path)
+role, path, compute, quantization = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+cfg = ModelConfig.from_hf(path).with_quantization(quantization or None)
 from afd.kernels import paths  # the kernel path and its start-up measurement: not weights
 paths.active()
 paths.onednn_from_rows(torch.get_num_threads())
@@ -53,11 +57,11 @@ print(rss() - before)
 """
 
 
-def resident(role: str, path: Path, compute: str = "auto") -> int:
+def resident(role: str, path: Path, compute: str = "auto", quantization: str = "") -> int:
     """Bytes the resident set of a fresh process grows by when it loads `role`'s weights
-    (`compute`: how an FFN shard multiplies MXFP4 experts)."""
+    (`compute`: how an FFN shard multiplies MXFP4 experts; `quantization`: as --quantization)."""
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, role, str(path), compute],
+        [sys.executable, "-c", _CHILD, role, str(path), compute, quantization],
         check=True,
         capture_output=True,
         text=True,
@@ -72,36 +76,48 @@ def run(args: argparse.Namespace) -> dict:
     fp8 = cache / f"{bf16.name}-fp8"
     if not (fp8 / "config.json").is_file():
         fp8_block(bf16, fp8, (128, 128), progress=False)
+    copies = {"bf16": (bf16, ""), "fp8": (fp8, ""), "fp8_on_load": (bf16, "fp8")}
     runs: dict[tuple[str, str], list[int]] = {}
     for _ in range(args.repeat):
         for role in ("attention", "ffn"):
-            for name, path in (("bf16", bf16), ("fp8", fp8)):
-                runs.setdefault((role, name), []).append(resident(role, path))
+            for name, (path, q) in copies.items():
+                runs.setdefault((role, name), []).append(resident(role, path, quantization=q))
     med = {key: int(statistics.median(v)) for key, v in runs.items()}
-    roles = {
-        role: {
-            "bf16_bytes": med[(role, "bf16")],
-            "fp8_bytes": med[(role, "fp8")],
-            "ratio": round(med[(role, "fp8")] / med[(role, "bf16")], 3),
+
+    def summary(bytes_of) -> dict:
+        b = {name: bytes_of(name) for name in copies}
+        return {
+            **{f"{name}_bytes": v for name, v in b.items()},
+            **{f"{name}_ratio": round(b[name] / b["bf16"], 3) for name in b if name != "bf16"},
         }
-        for role in ("attention", "ffn")
-    }
-    total_bf16 = sum(r["bf16_bytes"] for r in roles.values())
-    total_fp8 = sum(r["fp8_bytes"] for r in roles.values())
-    return {
+
+    roles = {role: summary(lambda n, r=role: med[(r, n)]) for role in ("attention", "ffn")}
+    out = {
         "benchmark": "resident_weights",
         "cpu": _cpu(),
         "model": str(bf16),
         "fp8_model": str(fp8),
         "repeat": args.repeat,
         "roles": roles,
-        "total": {
-            "bf16_bytes": total_bf16,
-            "fp8_bytes": total_fp8,
-            "ratio": round(total_fp8 / total_bf16, 3),
-        },
+        "total": summary(lambda n: med[("attention", n)] + med[("ffn", n)]),
         "runs": {f"{r}/{n}": v for (r, n), v in runs.items()},
     }
+    if args.decode_batch:
+        import torch
+
+        from afd.config import ModelConfig
+        from afd.kernels import paths
+        from afd_cli.bench.variants import decode_table, engine_config
+
+        torch.set_num_threads(args.threads)
+        configs = {
+            name: engine_config(p, args.threads) for name, p in (("bf16", bf16), ("fp8", fp8))
+        }
+        args.batch = args.decode_batch
+        out["kernels"] = paths.active().name
+        out["threads"] = args.threads
+        out["decode"] = decode_table(configs, ModelConfig.from_hf(bf16).vocab_size, args)
+    return out
 
 
 def add_parser(sub) -> None:
@@ -114,5 +130,15 @@ def add_parser(sub) -> None:
         help="routed experts per layer of the default model (DeepSeek-V3 has 256)",
     )
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument(
+        "--decode-batch",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also decode tok/s of both copies at these batch sizes (in-process engines, in turn)",
+    )
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "afd"))
     p.set_defaults(func=lambda a: print(json.dumps(run(a), indent=2)) or 0)

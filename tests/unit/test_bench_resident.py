@@ -28,3 +28,10 @@ def test_ffn_resident_covers_its_experts(checkpoint: Path) -> None:
     experts *= SHAPE["moe_intermediate_size"] * 2  # bf16 bytes
     got = resident("ffn", checkpoint)
     assert experts <= got < 3 * experts, (got, experts)
+
+
+def test_quantization_fp8_on_load_halves_the_experts(checkpoint: Path) -> None:
+    """The child takes --quantization's value: the same shard quantized as it loads holds about
+    half the bytes (e4m3 codes and a float32 scale per 128 values of each row)."""
+    bf16, fp8 = resident("ffn", checkpoint), resident("ffn", checkpoint, quantization="fp8")
+    assert 0.4 * bf16 < fp8 < 0.7 * bf16, (fp8, bf16)
