@@ -24,6 +24,7 @@ NOT_A_FIELD = {
     "--prompt",  # generate's prompts
     "--prompts-file",
     "--api-key-file",  # read into GatewayConfig.api_key
+    "--quantization",  # applied to the model --model names: ModelConfig.with_quantization
 }
 
 
