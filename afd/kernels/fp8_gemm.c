@@ -33,21 +33,6 @@ static inline size_t at(int isa, int N, int K, int n, int k) {
   return (size_t)n * K + k;
 }
 
-/* 8 codes as fp32 values times the block's scale (the products, before rounding). */
-static inline __m256 products8(const uint8_t *q, __m256 vs) {
-  __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q));
-  __m256i bits = _mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32(AFD_FP8_MASK));
-  return _mm256_mul_ps(_mm256_castsi256_ps(bits), vs);
-}
-
-/* to_bf16's rounding on 8 lanes that hold no NaN, the bf16 bits in each lane's low half. */
-static inline __m256i rne8(__m256 v) {
-  __m256i u = _mm256_castps_si256(v);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  u = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-  return _mm256_srli_epi32(u, 16);
-}
-
 /* Values [k0, k1) of row n (codes q, the row's K-block scale s) into the scratch `out` (its row
  * n0 at out[0]): 8 at a time where a run of 8 starts, one by one at a block's ragged edges.
  * Where no product can be a NaN or an fp32 subnormal (row_512 says when), 16 at a time rounded
@@ -62,7 +47,7 @@ static void row_avx2(const uint8_t *q, float s, uint16_t *out, int N, int K, int
   if (afd_fp8_fast(s))
     for (; k + 16 <= k1; k += 16) {
       /* lanes (a0-3, b0-3 | a4-7, b4-7) -> (a0-7 | b0-7): two runs of 8, each where it lies */
-      __m256i ab = _mm256_packus_epi32(rne8(products8(q + k, vs)), rne8(products8(q + k + 8, vs)));
+      __m256i ab = _mm256_packus_epi32(afd_fp8_rne8(afd_fp8_products8(q + k, vs)), afd_fp8_rne8(afd_fp8_products8(q + k + 8, vs)));
       ab = _mm256_permute4x64_epi64(ab, 0xD8);
       _mm_storeu_si128((__m128i *)(out + at(ISA_AVX2, N, K, n, k) - base),
                        _mm256_castsi256_si128(ab));
@@ -70,7 +55,7 @@ static void row_avx2(const uint8_t *q, float s, uint16_t *out, int N, int K, int
                        _mm256_extracti128_si256(ab, 1));
     }
   for (; k + 8 <= k1; k += 8)
-    store8(out + at(ISA_AVX2, N, K, n, k) - base, round8(products8(q + k, vs)));
+    store8(out + at(ISA_AVX2, N, K, n, k) - base, round8(afd_fp8_products8(q + k, vs)));
   for (; k < k1; k++) out[at(ISA_AVX2, N, K, n, k) - base] = afd_fp8_weight(q[k], s120);
 }
 
@@ -156,9 +141,14 @@ static void convert(const uint8_t *q, const float *s, uint16_t *out, int isa, in
 void afd_fp8_rows(const uint16_t *x, const float *xf, const uint16_t *xp, const uint8_t *q,
                   const float *s, int bk, uint16_t *y, int M, int N, int K, int n0, int n1, int isa,
                   uint16_t *scratch, float *wt) {
-  /* decode on the AVX-512 BF16 path: converted in registers (fp8_stream.c), gemm512.c's bits */
+  /* decode on the AVX-512 BF16 and AVX2 paths: converted in registers (fp8_stream.c), the
+   * dense weight's bits on that path */
   if (isa == ISA_AVX512 && M <= STREAM_MAX_M && K % 32 == 0 && bk % 32 == 0) {
     afd_fp8_stream_rows(x, q, s, bk, y, M, N, K, n0, n1);
+    return;
+  }
+  if (isa == ISA_AVX2 && M <= 2 && bk % 8 == 0) {
+    afd_fp8_stream_rows_avx2(xf, q, s, bk, y, M, N, K, n0, n1);
     return;
   }
   /* fetching ahead into the next unit too: a thread's units come in runs (runs.h) */

@@ -26,6 +26,21 @@ static inline uint16_t afd_fp8_weight(uint8_t code, float s120) {
   return to_bf16(v.f * s120);
 }
 
+/* 8 codes as fp32 values times their block's scale (vs: s * 2^120; the products, unrounded). */
+static inline __m256 afd_fp8_products8(const uint8_t *q, __m256 vs) {
+  __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q));
+  __m256i bits = _mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32(AFD_FP8_MASK));
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), vs);
+}
+
+/* to_bf16's rounding on 8 lanes that hold no NaN, the bf16 bits in each lane's low half. */
+static inline __m256i afd_fp8_rne8(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+  return _mm256_srli_epi32(u, 16);
+}
+
 void afd_fp8_rows(const uint16_t *x, const float *xf, const uint16_t *xp, const uint8_t *q,
                   const float *s, int bk, uint16_t *y, int M, int N, int K, int n0, int n1, int isa,
                   uint16_t *scratch, float *wt);
@@ -50,8 +65,11 @@ static inline int afd_gemm_w(const uint16_t *x, const uint16_t *w, const uint8_t
            : afd_gemm_isa(x, w, y, M, N, K, threads, isa);
 }
 
-/* At most STREAM_MAX_M rows of x on an AVX-512 BF16 CPU: fp8_stream.c. */
+/* At most STREAM_MAX_M rows of x on an AVX-512 BF16 CPU, and at most 2 (x in fp32) on the
+ * AVX2 path: fp8_stream.c. */
 void afd_fp8_stream_rows(const uint16_t *x, const uint8_t *q, const float *s, int bk, uint16_t *y,
                          int M, int N, int K, int n0, int n1);
+void afd_fp8_stream_rows_avx2(const float *xf, const uint8_t *q, const float *s, int bk,
+                              uint16_t *y, int M, int N, int K, int n0, int n1);
 
 #endif
