@@ -11,7 +11,7 @@ import torch
 from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm, paths
 from afd.kernels import topk as topk_ties
-from afd.kernels.fp8_gemm import fp8_block
+from afd.kernels.fp8_gemm import FP8Ref, fp8_block
 
 Routing = tuple[torch.Tensor, torch.Tensor]  # expert ids [T, k] int32, weights [T, k] float32
 ROUTES = {"softmax_topk": 0, "topk_softmax": 1}  # the router kinds the call computes
@@ -71,11 +71,7 @@ class NativeDecodeLayer:
         # FP8 projections: codes and scales for w_qkv, w_q, w_o (None: bf16, in _ptrs)
         self.block_k = fp8_block(dw.w_qkv, dw.w_q, w_o) or 0
         self.fp8_weights = (dw.w_qkv, dw.w_q, w_o)  # the decode stack passes their codes too
-        self._fp8_ptrs = [
-            getattr(w, f).data_ptr() if isinstance(w, BlockFP8) else None
-            for w in (dw.w_qkv, dw.w_q, w_o)
-            for f in ("q", "scale")
-        ]
+        self._fp8_ptrs = [p for r in map(FP8Ref.of, self.fp8_weights) for p in (r.q, r.s)]
         self.experts = w_router.shape[0] if w_router is not None else 0
         self.topk, self.norm_topk = (topk, norm_topk) if self.experts else (0, False)
         self.route = ROUTES[route]

@@ -21,6 +21,18 @@
  * being the bound, not the chain of products; 2 kept. */
 #define FP8_W 2
 
+/* K-block b's scale of weight rows n..n+W-1, times 2^120 in fp32 (as the torch path computes
+ * it), into s120; whether every one of them takes afd_fp8_fast's rounding. */
+static inline int block_scales(const float *s, int nk, int n, int W, int b, float *s120) {
+  int fast = 1;
+  for (int r = 0; r < W; r++) {
+    const float sb = s[(size_t)(n + r) * nk + b];
+    s120[r] = sb * 0x1p120f;
+    fast &= afd_fp8_fast(sb);
+  }
+  return fast;
+}
+
 /* Steps k0..k1 (multiples of 32, in one K-block) of W weight rows (codes qr[r], block scales
  * vs[r]) against R rows of x from row m, into the accumulators a. */
 static inline __attribute__((always_inline)) AFD_AVX512BF16 void block_steps(
@@ -53,13 +65,10 @@ static inline __attribute__((always_inline)) AFD_AVX512BF16 void stream_rows(
   for (int r = 0; r < W; r++) qr[r] = q + (size_t)(n + r) * K;
   for (int b = 0; b < nk; b++) {
     const int k0 = b * bk, k1 = k0 + bk < K ? k0 + bk : K;
+    float s120[4];
+    const int fast = block_scales(s, nk, n, W, b, s120);
     __m512 vs[4];
-    int fast = 1;
-    for (int r = 0; r < W; r++) {
-      const float sb = s[(size_t)(n + r) * nk + b];
-      vs[r] = _mm512_set1_ps(sb * 0x1p120f); /* fp32, as the torch path's */
-      fast &= afd_fp8_fast(sb);
-    }
+    for (int r = 0; r < W; r++) vs[r] = _mm512_set1_ps(s120[r]);
     if (fast)
       block_steps(x, qr, vs, a, W, R, m, K, k0, k1, 1);
     else
@@ -116,13 +125,10 @@ static inline __attribute__((always_inline)) void stream_rows8(const float *xf, 
   for (int r = 0; r < W; r++) qr[r] = q + (size_t)(n + r) * K;
   for (int b = 0; b < nk; b++) {
     const int k0 = b * bk, k1 = k0 + bk < K ? k0 + bk : K;
+    float s120[4];
+    const int fast = block_scales(s, nk, n, W, b, s120);
     __m256 vs[4];
-    int fast = 1;
-    for (int r = 0; r < W; r++) {
-      const float sb = s[(size_t)(n + r) * nk + b];
-      vs[r] = _mm256_set1_ps(sb * 0x1p120f); /* fp32, as the torch path's */
-      fast &= afd_fp8_fast(sb);
-    }
+    for (int r = 0; r < W; r++) vs[r] = _mm256_set1_ps(s120[r]);
     for (int k = k0; k < k1; k += 8) {
       for (int r = 0; r < W; r++) {
         if (k % 64 == 0) _mm_prefetch((const char *)(qr[r] + k + STREAM_AHEAD), _MM_HINT_T1);

@@ -7,6 +7,7 @@ import torch
 
 from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm
+from afd.kernels.fp8_gemm import FP8Ref
 from afd.kernels.moe import ACTS, ActSpec
 
 Weight = torch.Tensor | BlockFP8
@@ -27,9 +28,7 @@ class NativeMLP:
         self.block_k = w13.block_k if fp8 else 0
         # the call's weight pointers: bf16 w13, w2 (or NULLs), then FP8 codes and scales
         self.ptrs = (None, None) if fp8 else (w13.data_ptr(), w2.data_ptr())
-        self.fp8_ptrs = (
-            tuple(t.data_ptr() for w in (w13, w2) for t in (w.q, w.scale)) if fp8 else (None,) * 4
-        )
+        self.fp8_ptrs = tuple(p for r in map(FP8Ref.of, (w13, w2)) for p in (r.q, r.s))
 
     @staticmethod
     def usable(w13: Weight, w2: Weight) -> bool:
