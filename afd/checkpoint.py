@@ -188,7 +188,9 @@ def load_weights(
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"reading weights from {model_dir} failed: {e}") from e
     if role == "attention" and cfg.tie_word_embeddings and "lm_head" not in out:
-        out["lm_head"] = out.get("embed")  # type: ignore[assignment]
+        embed = out.get("embed")  # the embedding stays as it is: rows are gathered, not read
+        tied = cfg.quantize_lm_head and isinstance(embed, torch.Tensor)
+        out["lm_head"] = _fp8_lm_head(embed, cfg) if tied else embed  # type: ignore[assignment]
     missing = sorted(n for n in expected if want(n) and n not in out)
     if missing:
         shown = ", ".join(missing[:5]) + (
@@ -224,9 +226,16 @@ def _convert(
     if cfg.quantize_on_load and covers(name, t):  # the numbers `afd quantize` would write
         w = BlockFP8.from_checkpoint(*quantize_blocks(t, cfg.weight_block), cfg.weight_block)
         return dense(w, dtype) if name.endswith(_DENSE) else w
+    if cfg.quantize_lm_head and name == "lm_head":
+        return _fp8_lm_head(t, cfg)
     if name.endswith(_FLOAT32):
         return t.float()
     return t.to(dtype)
+
+
+def _fp8_lm_head(t: torch.Tensor, cfg: ModelConfig) -> BlockFP8:
+    """The LM head [V, H] in block-FP8 (`--quantize-lm-head`), in the model's blocks."""
+    return BlockFP8.from_checkpoint(*quantize_blocks(t, cfg.weight_block), cfg.weight_block)
 
 
 # Kept in float32 whatever the compute dtype: a selection bias in bf16 would reorder experts

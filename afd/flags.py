@@ -160,14 +160,17 @@ def add_model_flag(group: Group) -> None:
     )
 
 
-def model_config(model: str | None, quantization: str | None = None) -> ModelConfig:
+def model_config(
+    model: str | None, quantization: str | None = None, lm_head: bool = False
+) -> ModelConfig:
     """The model a `--model` names; without one, the embedded demo model (built on first use);
-    with its weights quantized as they load where `--quantization` asks."""
+    with its weights quantized as they load where `--quantization` (and `--quantize-lm-head`)
+    asks."""
     if model:
-        return ModelConfig.from_hf(model).with_quantization(quantization)
+        return ModelConfig.from_hf(model).with_quantization(quantization, lm_head)
     from afd.demo import demo_model_dir
 
-    return ModelConfig.from_hf(demo_model_dir()).with_quantization(quantization)
+    return ModelConfig.from_hf(demo_model_dir()).with_quantization(quantization, lm_head)
 
 
 QUANTIZATION_FLAG = "--quantization"
@@ -182,6 +185,20 @@ def add_quantization_flag(group: Group) -> argparse.Action:
         help="quantize the checkpoint's matmul weights as they load: fp8 is block-FP8 (e4m3, a "
         "scale per 128x128 block; embeddings, LM head, norms and routers stay as they are), "
         "half the bytes of bf16; a block-FP8 checkpoint is taken as it is",
+    )
+
+
+LM_HEAD_FLAG = "--quantize-lm-head"
+
+
+def add_lm_head_flag(group: Group) -> argparse.Action:
+    """The LM head in block-FP8 as well (the attention side holds it)."""
+    return group.add_argument(
+        LM_HEAD_FLAG,
+        action="store_true",
+        help="quantize the LM head to block-FP8 too as it loads, with --quantization fp8 or "
+        "a block-FP8 checkpoint (as llama.cpp's 8-bit files hold it; without this flag the "
+        "head stays in 16 bits, as vLLM's fp8 keeps it)",
     )
 
 

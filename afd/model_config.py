@@ -118,6 +118,9 @@ class ModelConfig:
     # the matmul weights quantized to block-FP8 in weight_block's blocks as they load, from a
     # checkpoint that holds them in 16 or 32 bits (with_quantization: vLLM's --quantization)
     quantize_on_load: bool = False
+    # the LM head in block-FP8 too (quantized as it loads), as llama.cpp's 8-bit files hold it;
+    # vLLM's --quantization fp8 keeps it in 16 bits, and so does afd without this
+    quantize_lm_head: bool = False
     mla: MLADims | None = None  # attention "mla" and "dsa" only
     indexer: IndexerDims | None = None  # attention "dsa" only
     rope_scaling: RopeScaling | None = None
@@ -177,6 +180,10 @@ class ModelConfig:
             f"sliding layers need a sliding window >= 1, got {self.sliding_window}",
         )
         check(
+            not self.quantize_lm_head or self.weight_block is not None,
+            "--quantize-lm-head needs block-FP8 weights: --quantization fp8 or an FP8 checkpoint",
+        )
+        check(
             self.chat_format in ("text", "harmony"),
             f"chat_format must be text or harmony, not {self.chat_format!r}",
         )
@@ -196,18 +203,20 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def with_quantization(self, method: str | None) -> ModelConfig:
+    def with_quantization(self, method: str | None, lm_head: bool = False) -> ModelConfig:
         """This model with its matmul weights quantized as they load (`--quantization`, as
         vLLM names it): "fp8" is block-FP8 in DeepSeek's 128x128 blocks (afd's FP8 kernels'
         format; what `afd quantize --fp8-block` writes ahead of time). A block-FP8 checkpoint
-        stays as it is; None changes nothing."""
-        if method is None or self.weight_block is not None:
-            return self
-        check(
-            method == "fp8",
-            f"--quantization {method!r}: afd quantizes weights to fp8 only (block-FP8)",
-        )
-        return replace(self, weight_block=(128, 128), quantize_on_load=True)
+        stays as it is; None changes nothing. lm_head (`--quantize-lm-head`): the LM head too,
+        in the same blocks (which a block-FP8 checkpoint or method "fp8" must give)."""
+        cfg = self
+        if method is not None and self.weight_block is None:
+            check(
+                method == "fp8",
+                f"--quantization {method!r}: afd quantizes weights to fp8 only (block-FP8)",
+            )
+            cfg = replace(self, weight_block=(128, 128), quantize_on_load=True)
+        return replace(cfg, quantize_lm_head=True) if lm_head else cfg
 
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> ModelConfig:

@@ -10,7 +10,8 @@
  *         a dense layer (no experts, no router) has its MLP there, into zeros
  *     h = bf16(h' + y)                               (the residual add of the pipeline)
  *   and, where the caller asks (the call ends at the model's last layer): the LM head,
- *     logits = fp32(rms_norm(h, final_norm) @ w_head^T)  (services/attention/model.py: logits)
+ *     logits = fp32(rms_norm(h, final_norm) @ w_head^T)  (services/attention/model.py: logits;
+ *     w_head bf16 or block-FP8)
  *
  * It is services/attention/pipeline.py's layer loop with one micro-batch and the shard called
  * inline (dispatch.py: serve_local), composed of the same two calls with the same roundings, so
@@ -101,6 +102,17 @@ typedef struct {
   int64_t shared_bk;
 } afd_stack_layer;
 
+/* The model's LM head (afd/kernels/decode_stack.py: StackHead's struct, the same fields in the
+ * same order): the final norm [H] and its epsilon, the weight [V, H] bf16 laid out for the
+ * stack's isa, or block-FP8 (f8.q set: codes and scales in K-blocks of bk; w unused). */
+typedef struct {
+  const uint16_t *final_norm;
+  double eps;
+  const uint16_t *w;
+  afd_fp8_ref f8;
+  int64_t bk, V;
+} afd_stack_head;
+
 static double wall_seconds(void) { /* time.time()'s clock: the telemetry's stamps are its */
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
@@ -112,15 +124,18 @@ int afd_sample_rows(const float *logits, int T, int V, const float *temperature,
                     const int32_t *top_k, const float *top_p, const float *min_p,
                     const float *uniform, int64_t *out);
 
-/* logits [T, V] fp32 <- fp32(bf16(rms_norm(h) @ w_head^T)): the model's head, the same calls
- * (norm_rope.c, the matmul of isa) and roundings as its per-op path. Returns 0 or -1. */
-static int head(const uint16_t *h, const uint16_t *final_norm, float eps, const uint16_t *w_head,
-                int T, int H, int V, int threads, int isa, float *logits, int64_t *argmax) {
+/* logits [T, V] fp32 <- fp32(bf16(rms_norm(h) @ w^T)): the model's head, the same calls
+ * (norm_rope.c, the matmul of isa or fp8_gemm.c) and roundings as its per-op path. Returns 0
+ * or -1. */
+static int run_head(const uint16_t *h, const afd_stack_head *hd, int T, int H, int threads,
+                    int isa, float *logits, int64_t *argmax) {
+  const int V = (int)hd->V;
   uint16_t *xn = (uint16_t *)afd_alloc64((size_t)T * H * sizeof(uint16_t));
   uint16_t *y = (uint16_t *)afd_alloc64((size_t)T * V * sizeof(uint16_t));
   int rc = xn && y ? 0 : -1;
-  if (!rc) rc = afd_bf16_rms_norm(h, H, 0, final_norm, xn, T, 1, H, eps, threads, isa);
-  if (!rc) rc = afd_gemm_isa(xn, w_head, y, T, V, H, threads, isa);
+  if (!rc) rc = afd_bf16_rms_norm(h, H, 0, hd->final_norm, xn, T, 1, H, (float)hd->eps, threads,
+                                  isa);
+  if (!rc) rc = afd_gemm_w(xn, hd->w, hd->f8.q, hd->f8.s, (int)hd->bk, y, T, V, H, threads, isa);
   if (!rc)
     for (size_t i = 0; i < (size_t)T * V; i++) logits[i] = bf16_value(y[i]);
   /* greedy decoding's pick while the logits are still in this core's caches (argmax.c) */
@@ -136,8 +151,8 @@ static int head(const uint16_t *h, const uint16_t *final_norm, float eps, const 
  * end of its attention, the end of its experts (wall clock, seconds). The rest as
  * afd_bf16_decode_layer_ext's and the experts calls' arguments (I: the experts' intermediate
  * size).
- * final_norm [H], w_head [V, H] (laid out for isa) and logits [T, V] fp32, or final_norm NULL:
- * where every layer ran, the LM head's logits of h (head_eps the final norm's epsilon), and
+ * head (afd_stack_head) and logits [T, V] fp32, or head NULL: where every layer ran, the LM
+ * head's logits of h, and
  * with argmax [T] int64 given, each row's argmax as argmax.c picks it.
  * tokens [T] int64 and embed [vocab, H] bf16, or tokens NULL: h [T, H] is first filled with
  * the tokens' rows of embed (the model's embedding, as F.embedding gathers it).
@@ -152,9 +167,8 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
                           int H, int qin, int nh, int kvh, int D, int NB, int bs, int nb, int E,
                           int topk, int norm, int I, float eps, int threads, int isa,
                           int32_t *ids, float *weights, double *stamps, int *at,
-                          const uint16_t *final_norm, float head_eps, const uint16_t *w_head,
-                          int V, float *logits_out, int64_t *argmax, const int64_t *tokens,
-                          const uint16_t *embed, int64_t vocab) {
+                          const afd_stack_head *head, float *logits_out, int64_t *argmax,
+                          const int64_t *tokens, const uint16_t *embed, int64_t vocab) {
   *at = 0;
   if (T <= 0 || H % 8 != 0 || topk <= 0 || E <= 0) return -1;
   if (tokens) {
@@ -221,8 +235,7 @@ int afd_bf16_decode_stack(afd_stack_layer *layers, int L, uint16_t *h, uint16_t 
     stamps[3 * l + 2] = wall_seconds();
   }
   free(y);
-  if (rc == L && final_norm &&
-      head(h, final_norm, head_eps, w_head, T, H, V, threads, isa, logits_out, argmax))
+  if (rc == L && head && run_head(h, head, T, H, threads, isa, logits_out, argmax))
     rc = -3;
   return rc;
 }
@@ -248,13 +261,12 @@ int afd_bf16_decode_burst(int steps, int *done, afd_stack_layer *layers, int L, 
                           int T, int H, int qin, int nh, int kvh, int D, int NB, int bs, int nb,
                           int E, int topk, int norm, int I, float eps, int threads, int isa,
                           int32_t *ids, float *weights, double *stamps, int *at,
-                          const uint16_t *final_norm, float head_eps, const uint16_t *w_head,
-                          int V, float *logits_out, int64_t *argmax, const int64_t *tokens,
-                          const uint16_t *embed, int64_t vocab, const float *temperature,
-                          const int32_t *top_k, const float *top_p, const float *min_p,
-                          const float *uniform) {
+                          const afd_stack_head *head, float *logits_out, int64_t *argmax,
+                          const int64_t *tokens, const uint16_t *embed, int64_t vocab,
+                          const float *temperature, const int32_t *top_k, const float *top_p,
+                          const float *min_p, const float *uniform) {
   *done = 0;
-  if (steps < 1 || !final_norm || !argmax || !tokens) return -1;
+  if (steps < 1 || !head || !argmax || !tokens) return -1;
   int64_t *p = (int64_t *)malloc((size_t)T * 3 * sizeof(int64_t));
   if (!p) return -3;
   int64_t *n = p + T, *sl = p + 2 * T; /* this step's positions, key counts, slots */
@@ -263,6 +275,7 @@ int afd_bf16_decode_burst(int steps, int *done, afd_stack_layer *layers, int L, 
   memcpy(sl, slots, (size_t)T * sizeof(int64_t));
   int rc = L;
   const size_t per_step = (size_t)L * T * topk;
+  const int V = (int)head->V;
   for (int s = 0; s < steps; s++) {
     if (s > 0) { /* the next positions, each inside the row's block table */
       int past = 0;
@@ -278,9 +291,8 @@ int afd_bf16_decode_burst(int steps, int *done, afd_stack_layer *layers, int L, 
     int r = afd_bf16_decode_stack(layers, L, h, h_attn, x, logits, p, sl, blocks, n, T, H, qin,
                                   nh, kvh, D, NB, bs, nb, E, topk, norm, I, eps, threads, isa,
                                   ids + s * per_step, weights + s * per_step, stamps + 3 * s * L,
-                                  at, final_norm, head_eps, w_head, V,
-                                  logits_out + (size_t)s * T * V, argmax + (size_t)s * T, in,
-                                  embed, vocab);
+                                  at, head, logits_out + (size_t)s * T * V,
+                                  argmax + (size_t)s * T, in, embed, vocab);
     if (r != L) {
       if (s == 0) rc = r;
       break;

@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 
+from afd.blockfp8 import BlockFP8
 from afd.kernels import gemm
 from afd.kernels.decode_layer import NativeDecodeLayer
 from afd.kernels.fp8_gemm import FP8Ref
@@ -82,14 +83,36 @@ class LayerParts:
     index_cache: torch.Tensor | None = None  # [NB, bs, dim] bf16: a DSA layer's indexer keys
 
 
+class _HeadStruct(ctypes.Structure):
+    """decode_stack.c's afd_stack_head: the same fields in the same order."""
+
+    _fields_ = [
+        ("final_norm", ctypes.c_void_p),
+        ("eps", ctypes.c_double),
+        ("w", ctypes.c_void_p),
+        ("f8", FP8Ref),
+        ("bk", ctypes.c_int64),
+        ("V", ctypes.c_int64),
+    ]
+
+
 @dataclass(frozen=True)
 class StackHead:
     """The model's LM head, for a call that ends at the model's last layer: logits =
-    fp32(rms_norm(h, final_norm) @ weight^T), the weight laid out for the stack's matmuls."""
+    fp32(rms_norm(h, final_norm) @ weight^T), the weight bf16 laid out for the stack's matmuls
+    or block-FP8 (its codes on the CPU, converted as the stack's isa multiplies them)."""
 
     final_norm: torch.Tensor  # [H] bf16, contiguous
     eps: float
-    weight: torch.Tensor  # [V, H] bf16, as ops.Linear holds it for the stack's isa
+    weight: torch.Tensor | BlockFP8  # [V, H], as ops.Linear holds it for the stack's isa
+
+    def struct(self) -> _HeadStruct:
+        """The C struct of this head; it points into the head's tensors."""
+        fp8 = isinstance(self.weight, BlockFP8)
+        return _HeadStruct(
+            self.final_norm.data_ptr(), self.eps, None if fp8 else self.weight.data_ptr(),
+            FP8Ref.of(self.weight), self.weight.block_k if fp8 else 0, self.weight.shape[0],
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -258,11 +281,11 @@ class NativeDecodeStack:
         V = head.weight.shape[0] if head is not None else 0
         out = torch.empty(steps, T, V, dtype=torch.float32) if head is not None else None
         argmax = torch.empty(steps, T, dtype=torch.long) if head is not None else None
+        head_struct = head.struct() if head is not None else None
         head_args = (
-            (head.final_norm.data_ptr(), head.eps, head.weight.data_ptr(), V, out.data_ptr(),
-             argmax.data_ptr())
+            (ctypes.byref(head_struct), out.data_ptr(), argmax.data_ptr())
             if head is not None
-            else (None, 0.0, None, 0, None, None)
+            else (None, None, None)
         )  # fmt: skip
         ran_steps = ctypes.c_int(1)
         lib = gemm._lib()

@@ -90,8 +90,8 @@ def _lib() -> ctypes.CDLL | None:
     layer_ext = lib.afd_bf16_decode_layer.argtypes + [p, p, p, i, p, i] + [p] * 6 + [i]
     lib.afd_bf16_decode_layer_ext.argtypes = layer_ext
     lib.afd_bf16_decode_layer_ext.restype = i
-    stack = [p, i, p, p, p, p, p, p, p, p] + [i] * 13 + [f, i, i, p, p, p, p] + [p, f, p, i, p]
-    stack += [p, p, p, L]  # the head's argmax; the tokens to embed and the embedding
+    stack = [p, i, p, p, p, p, p, p, p, p] + [i] * 13 + [f, i, i, p, p, p, p]
+    stack += [p, p, p, p, p, L]  # the head, its logits and argmax; the tokens and the embedding
     lib.afd_bf16_decode_stack.argtypes = stack
     lib.afd_bf16_decode_stack.restype = i
     # the steps, how many ran; the stack's; each row's sampling and each step's uniforms

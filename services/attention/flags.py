@@ -205,6 +205,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         *flags.add_expert_flags(g),
         flags.add_quantization_flag(g),
+        flags.add_lm_head_flag(g),
     ]
 
 
@@ -212,7 +213,7 @@ def engine_config(args: argparse.Namespace, **given) -> EngineConfig:
     return build(
         EngineConfig,
         args,
-        model=flags.model_config(args.model, args.quantization),
+        model=flags.model_config(args.model, args.quantization, args.quantize_lm_head),
         cache=build(CacheConfig, args),
         scheduler=build(SchedulerConfig, args),
         experts=flags.experts(args),

@@ -26,6 +26,7 @@ import torch
 from afd.errors import TransportError
 from afd.kernels import gemm
 from afd.kernels.decode_stack import ExpertsFailed, LayerParts, NativeDecodeStack, StackHead
+from afd.kernels.fp8_gemm import fp8_block
 from afd.kernels.sample import Draws
 from services.attention.batch import MicroBatch
 from services.attention.dispatch import FFNDispatcher, Pending
@@ -156,16 +157,20 @@ class DecodeStack:
         )
 
     def _head_for(self, stack: NativeDecodeStack) -> StackHead | None:
-        """The LM head as a stack call runs it: a plain bf16 weight laid out for the stack's
-        matmuls and a bf16 final norm; else None."""
+        """The LM head as a stack call runs it: a bf16 weight laid out for the stack's matmuls
+        or a block-FP8 one converted by them, no bias, and a bf16 final norm; else None."""
         head, model = self.model.lm_head, self.model
-        plain = head.mx is None and head.fp8 is None and head.bias is None
-        if not plain or head.isa is None or gemm.ISAS[head.isa] != stack.isa:
+        norm = model.final_norm
+        if head.mx is not None or head.bias is not None or head.kernel_path is None:
             return None
-        w, norm = head.w, model.final_norm
-        if w.dtype != torch.bfloat16 or norm.dtype != torch.bfloat16 or w.device.type != "cpu":
+        if gemm.ISAS[head.kernel_path] != stack.isa or head.in_features != stack.hidden:
             return None
-        if not (w.is_contiguous() and norm.is_contiguous()) or w.shape[1] != stack.hidden:
+        if norm.dtype != torch.bfloat16 or not norm.is_contiguous():
+            return None
+        w = head.w
+        if head.fp8 is not None:  # the codes on the CPU (fp8_block: None where not)
+            return StackHead(norm, model.cfg.rms_norm_eps, w) if fp8_block(w) else None
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous():
             return None
         return StackHead(norm, model.cfg.rms_norm_eps, w)
 

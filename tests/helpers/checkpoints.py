@@ -341,12 +341,15 @@ _NOT_FP8 = (
 )  # fmt: skip
 
 
-def block_fp8_pair(src: Path, out: Path, block=(128, 128), e8m0=False) -> tuple[Path, Path]:
+def block_fp8_pair(
+    src: Path, out: Path, block=(128, 128), e8m0=False, keep: tuple[str, ...] = _NOT_FP8
+) -> tuple[Path, Path]:
     """From a checkpoint, (a block-FP8 copy as DeepSeek ships them: e4m3 weights, a
     `weight_scale_inv` per block, `quantization_config` in config.json; the same numbers
     dequantized, as a float32 checkpoint). Quantized here, independently of afd's own writer:
     each block's scale maps its largest magnitude to 448 (rounded up to a power of two with
-    `e8m0`, stored as biased exponent bytes)."""
+    `e8m0`, stored as biased exponent bytes). 2-D tensors whose names hold one of `keep` stay
+    as they are."""
     import json
     import shutil
 
@@ -357,7 +360,7 @@ def block_fp8_pair(src: Path, out: Path, block=(128, 128), e8m0=False) -> tuple[
     fp8, dense = {}, {}
     bn, bk = block
     for name, t in tensors.items():
-        if t.dim() != 2 or any(s in name for s in _NOT_FP8):
+        if t.dim() != 2 or any(s in name for s in keep):
             fp8[name] = dense[name] = t
             continue
         N, K = t.shape

@@ -5,12 +5,13 @@ clear error."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from afd import blockfp8
 from afd.blockfp8 import FP8, BlockFP8
@@ -20,6 +21,7 @@ from afd.ops import Linear
 from afd.sharding import ExpertShard
 from services.attention.model import AttentionModel
 from services.ffn.engine import FFNEngine
+from tests.helpers import checkpoints
 from tests.helpers.checkpoints import (
     MLA_FUSED_DIMS,
     REFERENCE_CHECKPOINTS,
@@ -117,8 +119,6 @@ def test_fp8_attention_with_bf16_experts_in_the_decode_stack(pairs, tmp_path, mo
     are the dense twin's."""
     import shutil
 
-    from safetensors.torch import save_file
-
     fp8, dense = pairs["qwen3_moe"]
     mixed = tmp_path / "mixed"
     shutil.copytree(fp8, mixed)
@@ -137,6 +137,74 @@ def test_fp8_attention_with_bf16_experts_in_the_decode_stack(pairs, tmp_path, mo
     # qwen3_moe's dense layer keeps its FP8 MLP
     assert built and all(a == BLOCK[1] and e in (0, None) for layers in built for a, e, _ in layers)
     assert got == afd_greedy(engine_cfg(dense, dtype="bfloat16"))[0]
+
+
+def _stack_heads(monkeypatch) -> list:
+    """The LM heads decode-stack calls were given from here on (None: the call ran none)."""
+    from afd.kernels.decode_stack import NativeDecodeStack
+
+    heads = []
+    real = NativeDecodeStack.__call__
+
+    def spy(stack, *args, **kwargs):
+        heads.append(inspect.signature(real).bind(stack, *args, **kwargs).arguments.get("head"))
+        return real(stack, *args, **kwargs)
+
+    monkeypatch.setattr(NativeDecodeStack, "__call__", spy)
+    return heads
+
+
+def test_quantize_lm_head_gives_the_tokens_of_its_fp8_numbers(
+    pairs, native_path, monkeypatch, tmp_path
+):
+    """`--quantize-lm-head` on a block-FP8 checkpoint whose head is bf16: the head is quantized
+    as it loads (the bytes an independent quantizer writes, test helper's), the decode stack
+    runs it in FP8, and the tokens are those of the same numbers served dense."""
+    from afd.checkpoint import load_weights
+
+    fp8, _ = pairs["qwen3_moe"]
+    src = fp8.parent / "src"
+    keep = tuple(k for k in checkpoints._NOT_FP8 if k != "lm_head")
+    head_fp8, head_dense = checkpoints.block_fp8_pair(src, tmp_path, BLOCK, keep=keep)
+    cfg = ModelConfig.from_hf(fp8).with_quantization(None, lm_head=True)
+    assert cfg.quantize_lm_head and cfg.weight_block == BLOCK
+    head = load_weights(cfg, "attention", torch.bfloat16)["lm_head"]
+    file = load_file(str(head_fp8 / "model.safetensors"))
+    want = BlockFP8.from_checkpoint(file["lm_head.weight"], file["lm_head.weight_scale_inv"], BLOCK)
+    assert isinstance(head, BlockFP8)
+    assert torch.equal(head.q.view(torch.uint8), want.q.view(torch.uint8))
+    assert torch.equal(head.scale, want.scale)
+    heads = _stack_heads(monkeypatch)
+    got = afd_greedy(replace(engine_cfg(fp8, dtype="bfloat16"), model=cfg))[0]
+    assert any(h is not None and isinstance(h.weight, BlockFP8) for h in heads)
+    heads.clear()
+    assert got == afd_greedy(engine_cfg(head_dense, dtype="bfloat16"))[0]
+    assert any(h is not None and not isinstance(h.weight, BlockFP8) for h in heads)
+
+
+def test_quantize_lm_head_needs_fp8_weights_and_quantizes_a_tied_head(pairs, tmp_path):
+    """Without block-FP8 weights the flag is a one-line error; a tied head is quantized from
+    the embedding, which stays as it is."""
+    import shutil
+
+    from afd.checkpoint import load_weights
+
+    fp8, dense = pairs["qwen3_moe"]
+    with pytest.raises(ConfigError, match="--quantize-lm-head needs block-FP8 weights"):
+        ModelConfig.from_hf(dense).with_quantization(None, lm_head=True)
+    tied = tmp_path / "tied"
+    shutil.copytree(fp8, tied)
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(tied / "model.safetensors"))
+    raw = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**raw, "tie_word_embeddings": True}))
+    cfg = ModelConfig.from_hf(tied).with_quantization("fp8", lm_head=True)
+    w = load_weights(cfg, "attention", torch.bfloat16)
+    assert isinstance(w["lm_head"], BlockFP8) and isinstance(w["embed"], torch.Tensor)
+    want = BlockFP8.from_checkpoint(*blockfp8.quantize_blocks(w["embed"], BLOCK), BLOCK)
+    assert torch.equal(w["lm_head"].q.view(torch.uint8), want.q.view(torch.uint8))
+    assert torch.equal(w["lm_head"].scale, want.scale)
 
 
 def test_ue8m0_scales_load(tmp_path):

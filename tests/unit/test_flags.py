@@ -25,6 +25,7 @@ NOT_A_FIELD = {
     "--prompts-file",
     "--api-key-file",  # read into GatewayConfig.api_key
     "--quantization",  # applied to the model --model names: ModelConfig.with_quantization
+    "--quantize-lm-head",  # the same call's lm_head
 }
 
 
