@@ -11,6 +11,9 @@
  * BlockFP8.dequantize's bf16(fp32(q) * s) (fp8_gemm.c's conversion), lane l of step t sums the
  * pairs 32 t + 2 l, 32 t + 2 l + 1, the lanes reduce in sum4's tree: the result is the
  * avx512bf16 path's matmul on the dense weight, bit for bit. */
+#include <stdlib.h>
+#include <string.h>
+
 #include "bf16.h"
 #include "fp8_512.h"
 
@@ -20,6 +23,7 @@
 /* Weight rows side by side (stream_rows): 1, 2 and 4 read at the same rate, the conversion
  * being the bound, not the chain of products; 2 kept. */
 #define FP8_W 2
+#define FP8_WMAX 8 /* the most weight rows side by side (the table path's, at one row of x) */
 
 /* K-block b's scale of weight rows n..n+W-1, times 2^120 in fp32 (as the torch path computes
  * it), into s120; whether every one of them takes afd_fp8_fast's rounding. */
@@ -36,7 +40,7 @@ static inline int block_scales(const float *s, int nk, int n, int W, int b, floa
 /* Steps k0..k1 (multiples of 32, in one K-block) of W weight rows (codes qr[r], block scales
  * vs[r]) against R rows of x from row m, into the accumulators a. */
 static inline __attribute__((always_inline)) AFD_AVX512BF16 void block_steps(
-    const uint16_t *x, const uint8_t *const *qr, const __m512 *vs, __m512 a[4][6], int W, int R,
+    const uint16_t *x, const uint8_t *const *qr, const __m512 *vs, __m512 a[FP8_WMAX][6], int W, int R,
     int m, int K, int k0, int k1, int fast) {
   for (int k = k0; k < k1; k += 32) {
     __m512bh v[4];
@@ -51,6 +55,19 @@ static inline __attribute__((always_inline)) AFD_AVX512BF16 void block_steps(
   }
 }
 
+/* The W R accumulators' sums, reduced in sum4's tree, into y [M, N] at rows m.., columns n.. */
+static inline __attribute__((always_inline)) AFD_AVX512BF16 void store_rows(
+    __m512 a[FP8_WMAX][6], uint16_t *y, int W, int R, int m, int N, int n) {
+  const __m512 z = _mm512_setzero_ps();
+  for (int r = 0; r < W; r++)
+    for (int i = 0; i < R; i += 4) {
+      float t[4];
+      _mm_storeu_ps(t, sum4(a[r][i], i + 1 < R ? a[r][i + 1] : z, i + 2 < R ? a[r][i + 2] : z,
+                            i + 3 < R ? a[r][i + 3] : z));
+      for (int j = 0; j < 4 && i + j < R; j++) y[(size_t)(m + i + j) * N + n + r] = to_bf16(t[j]);
+    }
+}
+
 /* Weight rows n..n+W-1 (codes q, scales s, nk a row) against R rows of x from row m (W <= 4,
  * R <= 6, constants where inlined, so the W R accumulators stay in registers); K and the
  * K-block bk multiples of 32, so that no step of 32 crosses a block's edge. Each output is one
@@ -58,7 +75,7 @@ static inline __attribute__((always_inline)) AFD_AVX512BF16 void block_steps(
 static inline __attribute__((always_inline)) AFD_AVX512BF16 void stream_rows(
     const uint16_t *x, const uint8_t *q, const float *s, int nk, int bk, uint16_t *y, int W,
     int R, int m, int N, int K, int n) {
-  __m512 a[4][6];
+  __m512 a[FP8_WMAX][6];
   for (int r = 0; r < W; r++)
     for (int i = 0; i < R; i++) a[r][i] = _mm512_setzero_ps();
   const uint8_t *qr[4];
@@ -74,14 +91,87 @@ static inline __attribute__((always_inline)) AFD_AVX512BF16 void stream_rows(
     else
       block_steps(x, qr, vs, a, W, R, m, K, k0, k1, 0);
   }
-  const __m512 z = _mm512_setzero_ps();
-  for (int r = 0; r < W; r++)
-    for (int i = 0; i < R; i += 4) {
-      float t[4];
-      _mm_storeu_ps(t, sum4(a[r][i], i + 1 < R ? a[r][i + 1] : z, i + 2 < R ? a[r][i + 2] : z,
-                            i + 3 < R ? a[r][i + 3] : z));
-      for (int j = 0; j < 4 && i + j < R; j++) y[(size_t)(m + i + j) * N + n + r] = to_bf16(t[j]);
+  store_rows(a, y, W, R, m, N, n);
+}
+
+/* Steps k0..k1 of one K-block (multiples of 32) of W weight rows that share its scale (s120:
+ * times 2^120) against R rows of x, into the accumulators a: with lut, the weights looked up in
+ * the block's table tab (fp8_512.h, AVX-512 VBMI: a fast scale), 64 codes at a time; else
+ * converted (afd_fp8_weights32, rounded as a slow scale needs). Each accumulator takes its
+ * 32-wide steps in order, as block_steps gives them. */
+static inline __attribute__((always_inline)) AFD_AVX512VBMI void shared_steps(
+    const uint16_t *x, const uint8_t *const *qr, const uint8_t *tab, float s120,
+    __m512 a[FP8_WMAX][6], int W, int R, int m, int K, int k0, int k1, int lut) {
+  const __m512i order = afd_fp8_lut_order();
+  __m512i t[4];
+  for (int j = 0; j < 4; j++) t[j] = lut ? _mm512_loadu_si512(tab + 64 * j) : order;
+  const __m512 vs = _mm512_set1_ps(s120);
+  const size_t ahead = (size_t)W * K; /* the next group of rows, at the same column */
+  int k = k0;
+  for (; k + 64 <= k1; k += 64)
+    for (int r = 0; r < W; r++) {
+      _mm_prefetch((const char *)(qr[r] + k + ahead), _MM_HINT_T1);
+      __m512bh v[2];
+      if (lut) {
+        afd_fp8_lut64(_mm512_loadu_si512(qr[r] + k), order, t, v);
+      } else {
+        v[0] = afd_fp8_weights32(qr[r] + k, vs, 0);
+        v[1] = afd_fp8_weights32(qr[r] + k + 32, vs, 0);
+      }
+      for (int i = 0; i < R; i++) {
+        const uint16_t *xi = x + (size_t)(m + i) * K + k;
+        a[r][i] = _mm512_dpbf16_ps(a[r][i], (__m512bh)_mm512_loadu_si512(xi), v[0]);
+        a[r][i] = _mm512_dpbf16_ps(a[r][i], (__m512bh)_mm512_loadu_si512(xi + 32), v[1]);
+      }
     }
+  if (k < k1) /* a last 32 (bk % 64 == 32) */
+    for (int r = 0; r < W; r++) {
+      __m512bh v[2];
+      if (lut)
+        afd_fp8_lut64(_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(qr[r] + k))),
+                      order, t, v);
+      else
+        v[0] = afd_fp8_weights32(qr[r] + k, vs, 0);
+      for (int i = 0; i < R; i++)
+        a[r][i] = _mm512_dpbf16_ps(
+            a[r][i], (__m512bh)_mm512_loadu_si512(x + (size_t)(m + i) * K + k), v[0]);
+    }
+}
+
+/* Weight rows n..n+W-1 whose scales are the same (rows of one block of rows) against R rows of
+ * x from row m, as stream_rows computes them: each fast K-block's table built once per scale
+ * (lut: nk tables, cached under their scales in key), so once per block of rows. */
+static inline __attribute__((always_inline)) AFD_AVX512VBMI void stream_rows_lut(
+    const uint16_t *x, const uint8_t *q, const float *s, int nk, int bk, uint16_t *y, int W,
+    int R, int m, int N, int K, int n, uint8_t *lut, float *key) {
+  __m512 a[FP8_WMAX][6];
+  for (int r = 0; r < W; r++)
+    for (int i = 0; i < R; i++) a[r][i] = _mm512_setzero_ps();
+  const uint8_t *qr[FP8_WMAX];
+  for (int r = 0; r < W; r++) qr[r] = q + (size_t)(n + r) * K;
+  for (int b = 0; b < nk; b++) {
+    const int k0 = b * bk, k1 = k0 + bk < K ? k0 + bk : K;
+    const float sb = s[(size_t)n * nk + b];
+    uint8_t *tab = lut + (size_t)b * AFD_FP8_TABLE;
+    const int fast = afd_fp8_fast(sb);
+    if (fast && key[b] != sb) {
+      afd_fp8_table(sb * 0x1p120f, tab);
+      key[b] = sb;
+    }
+    if (fast)
+      shared_steps(x, qr, tab, sb * 0x1p120f, a, W, R, m, K, k0, k1, 1);
+    else
+      shared_steps(x, qr, tab, sb * 0x1p120f, a, W, R, m, K, k0, k1, 0);
+  }
+  store_rows(a, y, W, R, m, N, n);
+}
+
+/* Whether weight rows n..n+W-1 have the same scales (nk a row). */
+static inline int same_scales(const float *s, int nk, int n, int W) {
+  for (int r = 1; r < W; r++)
+    if (memcmp(s + (size_t)n * nk, s + (size_t)(n + r) * nk, (size_t)nk * sizeof(float)))
+      return 0;
+  return 1;
 }
 
 #define ROWS_OF_X(W)                                                                   \
@@ -94,12 +184,65 @@ static inline __attribute__((always_inline)) AFD_AVX512BF16 void stream_rows(
     default: stream_rows(x, q, s, nk, bk, y, W, 6, 0, N, K, n); break;                 \
   }
 
+/* Row groups of W(R) rows sharing their scales (else one row at a time) against R rows of x:
+ * at one row of x 8 rows side by side, 4 at two, 2 from three (the chains of products in
+ * flight, since with the lookups the conversion no longer bounds them), at most 12
+ * accumulators. */
+#define LUT_W(R) ((R) == 1 ? 8 : (R) == 2 ? 4 : 2)
+#define LUT_ROWS(R)                                                                        \
+  for (; n < n1;) {                                                                        \
+    const int W = n + LUT_W(R) <= n1 && same_scales(s, nk, n, LUT_W(R)) ? LUT_W(R) : 1;    \
+    if (W > 1)                                                                             \
+      stream_rows_lut(x, q, s, nk, bk, y, LUT_W(R), R, 0, N, K, n, lut, key);              \
+    else                                                                                   \
+      stream_rows_lut(x, q, s, nk, bk, y, 1, R, 0, N, K, n, lut, key);                     \
+    n += W;                                                                                \
+  }
+
+/* afd_fp8_stream_rows on a CPU with AVX-512 VBMI: the tables in lut (nk of them) and their
+ * scales in key (nk, zeroed: no fast scale is 0). */
+static AFD_AVX512VBMI void stream_rows_vbmi(const uint16_t *x, const uint8_t *q, const float *s,
+                                            int bk, uint16_t *y, int M, int N, int K, int n0,
+                                            int n1, uint8_t *lut, float *key) {
+  const int nk = (K + bk - 1) / bk;
+  int n = n0;
+  switch (M) {
+    case 1: LUT_ROWS(1) break;
+    case 2: LUT_ROWS(2) break;
+    case 3: LUT_ROWS(3) break;
+    case 4: LUT_ROWS(4) break;
+    case 5: LUT_ROWS(5) break;
+    default: LUT_ROWS(6) break;
+  }
+}
+
+static int cpu_vbmi(void) {
+  static int known = -1;
+  if (known < 0) {
+    __builtin_cpu_init();
+    known = __builtin_cpu_supports("avx512vbmi") ? 1 : 0;
+  }
+  return known;
+}
+
 /* Rows n0..n1 of the FP8 W (codes q [N, K], scales s [N, ceil(K / bk)]) against the M rows of
- * x (M <= STREAM_MAX_M), into y [M, N]. The caller checks the CPU has AVX-512 BF16. */
+ * x (M <= STREAM_MAX_M), into y [M, N]. The caller checks the CPU has AVX-512 BF16; with VBMI
+ * too (and memory for the tables) fast blocks' weights are looked up. */
 AFD_AVX512BF16 void afd_fp8_stream_rows(const uint16_t *x, const uint8_t *q, const float *s,
                                         int bk, uint16_t *y, int M, int N, int K, int n0,
                                         int n1) {
   const int nk = (K + bk - 1) / bk;
+  if (cpu_vbmi()) {
+    const size_t tables = (size_t)nk;
+    uint8_t *lut = (uint8_t *)afd_alloc64(tables * (AFD_FP8_TABLE + sizeof(float)));
+    if (lut) {
+      float *key = (float *)(lut + tables * AFD_FP8_TABLE);
+      memset(key, 0, tables * sizeof(float));
+      stream_rows_vbmi(x, q, s, bk, y, M, N, K, n0, n1, lut, key);
+      free(lut);
+      return;
+    }
+  }
   int n = n0;
   for (; n + FP8_W <= n1; n += FP8_W) ROWS_OF_X(FP8_W)
   for (; n < n1; n++) ROWS_OF_X(1)

@@ -35,6 +35,8 @@ SHAPES = [  # (N, K, block): whole and ragged K-blocks, N off the 4- and 16-row 
     (200, 128, (16, 40)),
     (96, 1024, (128, 128)),
     (130, 320, (64, 24)),
+    (75, 192, (3, 32)),  # K-blocks of 32 only; blocks of 3 rows split the streamed row pairs
+    (66, 256, (16, 96)),  # K-blocks of 96: 64 codes a step and a last 32
 ]
 
 
@@ -58,6 +60,23 @@ def test_subnormal_products_are_not_flushed(native_path):
     x = torch.ones(2, 128, dtype=torch.bfloat16) * 2.0**100
     got, want = fp8_gemm.linear(x, w, isa), _dense_on(x, w, isa)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_each_block_takes_its_own_scale_where_weights_are_looked_up(native_path):
+    """AVX-512 VBMI looks a fast block's weights up in a table built per scale and shared by
+    rows of one scale: blocks with a subnormal scale (converted instead) among fast ones, and
+    equal scales in other row blocks, give the dense weight's bits at every decode row count."""
+    isa = native_path.matmul
+    w = _weight(37, 384, (5, 64), seed=11)
+    scale = w.scale.clone()  # [N, nK]: each row's blocks
+    scale[:, 1::3] *= 2.0**-125  # every third K-block's products subnormal
+    scale[20:25] = scale[0:5]  # a later row block with the first one's scales
+    w = BlockFP8(w.q, scale.contiguous(), w.block_k)
+    g = torch.Generator().manual_seed(2)
+    for m in range(1, 8):
+        x = torch.randn(m, 384, generator=g).to(torch.bfloat16) * 2.0**60
+        got, want = fp8_gemm.linear(x, w, isa), _dense_on(x, w, isa)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (isa, m)
 
 
 def test_threads_split_rows_without_changing_bits(native_path):
