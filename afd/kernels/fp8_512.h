@@ -66,6 +66,23 @@ static inline AFD_AVX512BF16 void afd_fp8_table(float s120, uint8_t *t) {
   }
 }
 
+/* A thread's cache of tables (fp8_gemm.h: the AVX-512 paths' use of afd_rows' floats): entry b
+ * (K-block b of the weight at hand) is a table and, after it, the scale it was built for; 0
+ * where none was (no fast scale is 0). A table depends on its scale alone, so an entry left by
+ * another weight with that scale is as good as a new one. */
+#define AFD_FP8_ENTRY 320
+
+/* The table of K-block b, whose scale s is fast, built into its entry unless it is there. */
+static inline AFD_AVX512BF16 const uint8_t *afd_fp8_entry(uint8_t *tables, int b, float s) {
+  uint8_t *e = tables + (size_t)b * AFD_FP8_ENTRY;
+  float *key = (float *)(e + AFD_FP8_TABLE);
+  if (*key != s) {
+    afd_fp8_table(s * 0x1p120f, e);
+    *key = s;
+  }
+  return e;
+}
+
 /* The byte order that makes the unpacks below give the codes' own order: unpacklo takes bytes
  * 0..7 of each 16-byte lane, unpackhi bytes 8..15, so lane L gets codes 8L..8L+7 for the
  * first 32 weights and 32+8L.. for the next 32. */

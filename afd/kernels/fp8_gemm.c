@@ -15,12 +15,19 @@
  * times fp32(s * 2^120), then rounded to bf16 as torch rounds (round8/round16). */
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 #include "fp8_512.h"
 #include "runs.h"
 
 #define CHUNK AFD_FP8_CHUNK
+
+static int vbmi(void) { /* afd_cpu_vbmi, asked once */
+  static int known = -1;
+  if (known < 0) known = afd_cpu_vbmi();
+  return known;
+}
 
 /* Where value k of weight row n lies in the path's layout (a run of 8 from k, k % 8 == 0, is
  * contiguous there): gemm.c's groups of 4 rows (rows past the last whole group row-major),
@@ -104,13 +111,46 @@ static AFD_AVX512BF16 void row_512_runs(const uint8_t *q, const float *s, uint16
   }
 }
 
+/* row_512_runs on a CPU with AVX-512 VBMI: a fast block's weights looked up in its table from
+ * the thread's cache (fp8_512.h), 64 at a time; the same bits. */
+static AFD_AVX512VBMI void row_512_runs_lut(const uint8_t *q, const float *s, uint16_t *dst,
+                                            int nk, int bk, int K, size_t step,
+                                            uint8_t *tables) {
+  const __m512i order = afd_fp8_lut_order();
+  for (int b = 0; b < nk; b++) {
+    const int k1 = (b + 1) * bk < K ? (b + 1) * bk : K;
+    int k = b * bk;
+    if (!afd_fp8_fast(s[b])) {
+      const __m512 vs = _mm512_set1_ps(s[b] * 0x1p120f);
+      for (; k < k1; k += 32, dst += step)
+        _mm512_storeu_si512((void *)dst, (__m512i)afd_fp8_weights32(q + k, vs, 0));
+      continue;
+    }
+    const uint8_t *tab = afd_fp8_entry(tables, b, s[b]);
+    __m512i t[4];
+    for (int j = 0; j < 4; j++) t[j] = _mm512_loadu_si512(tab + 64 * j);
+    __m512bh w[2];
+    for (; k + 64 <= k1; k += 64, dst += 2 * step) {
+      afd_fp8_lut64(_mm512_loadu_si512(q + k), order, t, w);
+      _mm512_storeu_si512((void *)dst, (__m512i)w[0]);
+      _mm512_storeu_si512((void *)(dst + step), (__m512i)w[1]);
+    }
+    if (k < k1) { /* a last 32 */
+      afd_fp8_lut64(_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q + k))), order,
+                    t, w);
+      _mm512_storeu_si512((void *)dst, (__m512i)w[0]);
+      dst += step;
+    }
+  }
+}
+
 /* Rows n0..n1 of W into the scratch, each K-block with its own scale; the codes of the rows a
  * chunk later (below pf_end) fetched into L2 meanwhile, so that the next conversion does not
  * wait on DRAM: the codes are read in bursts between matmuls, which the hardware prefetcher
  * alone let start cold (the first load of each burst's lines took half the conversion's time
  * at 32 rows of x, Intel Xeon). */
 static void convert(const uint8_t *q, const float *s, uint16_t *out, int isa, int N, int K,
-                    int bk, int n0, int n1, int pf_end) {
+                    int bk, int n0, int n1, int pf_end, uint8_t *tables) {
   const int nk = (K + bk - 1) / bk;
   for (int n = n0; n < n1; n++) {
     const uint8_t *qn = q + (size_t)n * K;
@@ -119,8 +159,11 @@ static void convert(const uint8_t *q, const float *s, uint16_t *out, int isa, in
         _mm_prefetch((const char *)(qn + (size_t)CHUNK * K + o), _MM_HINT_T1);
     if (isa != ISA_AVX2 && K % 32 == 0 && bk % 32 == 0) {
       const size_t step = isa == ISA_AMX && afd_amx_tiled(N, K) ? 512 : 32;
-      row_512_runs(qn, s + (size_t)n * nk, out + at(isa, N, K, n, 0) - (size_t)n0 * K, nk, bk, K,
-                   step);
+      uint16_t *dst = out + at(isa, N, K, n, 0) - (size_t)n0 * K;
+      if (tables)
+        row_512_runs_lut(qn, s + (size_t)n * nk, dst, nk, bk, K, step, tables);
+      else
+        row_512_runs(qn, s + (size_t)n * nk, dst, nk, bk, K, step);
       continue;
     }
     for (int b = 0; b < nk; b++) {
@@ -143,8 +186,11 @@ void afd_fp8_rows(const uint16_t *x, const float *xf, const uint16_t *xp, const 
                   uint16_t *scratch, float *wt) {
   /* decode on the AVX-512 BF16 and AVX2 paths: converted in registers (fp8_stream.c), the
    * dense weight's bits on that path */
+  /* the thread's tables where it may use them (fp8_gemm.h) */
+  uint8_t *tables = isa != ISA_AVX2 && K % 32 == 0 && bk % 32 == 0 && vbmi() ? (uint8_t *)wt
+                                                                              : NULL;
   if (isa == ISA_AVX512 && M <= STREAM_MAX_M && K % 32 == 0 && bk % 32 == 0) {
-    afd_fp8_stream_rows(x, q, s, bk, y, M, N, K, n0, n1);
+    afd_fp8_stream_rows(x, q, s, bk, y, M, N, K, n0, n1, tables);
     return;
   }
   if (isa == ISA_AVX2 && M <= 2 && bk % 8 == 0) {
@@ -155,7 +201,7 @@ void afd_fp8_rows(const uint16_t *x, const float *xf, const uint16_t *xp, const 
   const int pf_end = n1 + CHUNK < N ? n1 + CHUNK : N;
   for (int c0 = n0; c0 < n1; c0 += CHUNK) {
     const int c1 = c0 + CHUNK < n1 ? c0 + CHUNK : n1;
-    convert(q, s, scratch, isa, N, K, bk, c0, c1, pf_end);
+    convert(q, s, scratch, isa, N, K, bk, c0, c1, pf_end, tables);
     /* the rows functions find row n at w + n K: the scratch stands for rows c0.. */
     const uint16_t *w = scratch - (ptrdiff_t)c0 * K;
     if (isa == ISA_AVX2)
@@ -195,6 +241,7 @@ int afd_fp8_gemm(const uint16_t *x, const uint8_t *q, const float *s, uint16_t *
     const int me = t > 1 ? omp_get_thread_num() : 0;
     uint16_t *rows = (uint16_t *)(scratch + per * me);
     float *wt = (float *)(scratch + per * me + AFD_FP8_ROWS_BYTES(K));
+    memset(wt, 0, (size_t)4 * K * sizeof(float)); /* no tables yet (fp8_gemm.h) */
     for (int u; (u = afd_runs_next(runs, t, me)) >= 0;) {
       const int n0 = u * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < N ? n0 + ROWS_PER_UNIT : N;
       afd_fp8_rows(x, xf, xp, q, s, bk, y, M, N, K, n0, n1, isa, rows, wt);

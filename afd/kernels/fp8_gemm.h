@@ -11,7 +11,9 @@
 /* weight rows converted and multiplied at a time: two AMX groups (amx.c's two-tile blocks) */
 #define AFD_FP8_CHUNK 32
 /* a thread's scratch for afd_fp8_rows at width K: a chunk's rows in bf16, then afd_rows' 4 K
- * floats (the AVX2 path's), each part on whole cache lines */
+ * floats (the AVX2 path's), each part on whole cache lines. On the AVX-512 paths of a CPU with
+ * AVX-512 VBMI those floats hold the thread's tables instead (fp8_512.h: AFD_FP8_ENTRY bytes
+ * a K-block, at most K / 32 of them), zeroed by the caller before its first afd_fp8_rows. */
 #define AFD_FP8_ROWS_BYTES(K) (((size_t)AFD_FP8_CHUNK * (K) * 2 + 63) / 64 * 64)
 #define AFD_FP8_SCRATCH(K) (AFD_FP8_ROWS_BYTES(K) + ((size_t)4 * (K) * 4 + 63) / 64 * 64)
 
@@ -68,7 +70,9 @@ static inline int afd_gemm_w(const uint16_t *x, const uint16_t *w, const uint8_t
 /* At most STREAM_MAX_M rows of x on an AVX-512 BF16 CPU, and at most 2 (x in fp32) on the
  * AVX2 path: fp8_stream.c. */
 void afd_fp8_stream_rows(const uint16_t *x, const uint8_t *q, const float *s, int bk, uint16_t *y,
-                         int M, int N, int K, int n0, int n1);
+                         int M, int N, int K, int n0, int n1, uint8_t *tables);
+/* Whether the CPU has AVX-512 VBMI (fp8_512.h's tables). */
+int afd_cpu_vbmi(void);
 void afd_fp8_stream_rows_avx2(const float *xf, const uint8_t *q, const float *s, int bk,
                               uint16_t *y, int M, int N, int K, int n0, int n1);
 

@@ -11,7 +11,6 @@
  * BlockFP8.dequantize's bf16(fp32(q) * s) (fp8_gemm.c's conversion), lane l of step t sums the
  * pairs 32 t + 2 l, 32 t + 2 l + 1, the lanes reduce in sum4's tree: the result is the
  * avx512bf16 path's matmul on the dense weight, bit for bit. */
-#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -40,8 +39,8 @@ static inline int block_scales(const float *s, int nk, int n, int W, int b, floa
 /* Steps k0..k1 (multiples of 32, in one K-block) of W weight rows (codes qr[r], block scales
  * vs[r]) against R rows of x from row m, into the accumulators a. */
 static inline __attribute__((always_inline)) AFD_AVX512BF16 void block_steps(
-    const uint16_t *x, const uint8_t *const *qr, const __m512 *vs, __m512 a[FP8_WMAX][6], int W, int R,
-    int m, int K, int k0, int k1, int fast) {
+    const uint16_t *x, const uint8_t *const *qr, const __m512 *vs, __m512 a[FP8_WMAX][6], int W,
+    int R, int m, int K, int k0, int k1, int fast) {
   for (int k = k0; k < k1; k += 32) {
     __m512bh v[4];
     for (int r = 0; r < W; r++) {
@@ -139,11 +138,11 @@ static inline __attribute__((always_inline)) AFD_AVX512VBMI void shared_steps(
 }
 
 /* Weight rows n..n+W-1 whose scales are the same (rows of one block of rows) against R rows of
- * x from row m, as stream_rows computes them: each fast K-block's table built once per scale
- * (lut: nk tables, cached under their scales in key), so once per block of rows. */
+ * x from row m, as stream_rows computes them: each fast K-block's table from the thread's cache
+ * (fp8_512.h: afd_fp8_entry), so built once per block of rows. */
 static inline __attribute__((always_inline)) AFD_AVX512VBMI void stream_rows_lut(
     const uint16_t *x, const uint8_t *q, const float *s, int nk, int bk, uint16_t *y, int W,
-    int R, int m, int N, int K, int n, uint8_t *lut, float *key) {
+    int R, int m, int N, int K, int n, uint8_t *tables) {
   __m512 a[FP8_WMAX][6];
   for (int r = 0; r < W; r++)
     for (int i = 0; i < R; i++) a[r][i] = _mm512_setzero_ps();
@@ -152,16 +151,10 @@ static inline __attribute__((always_inline)) AFD_AVX512VBMI void stream_rows_lut
   for (int b = 0; b < nk; b++) {
     const int k0 = b * bk, k1 = k0 + bk < K ? k0 + bk : K;
     const float sb = s[(size_t)n * nk + b];
-    uint8_t *tab = lut + (size_t)b * AFD_FP8_TABLE;
-    const int fast = afd_fp8_fast(sb);
-    if (fast && key[b] != sb) {
-      afd_fp8_table(sb * 0x1p120f, tab);
-      key[b] = sb;
-    }
-    if (fast)
-      shared_steps(x, qr, tab, sb * 0x1p120f, a, W, R, m, K, k0, k1, 1);
+    if (afd_fp8_fast(sb))
+      shared_steps(x, qr, afd_fp8_entry(tables, b, sb), sb * 0x1p120f, a, W, R, m, K, k0, k1, 1);
     else
-      shared_steps(x, qr, tab, sb * 0x1p120f, a, W, R, m, K, k0, k1, 0);
+      shared_steps(x, qr, NULL, sb * 0x1p120f, a, W, R, m, K, k0, k1, 0);
   }
   store_rows(a, y, W, R, m, N, n);
 }
@@ -193,17 +186,16 @@ static inline int same_scales(const float *s, int nk, int n, int W) {
   for (; n < n1;) {                                                                        \
     const int W = n + LUT_W(R) <= n1 && same_scales(s, nk, n, LUT_W(R)) ? LUT_W(R) : 1;    \
     if (W > 1)                                                                             \
-      stream_rows_lut(x, q, s, nk, bk, y, LUT_W(R), R, 0, N, K, n, lut, key);              \
+      stream_rows_lut(x, q, s, nk, bk, y, LUT_W(R), R, 0, N, K, n, tables);                   \
     else                                                                                   \
-      stream_rows_lut(x, q, s, nk, bk, y, 1, R, 0, N, K, n, lut, key);                     \
+      stream_rows_lut(x, q, s, nk, bk, y, 1, R, 0, N, K, n, tables);                          \
     n += W;                                                                                \
   }
 
-/* afd_fp8_stream_rows on a CPU with AVX-512 VBMI: the tables in lut (nk of them) and their
- * scales in key (nk, zeroed: no fast scale is 0). */
+/* afd_fp8_stream_rows on a CPU with AVX-512 VBMI, the thread's tables in `tables`. */
 static AFD_AVX512VBMI void stream_rows_vbmi(const uint16_t *x, const uint8_t *q, const float *s,
                                             int bk, uint16_t *y, int M, int N, int K, int n0,
-                                            int n1, uint8_t *lut, float *key) {
+                                            int n1, uint8_t *tables) {
   const int nk = (K + bk - 1) / bk;
   int n = n0;
   switch (M) {
@@ -216,33 +208,23 @@ static AFD_AVX512VBMI void stream_rows_vbmi(const uint16_t *x, const uint8_t *q,
   }
 }
 
-static int cpu_vbmi(void) {
-  static int known = -1;
-  if (known < 0) {
-    __builtin_cpu_init();
-    known = __builtin_cpu_supports("avx512vbmi") ? 1 : 0;
-  }
-  return known;
+int afd_cpu_vbmi(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vbmi") ? 1 : 0;
 }
 
 /* Rows n0..n1 of the FP8 W (codes q [N, K], scales s [N, ceil(K / bk)]) against the M rows of
- * x (M <= STREAM_MAX_M), into y [M, N]. The caller checks the CPU has AVX-512 BF16; with VBMI
- * too (and memory for the tables) fast blocks' weights are looked up. */
+ * x (M <= STREAM_MAX_M), into y [M, N]. The caller checks the CPU has AVX-512 BF16; with
+ * `tables` (a thread's cache, fp8_gemm.h; NULL: none, or no VBMI) fast blocks' weights are
+ * looked up. */
 AFD_AVX512BF16 void afd_fp8_stream_rows(const uint16_t *x, const uint8_t *q, const float *s,
                                         int bk, uint16_t *y, int M, int N, int K, int n0,
-                                        int n1) {
-  const int nk = (K + bk - 1) / bk;
-  if (cpu_vbmi()) {
-    const size_t tables = (size_t)nk;
-    uint8_t *lut = (uint8_t *)afd_alloc64(tables * (AFD_FP8_TABLE + sizeof(float)));
-    if (lut) {
-      float *key = (float *)(lut + tables * AFD_FP8_TABLE);
-      memset(key, 0, tables * sizeof(float));
-      stream_rows_vbmi(x, q, s, bk, y, M, N, K, n0, n1, lut, key);
-      free(lut);
-      return;
-    }
+                                        int n1, uint8_t *tables) {
+  if (tables) {
+    stream_rows_vbmi(x, q, s, bk, y, M, N, K, n0, n1, tables);
+    return;
   }
+  const int nk = (K + bk - 1) / bk;
   int n = n0;
   for (; n + FP8_W <= n1; n += FP8_W) ROWS_OF_X(FP8_W)
   for (; n < n1; n++) ROWS_OF_X(1)

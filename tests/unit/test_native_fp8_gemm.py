@@ -124,20 +124,23 @@ def _experts(E: int, H: int, inter: int, block, seed: int):
     return w13, w2
 
 
-# the intermediate width a multiple of 32 (both matrices on AMX tiles), then not (w2 row-major)
-@pytest.mark.parametrize("H,inter", [(128, 96), (64, 40)])
-def test_fused_fp8_experts_are_the_dense_experts(native_path, H, inter):
+# the intermediate width a multiple of 32 (both matrices on AMX tiles), then not (w2 row-major);
+# K-blocks of 48, then of 32 (AVX-512 VBMI's tables: the threads' caches in the fused call)
+@pytest.mark.parametrize(
+    "H,inter,block", [(128, 96, (32, 48)), (64, 40, (32, 48)), (128, 96, (16, 32))]
+)
+def test_fused_fp8_experts_are_the_dense_experts(native_path, H, inter, block):
     from afd.kernels.moe import NativeExperts
 
     E, k = 6, 2
-    w13, w2 = _experts(E, H, inter, (32, 48), seed=10)
+    w13, w2 = _experts(E, H, inter, block, seed=10)
     fp8 = NativeExperts([Linear(w).w for w in w13], [Linear(w).w for w in w2], native_path.matmul)
     dense = NativeExperts(
         [Linear(w.dequantize(torch.bfloat16)).w for w in w13],
         [Linear(w.dequantize(torch.bfloat16)).w for w in w2],
         native_path.matmul,
     )
-    assert fp8.block_k == 48 and isinstance(fp8.w13[0], BlockFP8)
+    assert fp8.block_k == block[1] and isinstance(fp8.w13[0], BlockFP8)
     g = torch.Generator().manual_seed(11)
     for T in (1, 5, 32):
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
