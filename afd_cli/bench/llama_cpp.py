@@ -143,16 +143,18 @@ def convert(cache: Path, version: str, checkpoint: Path) -> Path:
     return gguf
 
 
-# What each server's weights are under --quant (recorded in the JSON).
+# What each server's weights are under --quant (recorded in the JSON), and the flags `afd serve`
+# takes for it: with MXFP4 experts both sides hold attention and the head in 8 bits.
 FORMATS = {
     "bf16": {"afd": "bf16", "llama.cpp": "bf16 (convert_hf_to_gguf.py --outtype bf16)"},
     "mxfp4": {
-        "afd": "routed experts MXFP4 (afd quantize --mxfp4); attention, router, embeddings "
-        "and LM head bf16",
+        "afd": "routed experts MXFP4 (afd quantize --mxfp4); attention and LM head block-FP8 "
+        "as they load (--quantization fp8 --quantize-lm-head); router and embeddings bf16",
         "llama.cpp": "llama-quantize MXFP4_MOE: routed experts MXFP4; attention, embeddings "
         "and output head Q8_0; norms and router f32",
     },
 }
+AFD_ARGS = {"bf16": (), "mxfp4": ("--quantization", "fp8", "--quantize-lm-head")}
 
 
 def quantized(cache: Path, server: Path, bf16_gguf: Path, ckpt: Path, quant: str):

@@ -9,9 +9,10 @@
    every instruction set but AMX (`needs_no_amx` says why);
 2. convert: the benchmark checkpoint (afd bench engine's) to GGUF bf16 with the vendored
    convert_hf_to_gguf.py; with `--quant mxfp4` both servers get MXFP4 experts instead, each
-   made by its own tool from the same bf16 weights: afd's by `afd quantize --mxfp4` (the rest
-   stays bf16), llama.cpp's by the vendored `llama-quantize` as `MXFP4_MOE` (the rest Q8_0,
-   the recipe llama.cpp offers for MXFP4 experts);
+   made by its own tool from the same bf16 weights: afd's by `afd quantize --mxfp4`, served
+   with attention and LM head in 8 bits too (`--quantization fp8 --quantize-lm-head`: block-FP8
+   as they load), llama.cpp's by the vendored `llama-quantize` as `MXFP4_MOE` (the rest Q8_0,
+   the recipe llama.cpp offers for MXFP4 experts): both sides' other matmul weights 8-bit;
 3. run: each server in turn, alone on the machine, started as its users start it (llama-server
    with one slot per stream and continuous batching; `afd serve` with its defaults), each with
    its weights in 2 MiB pages (afd does that itself, afd/hugepages.py; llama-server gets the
@@ -40,6 +41,7 @@ import httpx
 
 from afd import hugepages
 from afd_cli.bench.llama_cpp import (
+    AFD_ARGS,
     FORMATS,
     build,
     convert,
@@ -82,7 +84,7 @@ def _start(name: str, args: argparse.Namespace, server: Path, gguf: Path, ckpt: 
         health = f"http://127.0.0.1:{port}/health"
     else:
         cmd = [sys.executable, "-m", "afd_cli", "serve", "--model", str(ckpt), "--port", str(port)]
-        cmd += list(args.afd_arg)
+        cmd += [*AFD_ARGS[args.quant], *args.afd_arg]
         health = f"http://127.0.0.1:{port}/ready"  # /health answers before the model is up
     huge = name == "llama.cpp" and not args.llama_default_pages
     env = {**os.environ, **_LLAMA_HUGE_ENV} if huge else None
@@ -162,6 +164,23 @@ def _cpu() -> str:
     return platform.processor() or "unknown"
 
 
+def held_bytes(ckpt: Path, quant: str) -> int:
+    """The weight bytes `afd serve` holds for `ckpt` under --quant (AFD_ARGS' quantization)."""
+    import torch
+
+    from afd.checkpoint import load_weights
+    from afd.config import ModelConfig
+
+    eight = quant == "mxfp4"  # AFD_ARGS: --quantization fp8 --quantize-lm-head
+    cfg = ModelConfig.from_hf(ckpt).with_quantization("fp8" if eight else None, lm_head=eight)
+    held = {  # a tied head is the embedding's tensor: counted once
+        id(w): w
+        for role in ("attention", "ffn")
+        for w in load_weights(cfg, role, torch.bfloat16, progress=False).values()
+    }
+    return sum(w.nbytes for w in held.values())
+
+
 def run(args: argparse.Namespace) -> dict:
     from afd.kernels import paths
     from afd_cli.bench.engine import build_checkpoint
@@ -228,11 +247,13 @@ def run(args: argparse.Namespace) -> dict:
             "args": [] if args.llama_default_pages else list(_LLAMA_HUGE_ARGS),
             "env": {} if args.llama_default_pages else _LLAMA_HUGE_ENV,
         },  # fmt: skip
-        "afd_args": list(args.afd_arg),
+        "afd_args": [*AFD_ARGS[args.quant], *args.afd_arg],
         "afd_model": ckpt.name,
         "quant": args.quant,
         "weights": {n: FORMATS[args.quant][n] for n in _SERVERS},
         "weight_bytes": {"afd": weight_bytes(ckpt), "llama.cpp": weight_bytes(gguf)},
+        # what afd's servers hold once loaded (attention and the head quantized as they load)
+        "afd_held_bytes": held_bytes(ckpt, args.quant),
         "workload": {
             "input_len": args.input_len,
             "output_len": args.output_len,

@@ -37,3 +37,23 @@ def test_no_amx_flags_follow_the_cpu(monkeypatch):
     # AVX-512 needs all five of its base parts
     monkeypatch.setattr(peer, "_cpu_flags", lambda: ZEN3 | {"avx512f", "avx512cd"})
     assert "GGML_AVX512" not in _on(peer._no_amx_flags())
+
+
+def test_the_mxfp4_afd_flags_are_the_model_held_bytes_counts(tmp_path):
+    """With MXFP4 experts afd serve starts with AFD_ARGS (attention and head 8-bit, as
+    llama.cpp's recipe holds them): held_bytes counts the weights of the model those flags
+    give, fewer than with the rest in bf16."""
+    from afd.config import ModelConfig
+    from afd_cli.bench.llama_cpp import AFD_ARGS
+    from afd_cli.bench.peer import held_bytes
+    from afd_cli.main import build_parser
+    from afd_cli.quantize import write
+    from services.attention.flags import engine_config
+    from tests.helpers.checkpoints import REFERENCE_CHECKPOINTS
+
+    src = REFERENCE_CHECKPOINTS["qwen3_moe"](tmp_path / "src")
+    mx = write(src, tmp_path / "mx", "mxfp4", progress=False)
+    args = build_parser().parse_args(["attention", "--model", str(mx), *AFD_ARGS["mxfp4"]])
+    want = ModelConfig.from_hf(mx).with_quantization("fp8", lm_head=True)
+    assert engine_config(args).model == want
+    assert held_bytes(mx, "mxfp4") < held_bytes(mx, "bf16")
