@@ -11,7 +11,8 @@ MXFP4 copy is written by `afd quantize --mxfp4` (cached). Resident
 bytes: a fresh process per copy loads one FFN shard holding every expert and reports how much
 its resident set grew (copies alternate, `--repeat` times, medians). Decode: in-process
 engines (attention and FFN in one process, as `afd bench engine`), alternating, `--repeat`
-times, medians, with the ratio to BF16 for each path.
+times, medians, with the ratio to BF16 for each path, and `mxfp4_8bit`: the direct path with
+attention and the LM head in block-FP8 as they load (`--quantization fp8 --quantize-lm-head`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ def run(args: argparse.Namespace) -> dict:
         name: engine_config(p, args.threads, c, args.workspace_mb)
         for name, (p, c) in variants.items()
     }
+    # decode only: MXFP4 experts with attention and the LM head in block-FP8 as they load
+    # (--quantization fp8 --quantize-lm-head; the FFN server's bytes are mxfp4_direct's)
+    configs["mxfp4_8bit"] = engine_config(
+        mx, args.threads, "direct", args.workspace_mb, quantization="fp8", lm_head=True
+    )
     results = decode_table(configs, vocab, args)
     return {
         "benchmark": "mxfp4_experts",

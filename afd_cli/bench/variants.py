@@ -17,15 +17,16 @@ import torch
 
 
 def engine_config(path: Path, threads: int, compute: str = "auto", workspace_mb: float = 0.0,
-                  quantization: str | None = None):  # fmt: skip
-    """The engine every variant runs: bf16, 2 threads as `afd bench engine`, one micro-batch."""
+                  quantization: str | None = None, lm_head: bool = False):  # fmt: skip
+    """The engine every variant runs: bf16, 2 threads as `afd bench engine`, one micro-batch
+    (quantization, lm_head: as --quantization and --quantize-lm-head)."""
     from afd.config import CacheConfig, EngineConfig, ExpertConfig, ModelConfig, SchedulerConfig
 
     experts = ExpertConfig(
         compute=compute, **({"workspace_mb": workspace_mb} if workspace_mb else {})
     )
     return EngineConfig(
-        model=ModelConfig.from_hf(path).with_quantization(quantization),
+        model=ModelConfig.from_hf(path).with_quantization(quantization, lm_head),
         dtype="bfloat16",
         a2f_dtype="bf16",
         threads=threads,

@@ -9,7 +9,8 @@ start-up measurement done); copies alternate,
 written by `afd quantize --fp8-block` from the BF16 checkpoint (cached); `fp8_on_load` is the
 BF16 checkpoint quantized as it loads (`--quantization fp8`). With `--decode-batch B ...`:
 in-process engines of the BF16 and the FP8 copy decode the same prompts in turn at each batch
-size (afd_cli/bench/variants.py), medians and the FP8/BF16 ratio.
+size (afd_cli/bench/variants.py), medians and the FP8/BF16 ratio; `fp8_head` is the FP8 copy
+with its LM head quantized as it loads (`--quantize-lm-head`).
 """
 
 from __future__ import annotations
@@ -111,7 +112,10 @@ def run(args: argparse.Namespace) -> dict:
 
         torch.set_num_threads(args.threads)
         configs = {
-            name: engine_config(p, args.threads) for name, p in (("bf16", bf16), ("fp8", fp8))
+            "bf16": engine_config(bf16, args.threads),
+            "fp8": engine_config(fp8, args.threads),
+            # the LM head in FP8 too (--quantize-lm-head), as it loads
+            "fp8_head": engine_config(fp8, args.threads, lm_head=True),
         }
         args.batch = args.decode_batch
         out["kernels"] = paths.active().name
