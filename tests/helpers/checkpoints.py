@@ -333,11 +333,11 @@ def gpt_oss_mxfp4(src: Path, out: Path) -> tuple[Path, Path]:
 
 # Tensors a block-FP8 checkpoint keeps in high precision (as DeepSeek's do): embeddings, the LM
 # head, norms, routers and their biases.
-# kept as they are, as DeepSeek's checkpoints keep them (routers included: Mixtral's too; and
-# V3.2's indexer head weights, a bf16 Linear beside its FP8 wq_b and wk)
+# kept as they are, as DeepSeek's checkpoints keep them (routers included: Mixtral's and
+# gpt-oss's too; and V3.2's indexer head weights, a bf16 Linear beside its FP8 wq_b and wk)
 _NOT_FP8 = (
     "embed_tokens", "lm_head", "norm", "layernorm", "mlp.gate.", "block_sparse_moe.gate.", "bias",
-    "indexer.weights_proj",
+    "indexer.weights_proj", "mlp.router.",
 )  # fmt: skip
 
 
