@@ -10,7 +10,9 @@
  * The arithmetic is gemm512.c's stream_rows on the dense weight, step for step: each weight is
  * BlockFP8.dequantize's bf16(fp32(q) * s) (fp8_gemm.c's conversion), lane l of step t sums the
  * pairs 32 t + 2 l, 32 t + 2 l + 1, the lanes reduce in sum4's tree: the result is the
- * avx512bf16 path's matmul on the dense weight, bit for bit. */
+ * avx512bf16 path's matmul on the dense weight, bit for bit. With AVX-512 VBMI too, a block's
+ * weights are looked up in a table of its scale's 128 magnitudes instead of converted one by
+ * one (fp8_512.h), and rows that share their scales go more at a time (stream_rows_lut). */
 #include <string.h>
 
 #include "bf16.h"
@@ -102,8 +104,9 @@ static inline __attribute__((always_inline)) AFD_AVX512VBMI void shared_steps(
     const uint16_t *x, const uint8_t *const *qr, const uint8_t *tab, float s120,
     __m512 a[FP8_WMAX][6], int W, int R, int m, int K, int k0, int k1, int lut) {
   const __m512i order = afd_fp8_lut_order();
-  __m512i t[4];
-  for (int j = 0; j < 4; j++) t[j] = lut ? _mm512_loadu_si512(tab + 64 * j) : order;
+  __m512i t[4] = {order, order, order, order}; /* the table's four registers (lut only) */
+  if (lut)
+    for (int j = 0; j < 4; j++) t[j] = _mm512_loadu_si512(tab + 64 * j);
   const __m512 vs = _mm512_set1_ps(s120);
   const size_t ahead = (size_t)W * K; /* the next group of rows, at the same column */
   int k = k0;
@@ -182,14 +185,14 @@ static inline int same_scales(const float *s, int nk, int n, int W) {
  * flight, since with the lookups the conversion no longer bounds them), at most 12
  * accumulators. */
 #define LUT_W(R) ((R) == 1 ? 8 : (R) == 2 ? 4 : 2)
-#define LUT_ROWS(R)                                                                        \
-  for (; n < n1;) {                                                                        \
-    const int W = n + LUT_W(R) <= n1 && same_scales(s, nk, n, LUT_W(R)) ? LUT_W(R) : 1;    \
-    if (W > 1)                                                                             \
-      stream_rows_lut(x, q, s, nk, bk, y, LUT_W(R), R, 0, N, K, n, tables);                   \
-    else                                                                                   \
-      stream_rows_lut(x, q, s, nk, bk, y, 1, R, 0, N, K, n, tables);                          \
-    n += W;                                                                                \
+#define LUT_ROWS(R)                                                                  \
+  for (; n < n1;) {                                                                  \
+    const int W = n + LUT_W(R) <= n1 && same_scales(s, nk, n, LUT_W(R)) ? LUT_W(R) : 1; \
+    if (W > 1)                                                                       \
+      stream_rows_lut(x, q, s, nk, bk, y, LUT_W(R), R, 0, N, K, n, tables);          \
+    else                                                                             \
+      stream_rows_lut(x, q, s, nk, bk, y, 1, R, 0, N, K, n, tables);                 \
+    n += W;                                                                          \
   }
 
 /* afd_fp8_stream_rows on a CPU with AVX-512 VBMI, the thread's tables in `tables`. */
