@@ -183,6 +183,23 @@ def test_quantize_lm_head_gives_the_tokens_of_its_fp8_numbers(
     assert any(h is not None and not isinstance(h.weight, BlockFP8) for h in heads)
 
 
+def test_mxfp4_experts_with_fp8_attention_and_head(native_path, tmp_path, monkeypatch):
+    """gpt-oss with MXFP4 experts served with `--quantization fp8 --quantize-lm-head` (`afd bench
+    peer --quant mxfp4`'s afd): the experts stay MXFP4, attention (biases, sinks) and the head
+    go block-FP8 in 128x128 blocks, and the tokens are those of the same numbers with attention
+    and head dense (an independent quantizer's), in the decode stack with the FP8 head."""
+    fp8_src = checkpoints.REFERENCE_CHECKPOINTS["gpt_oss"](tmp_path / "src")
+    mx, _ = checkpoints.gpt_oss_mxfp4(fp8_src, tmp_path / "mx")
+    keep = tuple(k for k in checkpoints._NOT_FP8 if k != "lm_head")
+    _, twin = checkpoints.block_fp8_pair(mx, tmp_path / "twin", (128, 128), keep=keep)
+    cfg = ModelConfig.from_hf(mx).with_quantization("fp8", lm_head=True)
+    assert cfg.mxfp4_experts and cfg.quantize_on_load and cfg.quantize_lm_head
+    heads = _stack_heads(monkeypatch)
+    got = afd_greedy(replace(engine_cfg(mx, dtype="bfloat16"), model=cfg))[0]
+    assert any(h is not None and isinstance(h.weight, BlockFP8) for h in heads)
+    assert got == afd_greedy(engine_cfg(twin, dtype="bfloat16"))[0]
+
+
 def test_quantize_lm_head_needs_fp8_weights_and_quantizes_a_tied_head(pairs, tmp_path):
     """Without block-FP8 weights the flag is a one-line error; a tied head is quantized from
     the embedding, which stays as it is."""
