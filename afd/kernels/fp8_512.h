@@ -44,7 +44,6 @@ afd_fp8_weights32(const uint8_t *q, __m512 vs, int fast) {
  * instead of eight conversions: the same bits for a fraction of the instructions. */
 #define AFD_AVX512VBMI \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi")))
-#define AFD_FP8_TABLE 256 /* bytes: the 128 low bytes, then the 128 high ones */
 
 /* A fast block's table (s120: its scale times 2^120, afd_fp8_products16's) into t. */
 static inline AFD_AVX512BF16 void afd_fp8_table(float s120, uint8_t *t) {
@@ -65,12 +64,6 @@ static inline AFD_AVX512BF16 void afd_fp8_table(float s120, uint8_t *t) {
                         _mm512_cvtepi16_epi8(_mm512_srli_epi16(w, 8)));
   }
 }
-
-/* A thread's cache of tables (fp8_gemm.h: the AVX-512 paths' use of afd_rows' floats): entry b
- * (K-block b of the weight at hand) is a table and, after it, the scale it was built for; 0
- * where none was (no fast scale is 0). A table depends on its scale alone, so an entry left by
- * another weight with that scale is as good as a new one. */
-#define AFD_FP8_ENTRY 320
 
 /* The table of K-block b, whose scale s is fast, built into its entry unless it is there. */
 static inline AFD_AVX512BF16 const uint8_t *afd_fp8_entry(uint8_t *tables, int b, float s) {

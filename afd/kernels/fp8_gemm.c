@@ -15,7 +15,6 @@
  * times fp32(s * 2^120), then rounded to bf16 as torch rounds (round8/round16). */
 #include <omp.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "bf16.h"
 #include "fp8_512.h"
@@ -241,7 +240,7 @@ int afd_fp8_gemm(const uint16_t *x, const uint8_t *q, const float *s, uint16_t *
     const int me = t > 1 ? omp_get_thread_num() : 0;
     uint16_t *rows = (uint16_t *)(scratch + per * me);
     float *wt = (float *)(scratch + per * me + AFD_FP8_ROWS_BYTES(K));
-    memset(wt, 0, (size_t)4 * K * sizeof(float)); /* no tables yet (fp8_gemm.h) */
+    afd_fp8_tables_clear(wt, K);
     for (int u; (u = afd_runs_next(runs, t, me)) >= 0;) {
       const int n0 = u * ROWS_PER_UNIT, n1 = n0 + ROWS_PER_UNIT < N ? n0 + ROWS_PER_UNIT : N;
       afd_fp8_rows(x, xf, xp, q, s, bk, y, M, N, K, n0, n1, isa, rows, wt);

@@ -13,9 +13,26 @@
 /* a thread's scratch for afd_fp8_rows at width K: a chunk's rows in bf16, then afd_rows' 4 K
  * floats (the AVX2 path's), each part on whole cache lines. On the AVX-512 paths of a CPU with
  * AVX-512 VBMI those floats hold the thread's tables instead (fp8_512.h: AFD_FP8_ENTRY bytes
- * a K-block, at most K / 32 of them), zeroed by the caller before its first afd_fp8_rows. */
+ * a K-block, at most K / 32 of them), cleared by the caller (afd_fp8_tables_clear) before its
+ * first afd_fp8_rows. */
 #define AFD_FP8_ROWS_BYTES(K) (((size_t)AFD_FP8_CHUNK * (K) * 2 + 63) / 64 * 64)
 #define AFD_FP8_SCRATCH(K) (AFD_FP8_ROWS_BYTES(K) + ((size_t)4 * (K) * 4 + 63) / 64 * 64)
+
+/* A thread's cache of tables (fp8_512.h; the AVX-512 paths' use of afd_rows' floats): entry b
+ * (K-block b of the weight at hand) is a table (AFD_FP8_TABLE bytes: the 128 low bytes, then
+ * the 128 high ones) and, after it, the scale it was built for; 0 where none was (no fast
+ * scale is 0). A table depends on its scale alone, so an entry left by another weight with
+ * that scale is as good as a new one. */
+#define AFD_FP8_TABLE 256
+#define AFD_FP8_ENTRY 320
+
+/* No tables yet in the cache at wt (4 K floats), for weights of width up to K: the keys of
+ * the K / 32 entries such weights can use (tables need K-blocks of a multiple of 32) zeroed;
+ * the tables themselves are written before they are read. */
+static inline void afd_fp8_tables_clear(float *wt, int K) {
+  for (int b = 0; b < K / 32; b++)
+    *(float *)((char *)wt + (size_t)b * AFD_FP8_ENTRY + AFD_FP8_TABLE) = 0.0f;
+}
 
 /* A code's bits at fp32's exponent and mantissa: the code sign-extended, shifted left by 20 and
  * masked reads as an fp32 of its value times 2^-120 (subnormal codes as fp32 subnormals). */

@@ -127,7 +127,7 @@ int afd_bf16_moe_ext(const uint16_t *x, const int32_t *ids, const float *gate, i
   {
     const int me = nr > 1 ? omp_get_thread_num() : 0; /* the runs' thread (runs.h) */
     float *mine = wt + (size_t)(t > 1 ? omp_get_thread_num() : 0) * 4 * K;
-    memset(mine, 0, (size_t)4 * K * sizeof(float)); /* no FP8 tables yet (fp8_gemm.h) */
+    if (q13) afd_fp8_tables_clear(mine, K); /* K: the wider of H and I */
     uint16_t *fmine = fs ? (uint16_t *)((char *)fs + (size_t)(t > 1 ? omp_get_thread_num() : 0) *
                                                          AFD_FP8_ROWS_BYTES(K))
                          : NULL;
