@@ -53,7 +53,9 @@ static void row_avx2(const uint8_t *q, float s, uint16_t *out, int N, int K, int
   if (afd_fp8_fast(s))
     for (; k + 16 <= k1; k += 16) {
       /* lanes (a0-3, b0-3 | a4-7, b4-7) -> (a0-7 | b0-7): two runs of 8, each where it lies */
-      __m256i ab = _mm256_packus_epi32(afd_fp8_rne8(afd_fp8_products8(q + k, vs)), afd_fp8_rne8(afd_fp8_products8(q + k + 8, vs)));
+      __m256i a = _mm256_castps_si256(afd_fp8_round8_fast(afd_fp8_products8(q + k, vs)));
+      __m256i b = _mm256_castps_si256(afd_fp8_round8_fast(afd_fp8_products8(q + k + 8, vs)));
+      __m256i ab = _mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16));
       ab = _mm256_permute4x64_epi64(ab, 0xD8);
       _mm_storeu_si128((__m128i *)(out + at(ISA_AVX2, N, K, n, k) - base),
                        _mm256_castsi256_si128(ab));

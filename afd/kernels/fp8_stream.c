@@ -236,8 +236,31 @@ AFD_AVX512BF16 void afd_fp8_stream_rows(const uint16_t *x, const uint8_t *q, con
 /* ---- the AVX2 path (x in fp32): gemm.c's arithmetic on the dense weight, one_row's order:
  * lane l of an output's 8 accumulates x[8 t + l] w[8 t + l] over t by FMA, the lanes summed in
  * hsum's tree (gemm.c's streaming loops give the same bits). Each weight is rounded to bf16 and
- * back in its lane: afd_fp8_rne8's add and mask where the block's scale rules out NaN and
+ * back in its lane: afd_fp8_round8_fast's two adds where the block's scale rules out NaN and
  * subnormal products (afd_fp8_fast), round8 otherwise. */
+
+/* Steps k0..k1 (multiples of 8, in one K-block) of weight rows qr[0..W-1] (block scales vs)
+ * against R rows of x into the accumulators a. fast (afd_fp8_fast for every row), W and R are
+ * constants where inlined: with the rounding chosen per weight inside the loop, gcc kept the
+ * scales on the stack and tested two flags per 8 weights. */
+static inline __attribute__((always_inline)) void block_steps8(const float *xf,
+                                                               const uint8_t *const *qr,
+                                                               const __m256 *vs, __m256 a[4][2],
+                                                               int W, int R, int K, int k0,
+                                                               int k1, int fast) {
+  for (int k = k0; k < k1; k += 8) {
+    if (k % 64 == 0)
+      for (int r = 0; r < W; r++)
+        _mm_prefetch((const char *)(qr[r] + k + STREAM_AHEAD), _MM_HINT_T1);
+    __m256 xk[2];
+    for (int i = 0; i < R; i++) xk[i] = _mm256_loadu_ps(xf + (size_t)i * K + k);
+    for (int r = 0; r < W; r++) {
+      __m256 p = afd_fp8_products8(qr[r] + k, vs[r]);
+      __m256 w = fast ? afd_fp8_round8_fast(p) : round8(p);
+      for (int i = 0; i < R; i++) a[r][i] = _mm256_fmadd_ps(xk[i], w, a[r][i]);
+    }
+  }
+}
 
 /* Weight rows n..n+W-1 (W <= 4) against R rows of x (R <= 2; constants where inlined); K and
  * bk multiples of 8. */
@@ -245,7 +268,6 @@ static inline __attribute__((always_inline)) void stream_rows8(const float *xf, 
                                                                const float *s, int nk, int bk,
                                                                uint16_t *y, int W, int R, int N,
                                                                int K, int n) {
-  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
   __m256 a[4][2];
   for (int r = 0; r < W; r++)
     for (int i = 0; i < R; i++) a[r][i] = _mm256_setzero_ps();
@@ -254,20 +276,13 @@ static inline __attribute__((always_inline)) void stream_rows8(const float *xf, 
   for (int b = 0; b < nk; b++) {
     const int k0 = b * bk, k1 = k0 + bk < K ? k0 + bk : K;
     float s120[4];
-    const int fast = block_scales(s, nk, n, W, b, s120);
     __m256 vs[4];
+    const int fast = block_scales(s, nk, n, W, b, s120);
     for (int r = 0; r < W; r++) vs[r] = _mm256_set1_ps(s120[r]);
-    for (int k = k0; k < k1; k += 8) {
-      for (int r = 0; r < W; r++) {
-        if (k % 64 == 0) _mm_prefetch((const char *)(qr[r] + k + STREAM_AHEAD), _MM_HINT_T1);
-        __m256 p = afd_fp8_products8(qr[r] + k, vs[r]);
-        __m256 w = fast ? _mm256_castsi256_ps(_mm256_and_si256(
-                              _mm256_slli_epi32(afd_fp8_rne8(p), 16), high))
-                        : round8(p);
-        for (int i = 0; i < R; i++)
-          a[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (size_t)i * K + k), w, a[r][i]);
-      }
-    }
+    if (fast)
+      block_steps8(xf, qr, vs, a, W, R, K, k0, k1, 1);
+    else
+      block_steps8(xf, qr, vs, a, W, R, K, k0, k1, 0);
   }
   for (int r = 0; r < W; r++)
     for (int i = 0; i < R; i++) y[(size_t)i * N + n + r] = to_bf16(hsum(a[r][i]));
