@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import cache
 from pathlib import Path
 
 import grpc
@@ -28,7 +29,13 @@ class Procs:
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """`afd *args` as a child; `env` is added to this process's environment."""
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            **_measured_once(),
+            **(env or {}),
+        }
         p = subprocess.Popen(
             [sys.executable, "-m", "afd_cli", "--log-level", "WARNING", *args],
             stdout=log,
@@ -59,14 +66,31 @@ class Procs:
             _reap(p)
 
     def stop_all(self) -> None:
-        """SIGTERM to every child first, then the waits: their drains (an FFN server's 3 s)
-        overlap rather than add up."""
+        """SIGTERM to every child, then a second one to those still running: what a test ends
+        with is not a drain test, and a second signal cuts a drain short (an idle FFN server's
+        answers 'draining' for its --drain-timeout, 3 s, to whoever might still send)."""
         procs, self.procs = list(self.procs.values()), {}
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 0.5  # each has taken the first signal and begun draining
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGTERM)
         for p in procs:
             _reap(p)
+
+
+@cache
+def _measured_once() -> dict[str, str]:
+    """What `afd serve` measures once and hands every child (afd_cli/measured.py), measured
+    here once for every child of the session: the children multiply alike, as a cluster's do,
+    and none spends its start-up measuring."""
+    from afd_cli import measured
+
+    return measured.children_env(["cpu"], 1)
 
 
 def _reap(p: subprocess.Popen) -> None:
