@@ -8,10 +8,13 @@ API, no torch headers, so no torch in the build environment). It is optional: wi
 compiler the build still succeeds and afd uses torch's matmul (afd/kernels/gemm.py).
 """
 
+import os
 import platform
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -39,6 +42,29 @@ class BuildPyWithProtos(build_py):
         args += [f"--python_out={self.build_lib}", f"--grpc_python_out={self.build_lib}"]
         if protoc.main(args + protos) != 0:
             raise SystemExit("protoc failed on " + ", ".join(protos))
+
+
+class BuildExtOnEveryCore(build_ext):
+    """The kernels are one extension of many C files, which distutils compiles one after
+    another (its --parallel runs whole extensions side by side): each file is a compiler
+    process of its own, so they run on every core, the objects linked in their given order."""
+
+    def build_extension(self, ext: Extension) -> None:
+        one_by_one = self.compiler.compile
+        jobs = min(len(ext.sources), len(os.sched_getaffinity(0)))
+
+        def compile_all(sources, *args, **kwargs):
+            if jobs < 2 or len(sources) < 2:
+                return one_by_one(sources, *args, **kwargs)
+            with ThreadPoolExecutor(jobs) as pool:
+                parts = pool.map(lambda src: one_by_one([src], *args, **kwargs), sources)
+                return [obj for objs in parts for obj in objs]
+
+        self.compiler.compile = compile_all
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = one_by_one
 
 
 def _kernels() -> list[Extension]:
@@ -105,4 +131,7 @@ def _kernels() -> list[Extension]:
     ]
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=_kernels())
+setup(
+    cmdclass={"build_py": BuildPyWithProtos, "build_ext": BuildExtOnEveryCore},
+    ext_modules=_kernels(),
+)
