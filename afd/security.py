@@ -115,18 +115,38 @@ def channel_credentials(security: Security):
     )
 
 
+# gRPC's own reconnect backoff starts at 1 s and grows to 2 minutes while a peer is down, so a
+# server back after a long outage (a restart, a rescheduled pod) went unseen for up to that
+# long; every channel afd opens retries within a second instead.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+def _with_reconnect(options: list) -> list:
+    """`options` with RECONNECT_OPTIONS for the keys it does not set itself."""
+    given = {key for key, _ in options}
+    return [*options, *(o for o in RECONNECT_OPTIONS if o[0] not in given)]
+
+
 def channel(target: str, options: list, security: Security | None):
-    """A gRPC channel: TLS when configured, plaintext otherwise."""
+    """A gRPC channel: TLS when configured, plaintext otherwise; reconnecting promptly."""
     import grpc
 
+    options = _with_reconnect(options)
     if security is not None and security.tls:
         return grpc.secure_channel(target, channel_credentials(security), options=options)
     return grpc.insecure_channel(target, options=options)
 
 
 def aio_channel(target: str, options: list, security: Security | None):
-    """An asyncio gRPC channel (the gateway's): TLS when configured, plaintext otherwise."""
+    """An asyncio gRPC channel (the gateway's): TLS when configured, plaintext otherwise;
+    reconnecting promptly."""
     import grpc
+
+    options = _with_reconnect(options)
 
     if security is not None and security.tls:
         return grpc.aio.secure_channel(target, channel_credentials(security), options=options)

@@ -36,11 +36,9 @@ log = logging.getLogger(__name__)
 STREAM_DEADLINE_S = 3600.0  # every call has a deadline; a stream past it is reopened
 MAX_STREAMS = 16  # concurrent client streams a server accepts (each holds a pool thread)
 _MAX_REPLY_BYTES = 512 << 20
-_RECONNECT = [
-    # Retry a restarted server quickly instead of gRPC's default backoff of up to 2 minutes.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+# Find a dead server on an idle stream without TCP's own timeouts (channel() adds the prompt
+# reconnection every afd channel has).
+_KEEPALIVE = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
@@ -80,7 +78,7 @@ class GrpcClient(FFNClient):
     ):
         super().__init__(address)
         self._deadline = stream_deadline
-        options = _RECONNECT + [
+        options = _KEEPALIVE + [
             ("grpc.max_send_message_length", -1),
             ("grpc.max_receive_message_length", _MAX_REPLY_BYTES),
         ]

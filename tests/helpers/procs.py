@@ -104,10 +104,11 @@ def _reap(p: subprocess.Popen) -> None:
 
 def wait_attention_ready(addr: str, timeout: float = 60.0, procs: Procs | None = None, name=""):
     from afd.control import pb, pb_grpc
+    from afd.security import channel
 
     deadline = time.monotonic() + timeout
     last = ""
-    with grpc.insecure_channel(addr) as ch:
+    with channel(addr, [], None) as ch:  # afd's reconnection: gRPC's backs off for seconds
         stub = pb_grpc.AttentionServiceStub(ch)
         while time.monotonic() < deadline:
             if procs and name and procs.procs[name].poll() is not None:
