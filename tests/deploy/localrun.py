@@ -124,9 +124,21 @@ class LocalCluster:
         return self
 
     def __exit__(self, *exc) -> None:
+        # SIGTERM, and a second one to those still running half a second later: the end of a
+        # test is no drain test, and a second signal cuts a drain short (an idle FFN server
+        # answers 'draining' for its --drain-timeout to whoever might still send).
         for p in self.procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 0.5
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:  # gone since
+                    pass
         for p in self.procs.values():
             try:
                 p.wait(timeout=10)
