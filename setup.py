@@ -51,7 +51,8 @@ class BuildExtOnEveryCore(build_ext):
 
     def build_extension(self, ext: Extension) -> None:
         one_by_one = self.compiler.compile
-        jobs = min(len(ext.sources), len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        jobs = min(len(ext.sources), cores or os.cpu_count() or 1)
 
         def compile_all(sources, *args, **kwargs):
             if jobs < 2 or len(sources) < 2:

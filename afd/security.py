@@ -147,7 +147,6 @@ def aio_channel(target: str, options: list, security: Security | None):
     import grpc
 
     options = _with_reconnect(options)
-
     if security is not None and security.tls:
         return grpc.aio.secure_channel(target, channel_credentials(security), options=options)
     return grpc.aio.insecure_channel(target, options=options)
