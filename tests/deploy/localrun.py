@@ -6,9 +6,7 @@ Service or pod DNS name) resolved to the local port standing in for it."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -18,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from afd_cli.procs import free_port
+from afd_cli.procs import free_port, signal_group
 from tests.deploy.sources import REPO
+from tests.helpers.procs import stop_processes
 
 LOOPBACK = "127.0.0.1"
 _WILDCARD = {"0.0.0.0", "::", "[::]", "127.0.0.1", "localhost"}
@@ -124,27 +123,7 @@ class LocalCluster:
         return self
 
     def __exit__(self, *exc) -> None:
-        # SIGTERM, and a second one to those still running half a second later: the end of a
-        # test is no drain test, and a second signal cuts a drain short (an idle FFN server
-        # answers 'draining' for its --drain-timeout to whoever might still send).
-        for p in self.procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 0.5
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:  # gone since
-                    pass
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_processes(list(self.procs.values()), signal_group)  # each leads its group
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:

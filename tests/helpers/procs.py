@@ -66,21 +66,31 @@ class Procs:
             _reap(p)
 
     def stop_all(self) -> None:
-        """SIGTERM to every child, then a second one to those still running: what a test ends
-        with is not a drain test, and a second signal cuts a drain short (an idle FFN server's
-        answers 'draining' for its --drain-timeout, 3 s, to whoever might still send)."""
         procs, self.procs = list(self.procs.values()), {}
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 0.5  # each has taken the first signal and begun draining
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            _reap(p)
+        stop_processes(procs)
+
+
+def stop_processes(procs: list[subprocess.Popen], send=None) -> None:
+    """SIGTERM to every process, then a second one to those still running half a second later:
+    what a test ends with is not a drain test, and a second signal cuts a drain short (an idle
+    FFN server answers 'draining' for its --drain-timeout, 3 s, to whoever might still send).
+    SIGKILL past 10 s. `send(proc, sig)` signals one (default: the process itself)."""
+    send = send or (lambda p, sig: p.send_signal(sig))
+    for p in procs:
+        if p.poll() is None:
+            send(p, signal.SIGTERM)
+    deadline = time.monotonic() + 0.5  # each has taken the first signal and begun draining
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            send(p, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            send(p, signal.SIGKILL)
+            p.wait()
 
 
 @cache
