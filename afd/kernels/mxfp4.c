@@ -6,15 +6,18 @@
  * bit patterns by table lookups, with no per-element conversion:
  *   - AVX2: two lookups (vpshufb: the pattern's low and high byte) and one interleave, 64
  *     weights (two blocks) at a time; a pair of bf16 words is one 32-bit lane, the even word
- *     shifted up and the odd word masked are its two fp32 values, multiplied by x in fp32;
+ *     shifted up and the odd word masked are its two fp32 values, multiplied by x in fp32.
+ *     Where a row's scale bytes allow (nearly always), the tables looked up are the block's
+ *     scaled ones, so the products are the scaled weights' and need no multiply by the scale;
  *   - AVX-512 BF16: one vpermw per 32 weights, 128 (four blocks) at a time; vdpbf16ps
  *     multiplies the bf16 words by x in bf16 directly.
  * The lookups leave the weights in a fixed scrambled order within each group; x is copied
  * into the same order once per call, so no weight is ever moved back. Every product is exact
  * in fp32 (both factors bf16); each block's sum is scaled by its power of two and
- * accumulated, so results differ from a matmul over the dequantized weights only in the fp32
- * summation order (and, on the AVX-512 path, products below fp32's normal range read as 0, as
- * vdpbf16ps does). On AVX2 an odd last block of a row takes the plain route (decode32).
+ * accumulated (or, on AVX2's scaled route, each product is), so results differ from a matmul
+ * over the dequantized weights only in the fp32 summation order (and, on the AVX-512 path,
+ * products below fp32's normal range read as 0, as vdpbf16ps does). On AVX2 an odd last block
+ * of a row takes the plain route (decode32).
  * afd_mxfp4_to_bf16 expands rows into bf16 (exact: every MXFP4 value is a bf16 value), the
  * online conversion the FFN server's expert workspace keeps. */
 #include <math.h>
@@ -29,14 +32,25 @@
 
 /* scale byte s -> 2^(s - 127); and its half, for decode32's doubled values */
 static float scale_of[256], half_scale_of[256];
-static void init_scales(void) {
+/* scale byte s (FOLD_MIN..FOLD_MAX) -> the 16 codes' values times 2^(s - 127) as bf16 patterns:
+ * 16 low bytes, then 16 high bytes (the AVX2 route's scaled lookups). Every such value is a
+ * normal bf16 (e2m1's nonzero exponents are -1..2), so the scale costs nothing per row of x. */
+#define FOLD_MIN 2
+#define FOLD_MAX 252
+static uint8_t scaled_tab[256][32] __attribute__((aligned(32)));
+static const float E2M1[16] = {0, .5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -.5f, -1, -1.5f, -2, -3, -4, -6};
+void afd_mxfp4_init(void) {
   static int done = 0;
-  if (done) return;
+  if (__atomic_load_n(&done, __ATOMIC_ACQUIRE)) return;
   for (int s = 0; s < 256; s++) {
     scale_of[s] = ldexpf(1.0f, s - 127);
     half_scale_of[s] = ldexpf(1.0f, s - 128);
+    for (int c = 0; c < 16 && s >= FOLD_MIN && s <= FOLD_MAX; c++) {
+      union { float f; uint32_t u; } v = {ldexpf(E2M1[c], s - 127)};
+      scaled_tab[s][c] = (uint8_t)(v.u >> 16), scaled_tab[s][16 + c] = (uint8_t)(v.u >> 24);
+    }
   }
-  done = 1;
+  __atomic_store_n(&done, 1, __ATOMIC_RELEASE);
 }
 
 /* e2m1 code -> its value's bf16 bit pattern, low byte and high byte (0, .5, 1, 1.5, 2, 3, 4,
@@ -62,7 +76,7 @@ static inline void decode32(const uint8_t *b, __m256 v[4]) {
 int afd_mxfp4_to_bf16(const uint8_t *blocks, const uint8_t *scales, uint16_t *out, int N, int K,
                       int threads) {
   if (K % 32) return -1;
-  init_scales();
+  afd_mxfp4_init();
   const int G = K / 32;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < (int64_t)N * G; i++) {
@@ -148,22 +162,132 @@ INLINE void rows_avx2(const float *xp, const uint8_t *wb, const uint8_t *ws, flo
   for (int m = 0; m < R; m++) out[(size_t)m * N] = hsum(acc[m]);
 }
 
+/* Half h of a group's 64 weights (h = 0: decode64_f32's vectors 0..3, the low nibbles; 1: 4..7),
+ * times their blocks' scales: looked up in the group's two scaled tables (lo_tab: the patterns'
+ * low bytes, hi_tab: their high bytes; lane 0 the first block's, from scaled_tab). */
+INLINE void decode_half_scaled(__m256i raw, __m256i lo_tab, __m256i hi_tab, int h, __m256 w[4]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi32((int)0xffff0000u);
+  __m256i codes = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, low4);
+  __m256i lo = _mm256_shuffle_epi8(lo_tab, codes), hi = _mm256_shuffle_epi8(hi_tab, codes);
+  __m256i w0 = _mm256_unpacklo_epi8(lo, hi), w1 = _mm256_unpackhi_epi8(lo, hi);
+  w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+  w[1] = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+  w[2] = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+  w[3] = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+}
+
+/* rows_avx2 for weight rows whose scale bytes are all FOLD_MIN..FOLD_MAX: the lookups give the
+ * scaled values, so each product goes straight into one of the row's two sums (even and odd
+ * vectors), 8 fmas per 64 weights and row of x where rows_avx2 takes 10 operations. R rows of x
+ * against NW consecutive weight rows (wb, ws: the first; out: its outputs, the others' follow),
+ * NW <= 2: the sums of one row of x alone are two chains of fmas, each waiting on the last,
+ * which leave the FMA ports idle half the time; one or two rows of x take two weight rows at
+ * once. A row's sums are the same bits whatever R and NW. */
+INLINE void rows_avx2_scaled(const float *xp, const uint8_t *wb, const uint8_t *ws, float *out,
+                             int R, int NW, int N, int G) {
+  const int groups = G / 2, row = G * 32;
+  __m256 a0[2][MT2], a1[2][MT2]; /* NW <= 2 */
+  for (int j = 0; j < NW; j++)
+    for (int m = 0; m < R; m++) a0[j][m] = a1[j][m] = _mm256_setzero_ps();
+  for (int j = 0; j < NW; j++)
+    _mm_prefetch((const char *)ws + (size_t)j * G + MXFP4_AHEAD / 16, _MM_HINT_T0);
+  for (int g = 0; g < groups; g++) {
+    for (int j = 0; j < NW; j++) {
+      const uint8_t *b = wb + (size_t)j * G * 16 + (size_t)g * 32;
+      const uint8_t *s = ws + (size_t)j * G + 2 * g;
+      _mm_prefetch((const char *)b + MXFP4_AHEAD, _MM_HINT_T0);
+      const uint8_t *t0 = scaled_tab[s[0]], *t1 = scaled_tab[s[1]];
+      __m256i lo_tab = _mm256_loadu2_m128i((const __m128i *)t1, (const __m128i *)t0);
+      __m256i hi_tab =
+          _mm256_loadu2_m128i((const __m128i *)(t1 + 16), (const __m128i *)(t0 + 16));
+      __m256i raw = _mm256_loadu_si256((const __m256i *)b);
+      for (int h = 0; h < 2; h++) {
+        __m256 w[4];
+        decode_half_scaled(raw, lo_tab, hi_tab, h, w);
+        for (int m = 0; m < R; m++) {
+          const float *xg = xp + (size_t)m * row + (size_t)g * 64 + 32 * h;
+          a0[j][m] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), a0[j][m]);
+          a1[j][m] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), a1[j][m]);
+          a0[j][m] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), a0[j][m]);
+          a1[j][m] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), a1[j][m]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NW && G % 2; j++) { /* the odd last block as rows_avx2 takes it */
+    __m256 w[4];
+    decode32(wb + (size_t)j * G * 16 + (size_t)(G - 1) * 16, w);
+    __m256 s = _mm256_set1_ps(half_scale_of[ws[(size_t)j * G + G - 1]]);
+    for (int m = 0; m < R; m++) {
+      const float *xt = xp + (size_t)m * row + (size_t)groups * 64;
+      __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));
+      t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), t);
+      t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), t);
+      t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), t);
+      a0[j][m] = _mm256_fmadd_ps(t, s, a0[j][m]);
+    }
+  }
+  for (int j = 0; j < NW; j++)
+    for (int m = 0; m < R; m++) out[(size_t)m * N + j] = hsum(_mm256_add_ps(a0[j][m], a1[j][m]));
+}
+
+/* whether every scale byte of a row lets the lookups carry it (FOLD_MIN..FOLD_MAX) */
+static inline int row_foldable(const uint8_t *ws, int G) {
+  int g = 0;
+  for (; g + 32 <= G; g += 32) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)(ws + g));
+    __m256i in = _mm256_max_epu8(_mm256_min_epu8(v, _mm256_set1_epi8((char)FOLD_MAX)),
+                                 _mm256_set1_epi8(FOLD_MIN));
+    if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(in, v)) != -1) return 0;
+  }
+  for (; g < G; g++)
+    if (ws[g] < FOLD_MIN || ws[g] > FOLD_MAX) return 0;
+  return 1;
+}
+
+/* R rows of x against weight row n on the route its scales allow */
+INLINE void rows_any(const float *xp, const uint8_t *wb, const uint8_t *ws, float *out, int R,
+                     int N, int G, int fold) {
+  if (fold)
+    rows_avx2_scaled(xp, wb, ws, out, R, 1, N, G);
+  else
+    rows_avx2(xp, wb, ws, out, R, N, G);
+}
+
 /* xp: per row, groups * 64 floats in decode64_f32's order, then the odd block's 32 in order */
 static void linear_avx2(const float *xp, const uint8_t *blocks, const uint8_t *scales,
                         float *acc_out, int M, int N, int G, int n0, int n1) {
   const size_t row = (size_t)G * 32;
-  for (int n = n0; n < n1; n++) {
+  /* one or two rows of x: two weight rows a pass, so that a pass runs four or eight chains of
+   * sums (four weight rows at one row of x were no faster in cache and 1.0-1.06x the time from
+   * DRAM, moe calls at one token on Zen 4's AVX2 path) */
+  const int nw = M <= 2 ? 2 : 1;
+  for (int n = n0; n < n1;) {
     const uint8_t *wb = blocks + (size_t)n * G * 16, *ws = scales + (size_t)n * G;
-    for (int m0 = 0; m0 < M; m0 += MT2) {
+    if (nw > 1 && n + nw <= n1 && row_foldable(ws, nw * G)) {
+      if (M == 1)
+        rows_avx2_scaled(xp, wb, ws, acc_out + n, 1, 2, N, G);
+      else
+        rows_avx2_scaled(xp, wb, ws, acc_out + n, 2, 2, N, G);
+      n += nw;
+      continue;
+    }
+    const int fold = row_foldable(ws, G);
+    for (int m0 = 0, r; m0 < M; m0 += r) {
+      /* passes of about equal size (5 -> 3 + 2): a pass of one row runs only two chains of sums
+       * (rows_avx2_scaled) */
+      const int passes = (M - m0 + MT2 - 1) / MT2;
+      r = (M - m0 + passes - 1) / passes;
       const float *x = xp + m0 * row;
       float *o = acc_out + (size_t)m0 * N + n;
-      switch (M - m0 < MT2 ? M - m0 : MT2) {
-        case 1: rows_avx2(x, wb, ws, o, 1, N, G); break;
-        case 2: rows_avx2(x, wb, ws, o, 2, N, G); break;
-        case 3: rows_avx2(x, wb, ws, o, 3, N, G); break;
-        default: rows_avx2(x, wb, ws, o, 4, N, G); break;
+      switch (r) {
+        case 1: rows_any(x, wb, ws, o, 1, N, G, fold); break;
+        case 2: rows_any(x, wb, ws, o, 2, N, G, fold); break;
+        case 3: rows_any(x, wb, ws, o, 3, N, G, fold); break;
+        default: rows_any(x, wb, ws, o, 4, N, G, fold); break;
       }
     }
+    n++;
   }
 }
 
@@ -317,7 +441,7 @@ void afd_mxfp4_prepare_row(const void *x, int f32, int wide, int m, int K, float
 
 void afd_mxfp4_rows(const float *xp, const uint16_t *xb, int wide, const uint8_t *blocks,
                     const uint8_t *scales, float *acc, int M, int N, int G, int n0, int n1) {
-  init_scales();
+  afd_mxfp4_init();
   if (wide)
     linear_avx512(xb, blocks, scales, acc, M, N, G, n0, n1);
   else
@@ -327,7 +451,7 @@ void afd_mxfp4_rows(const float *xp, const uint16_t *xb, int wide, const uint8_t
 int afd_mxfp4_linear(const void *x, const uint8_t *blocks, const uint8_t *scales, void *y, int M,
                      int N, int K, int f32, int isa, int threads) {
   if (K % 32) return -1;
-  init_scales();
+  afd_mxfp4_init();
   const int G = K / 32;
   const int wide = isa >= ISA_AVX512 && !f32;
   float *acc = (float *)afd_alloc64((size_t)M * N * sizeof(float));

@@ -21,6 +21,10 @@ static const uint16_t AFD_E2M1_BF16[32] __attribute__((aligned(64))) = {
  * Xeon (both threads), 1.1x with the fetch ahead. */
 #define MXFP4_AHEAD 4096
 
+/* Builds the routes' tables (once; every entry point calls it, and callers that use the pieces
+ * below from several threads call it first) */
+void afd_mxfp4_init(void);
+
 /* Per row of x: the length of its prepared copy (floats for AVX2, bf16 words for AVX-512) */
 size_t afd_mxfp4_row_len(int wide, int K);
 

@@ -37,6 +37,7 @@ int afd_mxfp4_moe(const uint16_t *x, const int32_t *ids, const float *gate, int 
                   const uint8_t *const *s2, const uint16_t *const *bias2, uint16_t *out, int T,
                   int E, int H, int I, int act, float limit, float alpha, int threads, int isa) {
   if (H % 32 || I % 32 || E <= 0 || topk < 0 || T < 0) return -1;
+  afd_mxfp4_init();
   afd_pairs pairs; /* sorted by expert as the torch path's argsort (experts.h) */
   if (afd_pairs_sort(ids, gate, T, topk, first, E, &pairs)) return -2;
   const int P = pairs.P;

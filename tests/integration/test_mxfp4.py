@@ -122,12 +122,36 @@ def test_the_native_kernels_match_the_dequantized_weights(kernel_path, K):
     dense = mxfp4_dequantize(blocks, scales)
     assert torch.equal(m.dequantize(torch.float32), dense)
     assert torch.equal(m.dequantize(torch.bfloat16), dense.bfloat16())
-    for rows in (1, 3, 9, 17):
+    for rows in (1, 2, 3, 5, 9, 17):
         x = torch.randn(rows, K)
         torch.testing.assert_close(m.linear(x), x @ dense.T, rtol=1e-5, atol=1e-4)
         xb = x.bfloat16()
         ref = (xb.float() @ dense.T).bfloat16()  # one rounding of the fp32 sum
         torch.testing.assert_close(m.linear(xb), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("K", [96, 256])
+def test_scale_bytes_outside_the_scaled_tables_take_the_plain_route(kernel_path, K):
+    """AVX2's route looks codes up in tables already scaled for scale bytes 2..252 (float32 x
+    takes it on every native path); a row with a byte outside them (0, 1: weights below fp32's
+    normal range; 253: near its top) is multiplied by the scale instead. Tables used for such a
+    row would give zeros."""
+    g = torch.Generator().manual_seed(1)
+    N, G = 24, K // 32
+    blocks = torch.randint(0, 256, (N, G, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(110, 140, (N, G), dtype=torch.uint8, generator=g)
+    scales[0:4, 0], scales[4:8, -1], scales[8:12, G // 2] = 0, 1, 253
+    blocks[8:12] &= 0xBB  # magnitudes up to 1.5 where the scale is 2^126: fp32 holds them
+    m = MXFP4.from_checkpoint(blocks, scales)
+    dense = mxfp4_dequantize(blocks, scales).double()
+    for rows in (1, 2, 3, 5):
+        x = torch.randn(rows, K, generator=g)
+        for sel, xs in ((slice(0, 8), x), (slice(8, 24), x * 2.0**-16)):
+            got = m.linear(xs)[:, sel].double()
+            want = xs.double() @ dense[sel].T
+            size = xs.double().abs() @ dense[sel].abs().T  # fp32 sums err relative to this
+            assert (size > 0).all()
+            assert ((got - want).abs() <= 1e-6 * size).all(), (got - want).abs().max()
 
 
 def test_the_amx_route_sums_what_the_dense_amx_matmul_sums():
