@@ -116,6 +116,7 @@ static inline void decode64_f32(const uint8_t *b, __m256 w[8]) {
 }
 
 #define MT2 4 /* rows of x per pass over a weight row (AVX2: 8 weight + 4 sum registers) */
+#define MT2S 5 /* the same on the scaled route (two sums a row: 10 sum + 4 weight registers) */
 #define NU 8  /* weight rows per work unit */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -186,7 +187,7 @@ INLINE void decode_half_scaled(__m256i raw, __m256i lo_tab, __m256i hi_tab, int 
 INLINE void rows_avx2_scaled(const float *xp, const uint8_t *wb, const uint8_t *ws, float *out,
                              int R, int NW, int N, int G) {
   const int groups = G / 2, row = G * 32;
-  __m256 a0[2][MT2], a1[2][MT2]; /* NW <= 2 */
+  __m256 a0[2][MT2S], a1[2][MT2S]; /* NW <= 2 */
   for (int j = 0; j < NW; j++)
     for (int m = 0; m < R; m++) a0[j][m] = a1[j][m] = _mm256_setzero_ps();
   for (int j = 0; j < NW; j++)
@@ -272,11 +273,11 @@ static void linear_avx2(const float *xp, const uint8_t *blocks, const uint8_t *s
       n += nw;
       continue;
     }
-    const int fold = row_foldable(ws, G);
+    const int fold = row_foldable(ws, G), most = fold ? MT2S : MT2;
     for (int m0 = 0, r; m0 < M; m0 += r) {
-      /* passes of about equal size (5 -> 3 + 2): a pass of one row runs only two chains of sums
-       * (rows_avx2_scaled) */
-      const int passes = (M - m0 + MT2 - 1) / MT2;
+      /* passes of about equal size (9 -> 5 + 4; without the tables 5 -> 3 + 2): a pass of one
+       * row runs only two chains of sums (rows_avx2_scaled) */
+      const int passes = (M - m0 + most - 1) / most;
       r = (M - m0 + passes - 1) / passes;
       const float *x = xp + m0 * row;
       float *o = acc_out + (size_t)m0 * N + n;
@@ -284,7 +285,8 @@ static void linear_avx2(const float *xp, const uint8_t *blocks, const uint8_t *s
         case 1: rows_any(x, wb, ws, o, 1, N, G, fold); break;
         case 2: rows_any(x, wb, ws, o, 2, N, G, fold); break;
         case 3: rows_any(x, wb, ws, o, 3, N, G, fold); break;
-        default: rows_any(x, wb, ws, o, 4, N, G, fold); break;
+        case 4: rows_any(x, wb, ws, o, 4, N, G, fold); break;
+        default: rows_avx2_scaled(x, wb, ws, o, 5, 1, N, G); break; /* fold: most is 5 */
       }
     }
     n++;
