@@ -134,13 +134,13 @@ def test_the_native_kernels_match_the_dequantized_weights(kernel_path, K):
 def test_scale_bytes_outside_the_scaled_tables_take_the_plain_route(kernel_path, K):
     """AVX2's route looks codes up in tables already scaled for scale bytes 2..252 (float32 x
     takes it on every native path); a row with a byte outside them (0, 1: weights below fp32's
-    normal range; 253: near its top) is multiplied by the scale instead. Tables used for such a
-    row would give zeros."""
+    normal range, here whole rows; 253: near its top, one block a row) is multiplied by the
+    scale instead. Tables used for such a block would give zeros."""
     g = torch.Generator().manual_seed(1)
     N, G = 24, K // 32
     blocks = torch.randint(0, 256, (N, G, 16), dtype=torch.uint8, generator=g)
     scales = torch.randint(110, 140, (N, G), dtype=torch.uint8, generator=g)
-    scales[0:4, 0], scales[4:8, -1], scales[8:12, G // 2] = 0, 1, 253
+    scales[0:4], scales[4:8], scales[8:12, G // 2] = 0, 1, 253
     blocks[8:12] &= 0xBB  # magnitudes up to 1.5 where the scale is 2^126: fp32 holds them
     m = MXFP4.from_checkpoint(blocks, scales)
     dense = mxfp4_dequantize(blocks, scales).double()
