@@ -120,6 +120,23 @@ static inline void decode64_f32(const uint8_t *b, __m256 w[8]) {
 #define NU 8  /* weight rows per work unit */
 #define INLINE static inline __attribute__((always_inline))
 
+/* acc[m] += scale * (x[m] . a row's odd last block) for R rows of x (xt: the block's x in row 0,
+ * rows `row` floats apart; b: the block's codes, decoded plain by decode32) */
+INLINE void odd_block(const float *xt, size_t row, const uint8_t *b, uint8_t scale, __m256 *acc,
+                      int R) {
+  __m256 w[4];
+  decode32(b, w);
+  __m256 s = _mm256_set1_ps(half_scale_of[scale]);
+  for (int m = 0; m < R; m++) {
+    const float *x = xt + (size_t)m * row;
+    __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+    t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), t);
+    t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), t);
+    t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), t);
+    acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
+  }
+}
+
 /* R rows of x (a constant where inlined, so the sums stay in registers: through memory they
  * would chain every group on a store-to-load round trip) against weight row n. */
 INLINE void rows_avx2(const float *xp, const uint8_t *wb, const uint8_t *ws, float *out, int R,
@@ -147,19 +164,7 @@ INLINE void rows_avx2(const float *xp, const uint8_t *wb, const uint8_t *ws, flo
       acc[m] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), s, acc[m]);
     }
   }
-  if (G % 2) {
-    __m256 w[4];
-    decode32(wb + (size_t)(G - 1) * 16, w);
-    __m256 s = _mm256_set1_ps(half_scale_of[ws[G - 1]]);
-    for (int m = 0; m < R; m++) {
-      const float *xt = xp + (size_t)m * row + (size_t)groups * 64;
-      __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));
-      t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), t);
-      t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), t);
-      t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), t);
-      acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
-    }
-  }
+  if (G % 2) odd_block(xp + (size_t)groups * 64, row, wb + (size_t)(G - 1) * 16, ws[G - 1], acc, R);
   for (int m = 0; m < R; m++) out[(size_t)m * N] = hsum(acc[m]);
 }
 
@@ -215,19 +220,9 @@ INLINE void rows_avx2_scaled(const float *xp, const uint8_t *wb, const uint8_t *
       }
     }
   }
-  for (int j = 0; j < NW && G % 2; j++) { /* the odd last block as rows_avx2 takes it */
-    __m256 w[4];
-    decode32(wb + (size_t)j * G * 16 + (size_t)(G - 1) * 16, w);
-    __m256 s = _mm256_set1_ps(half_scale_of[ws[(size_t)j * G + G - 1]]);
-    for (int m = 0; m < R; m++) {
-      const float *xt = xp + (size_t)m * row + (size_t)groups * 64;
-      __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));
-      t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), t);
-      t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), t);
-      t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), t);
-      a0[j][m] = _mm256_fmadd_ps(t, s, a0[j][m]);
-    }
-  }
+  for (int j = 0; j < NW && G % 2; j++) /* the odd last block as rows_avx2 takes it */
+    odd_block(xp + (size_t)groups * 64, row, wb + (size_t)j * G * 16 + (size_t)(G - 1) * 16,
+              ws[(size_t)j * G + G - 1], a0[j], R);
   for (int j = 0; j < NW; j++)
     for (int m = 0; m < R; m++) out[(size_t)m * N + j] = hsum(_mm256_add_ps(a0[j][m], a1[j][m]));
 }
